@@ -1,0 +1,16 @@
+"""Filtered sharding for Equinox.
+
+`filter_device_put` transfers, `filter_shard` places or constrains (eagerly and inside a
+trace), and `filter_jit` is `equinox.filter_jit` with `in_shardings`/`out_shardings`.
+"""
+
+import importlib.metadata
+
+from ._jit import Compiled as Compiled, filter_jit as filter_jit, Lowered as Lowered
+from ._sharding import (
+    filter_device_put as filter_device_put,
+    filter_shard as filter_shard,
+)
+
+
+__version__ = importlib.metadata.version("equinox_shard")

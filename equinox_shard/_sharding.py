@@ -1,0 +1,376 @@
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.core
+import jax.lax as lax
+import jax.tree_util as jtu
+from equinox import is_array
+from jax.sharding import AxisType, NamedSharding, Sharding
+from jaxtyping import PyTree
+
+from ._spec import (
+    broadcast_specs,
+    check,
+    flatten_specs,
+    leaf_path,
+    resolve,
+)
+
+
+try:
+    from jax._src.array import ArrayImpl as _ArrayImpl  # pyright: ignore
+except ImportError:  # pragma: no cover - forward compatibility
+    _ArrayImpl = None
+
+
+def _array_impl_type() -> type:
+    global _ArrayImpl
+    if _ArrayImpl is None:  # pragma: no cover - forward compatibility
+        _ArrayImpl = type(jax.numpy.zeros(()))
+    return _ArrayImpl
+
+
+def _is_default_memory(sharding: Sharding) -> bool:
+    return sharding.memory_kind in (None, "device")
+
+
+def resolve_leaves(
+    value: Any,
+    leaves: list,
+    specs: Any,
+    spec_name: str,
+    value_name: str,
+    *,
+    abstract_ok: bool,
+    dynamic: Callable[[Any], bool] = is_array,
+) -> list[tuple[int, Sharding]]:
+    """Returns `(leaf index, sharding)` for every dynamic leaf of `value` whose
+    specification resolves to a sharding (i.e. not `None`)."""
+    spec_leaves, spec_def = flatten_specs(specs, spec_name)
+    per_leaf = broadcast_specs(
+        spec_leaves, spec_def, specs, value, len(leaves), spec_name, value_name
+    )
+    out = []
+    for i, (spec, leaf) in enumerate(zip(per_leaf, leaves)):
+        if spec is None or not dynamic(leaf):
+            continue
+        sharding = resolve(
+            spec,
+            leaf,
+            lambda i=i: leaf_path(value, i, value_name),
+            abstract_ok=abstract_ok,
+        )
+        if sharding is not None:
+            out.append((i, sharding))
+    return out
+
+
+def _broadcast_flags(flags: Any, value: Any, leaves: list, name: str) -> list | bool:
+    if isinstance(flags, bool) or flags is None:
+        return flags  # pyright: ignore[reportReturnType]
+    flag_leaves, flag_def = jtu.tree_flatten(
+        flags, is_leaf=lambda x: x is None or isinstance(x, bool)
+    )
+    for leaf in flag_leaves:
+        if not (leaf is None or isinstance(leaf, bool)):
+            raise TypeError(
+                f"`{name}` must be a bool or a PyTree prefix of `x` with bool leaves; "
+                f"got a leaf {leaf!r}."
+            )
+    return broadcast_specs(flag_leaves, flag_def, flags, value, len(leaves), name, "x")
+
+
+def _raise_for_deleted(value: Any, leaves: list, indices: list, value_name: str):
+    for i in indices:
+        leaf = leaves[i]
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+            if leaf.is_deleted():
+                raise RuntimeError(
+                    f"{leaf_path(value, i, value_name)}: this array has been deleted "
+                    "(was it donated to an earlier call?), so it cannot be placed."
+                )
+
+
+def device_put_leaves(
+    value: Any,
+    leaves: list,
+    todo: list[tuple[int, Sharding]],
+    value_name: str,
+    *,
+    donate: list | bool = False,
+    may_alias: list | bool | None = None,
+) -> None:
+    """Places `leaves[i]` on `sharding` for each `(i, sharding)` in `todo` with one
+    batched `jax.device_put`, in place. Arrays that already carry an equivalent
+    sharding are left as the same object (unless `may_alias=False`)."""
+    array_impl = _array_impl_type()
+    indices = []
+    targets = []
+    for i, sharding in todo:
+        leaf = leaves[i]
+        flag = may_alias if not isinstance(may_alias, list) else may_alias[i]
+        if flag is not False and type(leaf) is array_impl and leaf._committed:
+            current = leaf.sharding
+            if current == sharding:
+                continue
+            try:
+                if current.is_equivalent_to(sharding, leaf.ndim):
+                    continue
+            except Exception:
+                pass  # Not equivalent; `check` below names the problem if any.
+        check(leaf.shape, sharding, lambda i=i: leaf_path(value, i, value_name))
+        indices.append(i)
+        targets.append(sharding)
+    if not indices:
+        return
+    if isinstance(donate, list):
+        donate = [donate[i] for i in indices]
+    if isinstance(may_alias, list):
+        may_alias = [may_alias[i] for i in indices]
+    try:
+        out = jax.device_put(
+            [leaves[i] for i in indices], targets, donate=donate, may_alias=may_alias
+        )
+    except Exception:
+        _raise_for_deleted(value, leaves, indices, value_name)
+        raise
+    for i, leaf in zip(indices, out):
+        leaves[i] = leaf
+
+
+def _constraint_kind(sharding: Sharding, where: Callable[[], str]) -> str:
+    if not _is_default_memory(sharding):
+        # `with_sharding_constraint` ignores memory kinds; `device_put` honours them.
+        return "device_put"
+    if not isinstance(sharding, NamedSharding):
+        return "with_sharding_constraint"
+    mesh = sharding.mesh
+    axis_types = dict(zip(mesh.axis_names, mesh.axis_types))
+    used = set()
+    for entry in sharding.spec:
+        if isinstance(entry, tuple):
+            used.update(entry)
+        elif isinstance(entry, str):
+            used.add(entry)
+    explicit = sorted(n for n in used if axis_types[n] == AxisType.Explicit)
+    auto = sorted(n for n in used if axis_types[n] == AxisType.Auto)
+    if explicit and auto:
+        raise ValueError(
+            f"{where()}: PartitionSpec {sharding.spec} mixes Explicit mesh axes "
+            f"{explicit} with Auto mesh axes {auto}; inside a trace an array can be "
+            "constrained on one kind only (`jax.sharding.reshard` for Explicit, "
+            "`jax.lax.with_sharding_constraint` for Auto)."
+        )
+    if explicit:
+        return "reshard"
+    if auto:
+        return "with_sharding_constraint"
+    if any(t == AxisType.Explicit for t in mesh.axis_types):
+        return "reshard"
+    return "with_sharding_constraint"
+
+
+def constrain_leaves(
+    value: Any, leaves: list, todo: list[tuple[int, Sharding]], value_name: str
+) -> None:
+    """Constrains `leaves[i]` (inside a trace) to `sharding` for each `(i, sharding)`
+    in `todo`, in place: `jax.sharding.reshard` on Explicit mesh axes,
+    `jax.lax.with_sharding_constraint` on Auto axes, and `jax.device_put` for a
+    non-default memory kind."""
+    groups: dict[str, tuple[list, list]] = {}
+    for i, sharding in todo:
+        where = lambda i=i: leaf_path(value, i, value_name)
+        check(jax.numpy.shape(leaves[i]), sharding, where)
+        indices, targets = groups.setdefault(
+            _constraint_kind(sharding, where), ([], [])
+        )
+        indices.append(i)
+        targets.append(sharding)
+    for kind, (indices, targets) in groups.items():
+        inputs = [leaves[i] for i in indices]
+        if kind == "reshard":
+            out = jax.sharding.reshard(inputs, targets)
+        elif kind == "device_put":
+            out = jax.device_put(inputs, targets)
+        else:
+            out = lax.with_sharding_constraint(inputs, targets)
+        for i, leaf in zip(indices, out):
+            leaves[i] = leaf
+
+
+def _is_traced(leaves: list, todo: list[tuple[int, Sharding]]) -> bool:
+    return any(isinstance(leaves[i], jax.core.Tracer) for i, _ in todo)
+
+
+def filter_device_put(
+    x: PyTree[Any],
+    device_or_shardings: Any,
+    *,
+    donate: bool | PyTree[bool] = False,
+    may_alias: bool | None | PyTree[bool | None] = None,
+) -> PyTree[Any]:
+    """Filtered version of `jax.device_put`: transfers every array in a PyTree to a
+    device or sharding, and returns every non-array leaf as the very same object.
+
+    Outside a trace this calls `jax.device_put` once, batched over the array leaves that
+    actually need to move. It never compiles. An array that already carries an
+    equivalent sharding (`Sharding.is_equivalent_to`) and is committed is returned as
+    the same object, without calling `jax.device_put` at all.
+
+    **Arguments:**
+
+    - `x`: any PyTree. Its array leaves (`equinox.is_array`: JAX arrays, NumPy arrays,
+        NumPy scalars and typed PRNG key arrays) are placed. Everything else (Python
+        scalars, strings, functions, `jax.ShapeDtypeStruct`s, ...) is returned as-is.
+    - `device_or_shardings`: a PyTree prefix of `x`. Each of its leaves is a
+        `jax.sharding.Sharding`, a `jax.Device`, a bare `jax.sharding.PartitionSpec`
+        (resolved against the mesh set with `jax.set_mesh`), `None` (leave that subtree
+        exactly as it is), or a callable `leaf -> spec` that is called on each array leaf
+        beneath it and returns one of the former.
+    - `donate`: passed to `jax.device_put`; a bool or a PyTree prefix of `x` of bools.
+        Donation is best-effort, as in JAX.
+    - `may_alias`: passed to `jax.device_put`; a bool, `None`, or a PyTree prefix of
+        `x`. `may_alias=False` always copies, even an array that is already placed.
+
+    **Returns:**
+
+    A PyTree with the structure of `x`: array leaves placed (committed), with the same
+    shapes and dtypes; other leaves the same objects.
+
+    **Raises:**
+
+    Before any transfer, naming the offending leaf by its key path (`x[0]['w']`):
+    `ValueError` if `device_or_shardings` is not a prefix of `x`, a `PartitionSpec`
+    has more entries than the array has dimensions, a dimension is not divisible by its
+    mesh axes, a bare `PartitionSpec` is given with no mesh set, or a mesh axis is
+    unknown; `TypeError` for a spec leaf of the wrong type or a callable that returns
+    one. `RuntimeError` (with the key path) if an input array was already deleted.
+
+    !!! info "Inside a trace"
+
+        Under `jax.jit`, `jax.vmap`, `jax.grad` or `jax.eval_shape`, this calls
+        `jax.device_put` on the traced values, exactly as JAX does: on Auto mesh axes,
+        that is *not* a sharding constraint (XLA's partitioner is free to ignore it),
+        whilst on Explicit axes it changes the sharding in the type. To constrain an
+        intermediate value, use [`equinox_shard.filter_shard`][] instead. Under
+        `jax.disable_jit()` the values are concrete, so they are transferred.
+
+    !!! example
+
+        ```python
+        mesh = jax.make_mesh((8,), ("data",))
+        model = eqx.nn.MLP(2, 2, 64, 2, key=jr.key(0))
+        replicated = jax.sharding.NamedSharding(mesh, jax.P())
+        model = eqxs.filter_device_put(model, replicated)  # model.activation untouched
+        ```
+    """
+    leaves, treedef = jtu.tree_flatten(x)
+    todo = resolve_leaves(
+        x,
+        leaves,
+        device_or_shardings,
+        "device_or_shardings",
+        "x",
+        abstract_ok=_is_traced_tree(leaves),
+    )
+    if not todo:
+        return x
+    if _is_traced(leaves, todo):
+        for i, sharding in todo:
+            check(
+                jax.numpy.shape(leaves[i]),
+                sharding,
+                lambda i=i: leaf_path(x, i, "x"),
+            )
+        indices = [i for i, _ in todo]
+        out = jax.device_put(
+            [leaves[i] for i in indices],
+            [s for _, s in todo],
+            donate=_select(_broadcast_flags(donate, x, leaves, "donate"), indices),
+            may_alias=_select(
+                _broadcast_flags(may_alias, x, leaves, "may_alias"), indices
+            ),
+        )
+        for i, leaf in zip(indices, out):
+            leaves[i] = leaf
+    else:
+        device_put_leaves(
+            x,
+            leaves,
+            todo,
+            "x",
+            donate=_broadcast_flags(donate, x, leaves, "donate"),
+            may_alias=_broadcast_flags(may_alias, x, leaves, "may_alias"),
+        )
+    return jtu.tree_unflatten(treedef, leaves)
+
+
+def _select(flags: list | bool | None, indices: list) -> list | bool | None:
+    if isinstance(flags, list):
+        return [flags[i] for i in indices]
+    return flags
+
+
+def _is_traced_tree(leaves: list) -> bool:
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
+
+
+def filter_shard(x: PyTree[Any], device_or_shardings: Any) -> PyTree[Any]:
+    """Places or constrains the sharding of every array in a PyTree, eagerly or inside a
+    trace, and returns every non-array leaf as the very same object.
+
+    A drop-in replacement for `equinox.filter_shard` that does the right thing in every
+    context:
+
+    - **Outside a trace** (including under `jax.disable_jit()`): exactly
+        [`equinox_shard.filter_device_put`][], i.e. one batched `jax.device_put`. No
+        compilation, and already-placed arrays come back as the same object.
+    - **Inside a trace** (`jax.jit`, `equinox.filter_jit`, `jax.vmap`, `jax.grad`,
+        `jax.eval_shape`, ...), per array leaf:
+        `jax.lax.with_sharding_constraint` when the spec uses Auto mesh axes, and
+        `jax.sharding.reshard` when it uses Explicit mesh axes (the default of
+        `jax.make_mesh`), and `jax.device_put` when the sharding has a non-default
+        memory kind (which `with_sharding_constraint` ignores).
+
+    **Arguments:**
+
+    - `x`: any PyTree; only its array leaves (`equinox.is_array`) are affected.
+    - `device_or_shardings`: a PyTree prefix of `x` in the specification language of
+        [`equinox_shard.filter_device_put`][]: `Sharding`, `jax.Device`, bare
+        `PartitionSpec` (needs `jax.set_mesh`), `None` (leave as is) or a callable
+        `leaf -> spec`.
+
+    **Returns:**
+
+    A PyTree with the structure of `x`, array leaves placed or constrained.
+
+    **Raises:**
+
+    As [`equinox_shard.filter_device_put`][], and additionally, inside a trace, a
+    `ValueError` naming the key path if one `PartitionSpec` mixes Auto and Explicit
+    mesh axes. Checks happen before anything is transferred or traced.
+
+    !!! example
+
+        ```python
+        @eqx.filter_jit
+        def step(model, x):
+            x = eqxs.filter_shard(x, batch_sharding)  # a constraint, inside jit
+            ...
+
+        model = eqxs.filter_shard(model, replicated)  # a transfer, outside jit
+        ```
+    """
+    leaves, treedef = jtu.tree_flatten(x)
+    traced = _is_traced_tree(leaves)
+    todo = resolve_leaves(
+        x, leaves, device_or_shardings, "device_or_shardings", "x", abstract_ok=traced
+    )
+    if not todo:
+        return x
+    if traced:
+        constrain_leaves(x, leaves, todo, "x")
+    else:
+        device_put_leaves(x, leaves, todo, "x")
+    return jtu.tree_unflatten(treedef, leaves)

@@ -1,0 +1,256 @@
+"""The sharding-specification language shared by every public function.
+
+A *specification* is a PyTree prefix of a value. Each of its leaves ("spec leaves") is
+one of:
+
+- a `jax.sharding.Sharding`;
+- a `jax.Device`, meaning `jax.sharding.SingleDeviceSharding(device)`;
+- a bare `jax.sharding.PartitionSpec`, resolved against the mesh set by `jax.set_mesh`;
+- `None`, meaning "leave this subtree exactly as it is";
+- a callable (that is not itself a PyTree node) `leaf -> spec leaf`, called on every
+    array leaf beneath it.
+
+Only array leaves (`equinox.is_array`) are ever placed or constrained; every other leaf
+is returned as the same object, whatever spec sits above it.
+
+This module turns a specification plus a value into one resolved `Sharding | None` per
+array leaf, and produces the error messages: each names the offending leaf by its key
+path, as `jax.tree_util.keystr` prints it, rooted at the user's own argument name.
+"""
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.tree_util as jtu
+from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+
+
+_SPEC_TYPES = (Sharding, PartitionSpec, jax.Device)
+
+
+def is_pytree_node(x: Any) -> bool:
+    return not jtu.treedef_is_leaf(jtu.tree_structure(x))
+
+
+def is_rule(x: Any) -> bool:
+    """Whether `x` is a callable spec leaf (a rule `leaf -> spec leaf`)."""
+    return (
+        callable(x) and not isinstance(x, _SPEC_TYPES) and not is_pytree_node(x)
+    )
+
+
+def is_spec_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, _SPEC_TYPES) or is_rule(x)
+
+
+def _describe_leaf(x: Any) -> str:
+    text = repr(x)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{type(x).__name__} {text}"
+
+
+def _check_spec_leaf(x: Any, where: str) -> None:
+    if not is_spec_leaf(x):
+        raise TypeError(
+            f"{where}: a sharding specification leaf must be a "
+            "`jax.sharding.Sharding`, a `jax.Device`, a `jax.sharding.PartitionSpec`, "
+            f"`None`, or a callable `leaf -> spec`; got {_describe_leaf(x)}."
+        )
+
+
+def flatten_specs(specs: Any, name: str) -> tuple[list, jtu.PyTreeDef]:
+    """Flattens a specification down to its spec leaves, checking each leaf's type.
+
+    `name` is what the specification is called in error messages, e.g.
+    `"device_or_shardings"` or `"in_shardings"`.
+    """
+    leaves, treedef = jtu.tree_flatten(specs, is_leaf=is_spec_leaf)
+    for leaf in leaves:
+        if not is_spec_leaf(leaf):
+            # Slow path: only taken to produce the error message.
+            for path, leaf2 in jtu.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)[
+                0
+            ]:
+                _check_spec_leaf(leaf2, name + jtu.keystr(path))
+    return leaves, treedef
+
+
+def _one_level(x: Any) -> jtu.PyTreeDef:
+    return jtu.tree_structure(x, is_leaf=lambda y: y is not x)
+
+
+def _describe_node(x: Any) -> str:
+    if not is_pytree_node(x) and x is not None:
+        return f"a leaf ({_describe_leaf(x)})"
+    if isinstance(x, dict):
+        return f"a {type(x).__name__} with keys {sorted(map(repr, x.keys()))}"
+    if isinstance(x, (list, tuple)):
+        return f"a {type(x).__name__} of length {len(x)}"
+    if x is None:
+        return "None (an empty subtree)"
+    return f"a {type(x).__module__}.{type(x).__qualname__}"
+
+
+def _first_mismatch(spec: Any, value: Any, path: tuple) -> tuple | None:
+    """Walks `spec` and `value` together; returns `(path, spec_node, value_node)` at
+    the first place where `spec` is not a prefix of `value`."""
+    if is_spec_leaf(spec):
+        return None
+    if not is_pytree_node(value) and value is not None:
+        return path, spec, value
+    spec_def = _one_level(spec)
+    value_def = _one_level(value)
+    if (
+        spec_def.node_data() != value_def.node_data()
+        or spec_def.num_leaves != value_def.num_leaves
+    ):
+        return path, spec, value
+    spec_children = jtu.tree_flatten_with_path(spec, is_leaf=lambda y: y is not spec)[0]
+    value_children = jtu.tree_leaves(value, is_leaf=lambda y: y is not value)
+    for (key, spec_child), value_child in zip(spec_children, value_children):
+        found = _first_mismatch(spec_child, value_child, path + key)
+        if found is not None:
+            return found
+    return None
+
+
+def prefix_error(specs: Any, value: Any, spec_name: str, value_name: str) -> ValueError:
+    found = _first_mismatch(specs, value, ())
+    if found is None:  # pragma: no cover - defensive; flatten_up_to disagreed with us.
+        return ValueError(
+            f"`{spec_name}` is not a PyTree prefix of `{value_name}`: "
+            f"{jtu.tree_structure(specs, is_leaf=is_spec_leaf)} vs "
+            f"{jtu.tree_structure(value)}."
+        )
+    path, spec_node, value_node = found
+    return ValueError(
+        f"`{spec_name}` must be a PyTree prefix of `{value_name}`, but at "
+        f"{value_name}{jtu.keystr(path)} the specification has "
+        f"{_describe_node(spec_node)} whereas the value has "
+        f"{_describe_node(value_node)}."
+    )
+
+
+def broadcast_specs(
+    spec_leaves: list,
+    spec_def: jtu.PyTreeDef,
+    specs: Any,
+    value: Any,
+    num_leaves: int,
+    spec_name: str,
+    value_name: str,
+) -> list:
+    """Returns one spec leaf per leaf of `value` (`num_leaves` of them), by broadcasting
+    each spec leaf over the subtree of `value` beneath it."""
+    if spec_def.num_leaves == 1 and spec_def.num_nodes == 1:
+        return spec_leaves * num_leaves
+    try:
+        subtrees = spec_def.flatten_up_to(value)
+    except (ValueError, TypeError):
+        raise prefix_error(specs, value, spec_name, value_name) from None
+    out = []
+    for spec, subtree in zip(spec_leaves, subtrees):
+        out.extend([spec] * len(jtu.tree_leaves(subtree)))
+    return out
+
+
+def context_mesh(*, abstract_ok: bool):
+    """The mesh set by `jax.set_mesh`, or `None` if there is none."""
+    mesh = jax.sharding.get_mesh()
+    if not mesh.empty:
+        return mesh
+    if abstract_ok:
+        abstract_mesh = jax.sharding.get_abstract_mesh()
+        if not abstract_mesh.empty:
+            return abstract_mesh
+    return None
+
+
+def leaf_path(value: Any, index: int, value_name: str) -> str:
+    """The key path of the `index`-th leaf of `value`, for error messages."""
+    path, _ = jtu.tree_flatten_with_path(value)[0][index]
+    return value_name + jtu.keystr(path)
+
+
+def resolve(
+    spec: Any, leaf: Any, where: Callable[[], str], *, abstract_ok: bool
+) -> Sharding | None:
+    """Resolves one spec leaf against one array leaf to a `Sharding`, or `None`.
+
+    `where()` returns the leaf's key path; it is only called to build an error message.
+    """
+    if spec is None:
+        return None
+    if is_rule(spec):
+        try:
+            out = spec(leaf)
+        except Exception as e:
+            raise ValueError(
+                f"{where()}: the sharding rule {spec!r} raised "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        if not (out is None or isinstance(out, _SPEC_TYPES)):
+            raise TypeError(
+                f"{where()}: the sharding rule {spec!r} must return a "
+                "`jax.sharding.Sharding`, a `jax.Device`, a "
+                f"`jax.sharding.PartitionSpec` or `None`; got {_describe_leaf(out)}."
+            )
+        if out is None:
+            return None
+        spec = out
+    if isinstance(spec, jax.Device):
+        return SingleDeviceSharding(spec)
+    if isinstance(spec, PartitionSpec):
+        mesh = context_mesh(abstract_ok=abstract_ok)
+        if mesh is None:
+            raise ValueError(
+                f"{where()}: got the bare PartitionSpec {spec}, but no mesh is set. "
+                "Set one with `jax.set_mesh(mesh)`, or pass "
+                "`jax.sharding.NamedSharding(mesh, spec)` instead."
+            )
+        try:
+            return NamedSharding(mesh, spec)
+        except ValueError as e:
+            raise ValueError(f"{where()}: {e}") from e
+    return spec
+
+
+def _spec_entry_size(entry: Any, mesh_shape: dict) -> int:
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+        return 1
+    names = entry if isinstance(entry, tuple) else (entry,)
+    return math.prod(mesh_shape[name] for name in names)
+
+
+def check(shape: Sequence[int], sharding: Sharding, where: Callable[[], str]) -> None:
+    """Raises if `sharding` cannot hold an array of `shape`: rank or divisibility."""
+    if isinstance(sharding, NamedSharding):
+        spec = sharding.spec
+        ndim = len(shape)
+        if len(spec) > ndim:
+            hint = " For scalars the PartitionSpec should be P()." if ndim == 0 else ""
+            raise ValueError(
+                f"{where()}: PartitionSpec {spec} has {len(spec)} entries, but the "
+                f"array has shape {tuple(shape)} (rank {ndim}).{hint}"
+            )
+        mesh_shape = dict(sharding.mesh.shape)
+        for dim, (size, entry) in enumerate(zip(shape, spec)):
+            parts = _spec_entry_size(entry, mesh_shape)
+            if size % parts != 0:
+                raise ValueError(
+                    f"{where()}: dimension {dim} of shape {tuple(shape)} has size "
+                    f"{size}, which is not divisible by the {parts} devices of mesh "
+                    f"axes {entry!r} (PartitionSpec {spec}, mesh "
+                    f"{dict(mesh_shape)})."
+                )
+    else:
+        try:
+            sharding.shard_shape(tuple(shape))
+        except Exception as e:
+            raise ValueError(
+                f"{where()}: {sharding} cannot shard an array of shape "
+                f"{tuple(shape)}: {e}"
+            ) from e
