@@ -122,7 +122,7 @@ class _Plan:
     __slots__ = (
         "treedef",
         "n_leaves",
-        "static_template",
+        "mask",
         "donated",
         "kept",
         "get_donated",
@@ -380,7 +380,7 @@ def _make_plan(table, config, args, kwargs, leaves, treedef, dynamic) -> _Plan:
     n_first = len(jtu.tree_leaves(args[0])) if args else 0
     plan.treedef = treedef
     plan.n_leaves = len(leaves)
-    plan.static_template = tuple(None if m else x for m, x in zip(mask, leaves))
+    plan.mask = mask
     plan.donated = tuple(
         i
         for i, m in enumerate(mask)
@@ -486,7 +486,8 @@ def _make_entry(w, plan: _Plan, args, kwargs, leaves, *, lower: bool) -> _Entry:
         entry.commit = None
 
     treedef = plan.treedef
-    static_template = plan.static_template
+    # The static leaves of *this* call: a plan is shared by all static values.
+    static_template = tuple(None if m else x for m, x in zip(plan.mask, leaves))
     donated_index = plan.donated
     kept_index = plan.kept
     static_fun = w._static_fun
