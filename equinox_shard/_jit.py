@@ -1,3 +1,4 @@
+import collections as co
 import functools as ft
 import inspect
 import logging
@@ -448,6 +449,8 @@ class _Commit:
             ]
             if fix:
                 group = list(group)
+                # As with `jax.jit`'s own resharding, a donated argument's buffer may
+                # be shared with this copy (e.g. device 0 of a replicated sharding).
                 moved = jax.device_put([group[p] for p, _ in fix], [s for _, s in fix])
                 for (p, _), x in zip(fix, moved):
                     group[p] = x
@@ -584,10 +587,10 @@ def _diagnose(w, plan: _Plan, entry: _Entry, args, kwargs, leaves) -> None:
 
 
 def _demotions(donated: tuple, kept: tuple, w, plan: _Plan, args, kwargs):
-    """The same buffer must never be donated twice, nor donated whilst it is also kept:
-    XLA crashes on the former, and deletes a kept array on the latter. Returns `None`
-    if no buffer is reachable twice (the common case, checked at C speed), else the
-    leaf indices to keep rather than donate."""
+    """The same buffer must never be donated whilst it is passed again in the same call
+    (donated twice, or donated and kept): XLA then crashes on multi-device arrays. Returns
+    `None` if no buffer is reachable twice (the common case, checked at C speed), else
+    the leaf indices to keep rather than donate."""
     config: _Config = w._table.config
     ids = set(map(id, donated))
     fun_ids = {id(x) for x in w._dynamic_fun if x is not None}
@@ -605,13 +608,12 @@ def _demotions(donated: tuple, kept: tuple, w, plan: _Plan, args, kwargs):
                     "of the function being JIT'd, whose arrays are donated; an array "
                     "cannot be both donated and passed again."
                 )
-    seen = {id(x) for x in kept} | fun_ids
-    demote = []
-    for i, x in zip(plan.donated, donated):
-        if id(x) in seen:
-            demote.append(i)
-        else:
-            seen.add(id(x))
+    # A buffer passed more than once is not donated at all: donating any one of its
+    # occurrences would invalidate the others within the same execution.
+    counts = co.Counter(map(id, donated + kept))
+    for x in fun_ids:
+        counts[x] += 1
+    demote = [i for i, x in zip(plan.donated, donated) if counts[id(x)] > 1]
     return tuple(demote)
 
 
@@ -781,6 +783,7 @@ class Compiled(Module):
 
     compiled: jax.stages.Compiled
     _wrapper: Any = field(static=True)
+    _treedef: Any = field(static=True)
     _donated: tuple = field(static=True)
     _kept: tuple = field(static=True)
 
@@ -796,12 +799,23 @@ class Compiled(Module):
         return out_static.combine(dynamic_out)
 
     @property
-    def input_shardings(self):
-        return self.compiled.input_shardings
+    def input_shardings(self) -> tuple[tuple, dict]:
+        """The shardings of the array arguments, as `(args, kwargs)` in the structure
+        of the (bound) arguments; `None` at non-array leaves."""
+        (_, donated, kept), _ = self.compiled.input_shardings
+        leaves: list = [None] * self._treedef.num_leaves
+        for i, sharding in zip(self._donated, donated):
+            leaves[i] = sharding
+        for i, sharding in zip(self._kept, kept):
+            leaves[i] = sharding
+        return jtu.tree_unflatten(self._treedef, leaves)
 
     @property
-    def output_shardings(self):
-        return self.compiled.output_shardings
+    def output_shardings(self) -> Any:
+        """The shardings of the array outputs, in the structure of the output; non-array
+        outputs appear as themselves."""
+        dynamic, out_static = self.compiled.output_shardings
+        return out_static.combine(dynamic)
 
 
 class Lowered(Module):
@@ -809,6 +823,7 @@ class Lowered(Module):
 
     lowered: jax.stages.Lowered
     _wrapper: Any = field(static=True)
+    _treedef: Any = field(static=True)
     _donated: tuple = field(static=True)
     _kept: tuple = field(static=True)
 
@@ -819,7 +834,9 @@ class Lowered(Module):
         self, /, compiler_options: dict[str, str | bool] | None = None
     ) -> Compiled:
         compiled = self.lowered.compile(compiler_options=compiler_options)
-        return Compiled(compiled, self._wrapper, self._donated, self._kept)
+        return Compiled(
+            compiled, self._wrapper, self._treedef, self._donated, self._kept
+        )
 
 
 def _lower(w, args, kwargs) -> Lowered:
@@ -829,7 +846,7 @@ def _lower(w, args, kwargs) -> Lowered:
     donated = plan.get_donated(leaves)
     kept = plan.get_kept(leaves)
     lowered = entry.jitted.lower(w._dynamic_fun, donated, kept)
-    return Lowered(lowered, w, plan.donated, plan.kept)
+    return Lowered(lowered, w, plan.treedef, plan.donated, plan.kept)
 
 
 #

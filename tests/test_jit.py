@@ -1,0 +1,606 @@
+import warnings
+
+import equinox as eqx
+import equinox_shard as eqxs
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import jax.tree_util as jtu
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from .helpers import assert_shardings, auto_mesh, explicit_mesh, tree_allclose
+
+
+def _add_one(tree):
+    return jtu.tree_map(lambda x: x + 1 if eqx.is_array(x) else x, tree)
+
+
+def _arrays(tree):
+    return jtu.tree_leaves(eqx.filter(tree, eqx.is_array))
+
+
+#
+# Decorator forms, static/traced split, caching.
+#
+
+
+def test_decorator_forms():
+    def f(x, y):
+        return x + y
+
+    a = eqxs.filter_jit(f)
+    b = eqxs.filter_jit()(f)
+    c = eqxs.filter_jit(donate="none")(f)
+    for g in (a, b, c):
+        assert g(jnp.array(1.0), 2.0) == 3.0
+    assert a.__wrapped__ is f
+
+
+def test_num_traces_static_and_dynamic():
+    num_traces = 0
+
+    @eqxs.filter_jit
+    def f(x, flag, fn):
+        nonlocal num_traces
+        num_traces += 1
+        return fn(x) if flag else x
+
+    x = jnp.arange(4.0)
+    assert tree_allclose(f(x, True, jnp.sin), jnp.sin(x))
+    assert tree_allclose(f(x + 1, True, jnp.sin), jnp.sin(x + 1))
+    assert num_traces == 1
+    assert tree_allclose(f(x, False, jnp.sin), x)
+    assert num_traces == 2
+    assert tree_allclose(f(x, True, jnp.cos), jnp.cos(x))
+    assert num_traces == 3
+    f(np.arange(4.0, dtype=np.float32), True, jnp.sin)  # NumPy arrays are traced too
+    assert num_traces == 3
+    f(jnp.arange(5.0), True, jnp.sin)  # new shape
+    assert num_traces == 4
+
+
+def test_fresh_but_equal_module_does_not_retrace(getkey):
+    num_traces = 0
+
+    @eqxs.filter_jit(in_shardings=NamedSharding(auto_mesh(), P()))
+    def f(model, x):
+        nonlocal num_traces
+        num_traces += 1
+        return model(x)
+
+    for _ in range(3):
+        model = eqx.nn.MLP(4, 4, 8, 2, key=jr.key(0))  # fresh but equal
+        out = f(model, jnp.ones(4))
+    assert num_traces == 1
+    assert tree_allclose(out, model(jnp.ones(4)))
+
+
+def test_static_output_returned_untouched():
+    marker = object()
+
+    @eqxs.filter_jit(out_shardings=NamedSharding(auto_mesh(), P()))
+    def f(x):
+        return {"x": x * 2, "marker": marker, "n": 3, "fn": jnp.sin}
+
+    out = f(jnp.ones(8))
+    assert out["marker"] is marker
+    assert out["n"] == 3 and type(out["n"]) is int
+    assert out["fn"] is jnp.sin
+    assert_shardings(out["x"], NamedSharding(auto_mesh(), P()))
+
+
+def test_method_decorator(getkey):
+    mesh = auto_mesh()
+    replicated = NamedSharding(mesh, P())
+
+    class Model(eqx.Module):
+        linear: eqx.nn.Linear
+
+        @eqxs.filter_jit(in_shardings=replicated, out_shardings=replicated)
+        def __call__(self, x):
+            return self.linear(x)
+
+    model = Model(eqx.nn.Linear(4, 8, key=getkey()))
+    out = model(jnp.ones(4))
+    assert tree_allclose(out, model.linear(jnp.ones(4)))
+    assert_shardings(out, replicated)
+
+
+#
+# in_shardings / out_shardings.
+#
+
+
+def test_in_out_shardings_mlp(getkey):
+    mesh = auto_mesh()
+    replicated = NamedSharding(mesh, P())
+    batch = NamedSharding(mesh, P("x"))
+    model = eqx.nn.MLP(3, 2, 16, 2, key=getkey())
+    xs = jr.normal(getkey(), (16, 3))
+
+    @eqxs.filter_jit(
+        in_shardings=(replicated, batch), out_shardings=(replicated, batch)
+    )
+    def f(model, xs):
+        return model, jax.vmap(model)(xs)
+
+    model2, ys = f(model, xs)
+    assert_shardings(model2, replicated)
+    assert_shardings(ys, batch)
+    assert model2.activation is model.activation
+    assert tree_allclose(ys, jax.vmap(model)(xs), rtol=1e-5, atol=1e-6)
+    # The inputs were uncommitted: they are left untouched (not deleted, not moved).
+    assert not model.layers[0].weight.committed
+    assert not xs.is_deleted()
+
+
+def test_keyword_argument_gets_positional_spec():
+    mesh = auto_mesh()
+    replicated = NamedSharding(mesh, P())
+    batch = NamedSharding(mesh, P("x"))
+
+    @eqxs.filter_jit(in_shardings=(replicated, batch))
+    def f(a, b):
+        return a, b
+
+    a = jnp.ones(8)
+    b = jnp.arange(8.0)
+    for out in (f(a, b), f(a, b=b), f(b=b, a=a)):
+        assert_shardings(out, (replicated, batch))
+
+
+def test_single_spec_broadcasts_to_every_argument_and_kwargs():
+    replicated = NamedSharding(auto_mesh(), P())
+
+    @eqxs.filter_jit(in_shardings=replicated, out_shardings=None)
+    def f(a, *, b):
+        return a, b
+
+    out = f(jnp.ones(8), b=jnp.zeros(3))
+    assert_shardings(out, replicated)
+
+
+def test_spec_over_non_arrays_is_ignored():
+    mesh = auto_mesh()
+    batch = NamedSharding(mesh, P("x"))
+
+    @eqxs.filter_jit(in_shardings=(batch, batch, batch, batch))
+    def f(x, n, flag, fn):
+        return fn(x) * n if flag else x
+
+    out = f(jnp.arange(8.0), 2.0, True, jnp.cos)
+    assert tree_allclose(out, jnp.cos(jnp.arange(8.0)) * 2.0)
+
+
+def test_none_is_unspecified():
+    mesh = auto_mesh()
+    batch = NamedSharding(mesh, P("x"))
+    replicated = NamedSharding(mesh, P())
+
+    @eqxs.filter_jit(in_shardings=(None, replicated), out_shardings=(None, None))
+    def f(a, b):
+        return a * 2, b * 2
+
+    a = jax.device_put(jnp.arange(8.0), batch)  # committed: keeps its sharding
+    a2, b2 = f(a, jnp.arange(8.0))
+    assert a2.sharding.is_equivalent_to(batch, 1)
+    assert b2.sharding.is_equivalent_to(replicated, 1)
+    assert tree_allclose(a2, jnp.arange(8.0) * 2)
+
+
+def test_callable_specs_on_params(getkey):
+    mesh = auto_mesh()
+    replicated = NamedSharding(mesh, P())
+
+    def fsdp(leaf):
+        if leaf.ndim >= 1 and leaf.shape[0] % 8 == 0:
+            return NamedSharding(mesh, P("x"))
+        return replicated
+
+    model = eqx.nn.MLP(3, 5, 16, 2, key=getkey())
+
+    @eqxs.filter_jit(in_shardings=(fsdp,), out_shardings=fsdp)
+    def f(model):
+        return _add_one(model)
+
+    out = f(model)
+    for leaf_in, leaf_out in zip(_arrays(model), _arrays(out)):
+        assert leaf_out.sharding.is_equivalent_to(fsdp(leaf_in), leaf_in.ndim)
+        assert tree_allclose(leaf_out, leaf_in + 1)
+
+
+def test_bare_partition_spec_under_set_mesh():
+    mesh = explicit_mesh()
+    with jax.set_mesh(mesh):
+
+        @eqxs.filter_jit(in_shardings=(P(), P()), out_shardings=(P("x"), P()))
+        def f(a, b):
+            return a * 2, jnp.sum(b)
+
+        a = jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P()))
+        b = jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P()))
+        a2, total = f(a, b)
+    assert a2.sharding.is_equivalent_to(NamedSharding(mesh, P("x")), 1)
+    assert total.sharding.is_equivalent_to(NamedSharding(mesh, P()), 0)
+    assert tree_allclose(total, jnp.sum(jnp.arange(16.0)))
+
+
+@pytest.mark.parametrize("make_mesh", [auto_mesh, explicit_mesh])
+def test_auto_and_explicit_mesh_2d(make_mesh, getkey):
+    mesh = make_mesh((4, 2), ("data", "model"))
+    batch = NamedSharding(mesh, P("data"))
+    columns = NamedSharding(mesh, P(None, "model"))
+    replicated = NamedSharding(mesh, P())
+    w = jax.device_put(jr.normal(getkey(), (3, 8)), replicated)
+    x = jax.device_put(jr.normal(getkey(), (16, 3)), batch)
+
+    @eqxs.filter_jit(in_shardings=(replicated, batch), out_shardings=columns)
+    def f(w, x):
+        return x @ w
+
+    with jax.set_mesh(mesh):
+        out = f(w, x)
+    assert_shardings(out, columns)
+    expected = jnp.asarray(np.asarray(x) @ np.asarray(w))
+    assert tree_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_out_shardings_not_prefix_error():
+    replicated = NamedSharding(auto_mesh(), P())
+
+    @eqxs.filter_jit(out_shardings={"a": replicated})
+    def f(x):
+        return {"b": x}
+
+    with pytest.raises(ValueError, match=r"out\b"):
+        f(jnp.ones(8))
+
+
+def test_committed_mismatch_raises_naming_the_argument(getkey):
+    mesh = auto_mesh()
+    batch = NamedSharding(mesh, P("x"))
+    replicated = NamedSharding(mesh, P())
+    model = eqxs.filter_device_put(eqx.nn.MLP(8, 8, 8, 1, key=getkey()), batch)
+
+    @eqxs.filter_jit(in_shardings=(replicated,), donate="all")
+    def f(model):
+        return _add_one(model)
+
+    with pytest.raises(ValueError, match=r"model\.layers\[0\]\.weight"):
+        f(model)
+    for leaf in _arrays(model):
+        assert not leaf.is_deleted()
+
+
+def test_uncommitted_feedback_loop_compiles_once():
+    mesh = auto_mesh()
+    batch = NamedSharding(mesh, P("x"))
+    num_traces = 0
+
+    @eqxs.filter_jit(in_shardings=batch, out_shardings=batch)
+    def f(x):
+        nonlocal num_traces
+        num_traces += 1
+        return x + 1
+
+    x = jnp.zeros(16)
+    for _ in range(4):
+        x = f(x)
+    assert num_traces == 1
+    assert tree_allclose(x, jnp.full(16, 4.0))
+    assert_shardings(x, batch)
+
+
+def test_no_recompile_with_log_compiles(caplog):
+    mesh = auto_mesh()
+    batch = NamedSharding(mesh, P("x"))
+
+    @eqxs.filter_jit(in_shardings=batch, out_shardings=batch)
+    def f(x):
+        return x * 3
+
+    x = jax.device_put(jnp.zeros(16), batch)
+    f(x)
+    with jax.log_compiles(True), caplog.at_level("WARNING"):
+        for i in range(5):
+            f(x + i)
+    compiles = [r for r in caplog.records if "Compiling" in r.getMessage()]
+    # `x + i` is itself compiled once by JAX; `f` must not be.
+    assert not any("f" == r.getMessage().split()[1] for r in compiles), compiles
+
+
+#
+# Donation.
+#
+
+
+@pytest.mark.parametrize(
+    "donate,first_deleted,rest_deleted",
+    [
+        ("all", True, True),
+        ("all-except-first", False, True),
+        ("warn", True, True),
+        ("warn-except-first", False, True),
+        ("none", False, False),
+    ],
+)
+def test_donate_modes_with_shardings(donate, first_deleted, rest_deleted):
+    mesh = auto_mesh()
+    batch = NamedSharding(mesh, P("x"))
+    a = jax.device_put(jnp.arange(16.0), batch)
+    b = jax.device_put(jnp.arange(16.0) * 2, batch)
+
+    @eqxs.filter_jit(in_shardings=batch, out_shardings=batch, donate=donate)
+    def f(a, b):
+        return a + 1, b + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "warn" modes may warn on CPU
+        a2, b2 = f(a, b)
+    assert a.is_deleted() is first_deleted
+    assert b.is_deleted() is rest_deleted
+    assert tree_allclose(a2, jnp.arange(16.0) + 1)
+    assert tree_allclose(b2, jnp.arange(16.0) * 2 + 1)
+    assert_shardings((a2, b2), batch)
+
+
+def test_same_buffer_twice_is_not_donated():
+    # Plain `jax.jit(f, donate_argnums=0)(a, a)` segfaults for a multi-device `a`.
+    mesh = auto_mesh()
+    batch = NamedSharding(mesh, P("x"))
+    a = jax.device_put(jnp.arange(16.0), batch)
+    c = jax.device_put(jnp.ones(16), batch)
+
+    @eqxs.filter_jit(donate="all")
+    def f(x, y, z):
+        return x + y + z
+
+    out = f(a, a, c)
+    assert tree_allclose(out, jnp.arange(16.0) * 2 + 1)
+    assert not a.is_deleted()  # reachable twice: kept
+    assert c.is_deleted()  # reachable once: donated
+
+
+def test_tied_weights_donated_and_kept():
+    mesh = auto_mesh()
+    batch = NamedSharding(mesh, P("x"))
+    w = jax.device_put(jnp.arange(16.0), batch)
+
+    @eqxs.filter_jit(donate="all-except-first")
+    def f(kept, donated):
+        return kept["w"] * donated["w"]
+
+    out = f({"w": w}, {"w": w})
+    assert tree_allclose(out, jnp.arange(16.0) ** 2)
+    assert not w.is_deleted()
+
+
+def test_failed_call_leaves_donated_inputs_intact():
+    mesh = auto_mesh()
+    batch = NamedSharding(mesh, P("x"))
+
+    @eqxs.filter_jit(in_shardings=batch, donate="all")
+    def f(x):
+        return x + 1
+
+    bad = jax.device_put(jnp.arange(10.0), jax.devices()[0])  # 10 % 8 != 0
+    with pytest.raises(ValueError, match=r"x: dimension 0"):
+        f(bad)
+    assert not bad.is_deleted()
+    assert tree_allclose(bad, jnp.arange(10.0))
+
+
+def test_deleted_input_names_the_argument():
+    @eqxs.filter_jit(donate="all")
+    def f(params):
+        return params["w"] + 1
+
+    params = {"w": jax.device_put(jnp.ones(8), jax.devices()[0])}
+    f(params)
+    assert params["w"].is_deleted()
+    with pytest.raises(RuntimeError, match=r"params\['w'\]"):
+        f(params)
+
+
+#
+# AOT compilation and sharded initialisation.
+#
+
+
+def test_lower_with_shape_dtype_structs():
+    mesh = auto_mesh()
+    batch = NamedSharding(mesh, P("x"))
+    replicated = NamedSharding(mesh, P())
+
+    def f(w, x, scale):
+        return (x @ w) * scale
+
+    w_struct = jax.ShapeDtypeStruct((4, 8), jnp.float32, sharding=replicated)
+    x_struct = jax.ShapeDtypeStruct((16, 4), jnp.float32, sharding=batch)
+    lowered = eqxs.filter_jit(f, out_shardings=batch).lower(w_struct, x_struct, 2.0)
+    assert "stablehlo" in lowered.as_text() or "func" in lowered.as_text()
+    compiled = lowered.compile()
+    (w_in, x_in, scale_in), kwargs_in = compiled.input_shardings
+    assert w_in.is_equivalent_to(replicated, 2)
+    assert x_in.is_equivalent_to(batch, 2)
+    assert scale_in is None and kwargs_in == {}
+    assert compiled.output_shardings.is_equivalent_to(batch, 2)
+    w = jax.device_put(jnp.ones((4, 8)), replicated)
+    x = jax.device_put(jnp.ones((16, 4)), batch)
+    out = compiled(w, x, 2.0)
+    assert tree_allclose(out, jnp.full((16, 8), 8.0))
+    assert_shardings(out, batch)
+
+
+def test_init_directly_sharded(getkey):
+    mesh = auto_mesh()
+    replicated = NamedSharding(mesh, P())
+
+    def rule(leaf):
+        if leaf.ndim == 2 and leaf.shape[0] % 8 == 0:
+            return NamedSharding(mesh, P("x"))
+        return replicated
+
+    def init(key):
+        return eqx.nn.MLP(4, 4, 16, 2, key=key)
+
+    # Build the output shardings ahead of time from the shapes alone...
+    shapes = eqx.filter_eval_shape(init, jr.key(0))
+    is_struct = lambda x: isinstance(x, jax.ShapeDtypeStruct)
+    out_shardings = jtu.tree_map(lambda x: rule(x) if is_struct(x) else None, shapes)
+    # ...or pass the rule itself: it is called on each array output at trace time.
+    reference = init(jr.key(0))
+    for spec in (out_shardings, rule):
+        model = eqxs.filter_jit(init, out_shardings=spec)(jr.key(0))
+        for leaf, ref in zip(_arrays(model), _arrays(reference), strict=True):
+            assert leaf.sharding.is_equivalent_to(rule(ref), ref.ndim)
+            assert tree_allclose(leaf, ref)
+        assert model.activation is reference.activation
+
+
+#
+# Real workloads and Equinox features.
+#
+
+
+def test_error_if_runtime_error():
+    # Single device: on the CPU backend, a callback that raises inside a computation
+    # spanning several devices aborts the process (the other devices wait forever in
+    # a collective). That happens identically with `eqx.filter_jit`; see RFC.md.
+    @eqxs.filter_jit(in_shardings=jax.devices()[0])
+    def f(x):
+        return eqx.error_if(x, x > 0, "positive!")
+
+    assert f(jnp.array(-1.0)) == -1.0
+    with pytest.raises(eqx.EquinoxRuntimeError, match="positive!"):
+        f(jnp.array(1.0))
+
+
+def test_training_step_with_state_and_optax(getkey):
+    mesh = auto_mesh()
+    replicated = NamedSharding(mesh, P())
+    batch = NamedSharding(mesh, P("x"))
+
+    model, state = eqx.nn.make_with_state(
+        lambda key: eqx.nn.Sequential(
+            [
+                # No bias before BatchNorm (it would get a zero gradient, which Adam
+                # turns into noise-sized steps).
+                eqx.nn.Linear(3, 8, use_bias=False, key=key),
+                eqx.nn.BatchNorm(8, axis_name="batch", mode="batch"),
+                eqx.nn.Lambda(jnp.tanh),
+                eqx.nn.Linear(8, 1, key=jr.fold_in(key, 1)),
+            ]
+        )
+    )(getkey())
+    optim = optax.adam(1e-2)
+    opt_state = optim.init(eqx.filter(model, eqx.is_array))
+    xs = jr.normal(getkey(), (16, 3))
+
+    def loss_fn(model, state, xs):
+        batched = jax.vmap(
+            model, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
+        )
+        ys, state = batched(xs, state)
+        return jnp.mean((ys - 1.0) ** 2), state
+
+    def step(model, state, opt_state, xs):
+        (loss, state), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(
+            model, state, xs
+        )
+        updates, opt_state = optim.update(grads, opt_state, model)
+        model = eqx.apply_updates(model, updates)
+        return model, state, opt_state, loss
+
+    sharded_step = eqxs.filter_jit(
+        step,
+        in_shardings=(replicated, replicated, replicated, batch),
+        out_shardings=replicated,
+        donate="all-except-first",
+    )
+    reference_step = eqx.filter_jit(step)
+    copy = lambda tree: jtu.tree_map(
+        lambda x: jnp.copy(x) if eqx.is_array(x) else x, tree
+    )
+    m1, s1, o1 = model, copy(state), copy(opt_state)  # these are donated
+    m2, s2, o2 = model, state, opt_state
+    # optax's bias correction computes `float ** int32`, which strict promotion rejects.
+    with jax.numpy_dtype_promotion("standard"):
+        for _ in range(3):
+            m1, s1, o1, loss1 = sharded_step(m1, s1, o1, jnp.copy(xs))
+            m2, s2, o2, loss2 = reference_step(m2, s2, o2, xs)
+            assert tree_allclose(loss1, loss2, rtol=1e-5, atol=1e-6)
+    # Sharded reductions sum in another order; Adam's normalisation amplifies that.
+    assert tree_allclose(
+        eqx.filter(m1, eqx.is_array), eqx.filter(m2, eqx.is_array), rtol=1e-4, atol=1e-4
+    )
+    assert_shardings((m1, s1, o1), replicated)
+
+
+def test_typed_prng_keys():
+    mesh = auto_mesh()
+    batch = NamedSharding(mesh, P("x"))
+    keys = jr.split(jr.key(0), 16)
+
+    @eqxs.filter_jit(in_shardings=batch, out_shardings=batch)
+    def f(keys):
+        return jax.vmap(lambda k: jr.normal(k, ()))(keys), keys
+
+    values, keys2 = f(keys)
+    assert_shardings((values, keys2), batch)
+    assert tree_allclose(values, jax.vmap(lambda k: jr.normal(k, ()))(keys))
+
+
+def test_under_vmap_grad_eval_shape_disable_jit():
+    mesh = auto_mesh()
+    batch = NamedSharding(mesh, P("x"))
+
+    @eqxs.filter_jit(out_shardings=batch)
+    def f(x):
+        return jnp.sin(x) * 2
+
+    x = jnp.arange(16.0)
+    assert tree_allclose(jax.grad(lambda x: f(x).sum())(x), 2 * jnp.cos(x))
+    out = jax.vmap(f)(jnp.stack([x, x]))
+    assert tree_allclose(out, jnp.stack([f(x), f(x)]))
+    shape = jax.eval_shape(f, x)
+    assert shape.shape == (16,)
+    with jax.disable_jit():
+        out = f(x)
+    assert tree_allclose(out, jnp.sin(x) * 2)
+    assert_shardings(out, batch)  # placed even though nothing was compiled
+
+
+def test_filter_pmap_migration(getkey):
+    # Equinox's docs recommend replacing `filter_pmap` with `filter_jit` on sharded
+    # inputs. The numbers must match.
+    model = eqx.nn.MLP(3, 1, 8, 2, key=getkey())
+    xs = jr.normal(getkey(), (8, 4, 3))  # one slice of 4 examples per device
+
+    def loss(model, x):
+        return jnp.mean(jax.vmap(model)(x) ** 2)
+
+    pmapped = eqx.filter_pmap(
+        eqx.filter_grad(loss), in_axes=(None, 0), axis_name="devices"
+    )
+    pmap_grads = pmapped(model, xs)
+
+    mesh = auto_mesh((8,), ("devices",))
+    replicated = NamedSharding(mesh, P())
+    per_device = NamedSharding(mesh, P("devices"))
+
+    @eqxs.filter_jit(in_shardings=(replicated, per_device), out_shardings=per_device)
+    def per_device_grads(model, xs):
+        return jax.vmap(eqx.filter_grad(loss), in_axes=(None, 0))(model, xs)
+
+    jit_grads = per_device_grads(model, xs)
+    assert tree_allclose(
+        eqx.filter(jit_grads, eqx.is_array),
+        eqx.filter(pmap_grads, eqx.is_array),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    assert_shardings(eqx.filter(jit_grads, eqx.is_array), per_device)
