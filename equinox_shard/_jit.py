@@ -625,6 +625,9 @@ def _demotions(
         len(ids) == len(donated)
         and ids.isdisjoint(map(id, kept))
         and (not fun_ids or ids.isdisjoint(fun_ids))
+        and not (
+            config.donate_rest and fun_ids and not fun_ids.isdisjoint(map(id, kept))
+        )
     ):
         return None
     if config.donate_rest and fun_ids:
