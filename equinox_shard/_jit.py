@@ -851,6 +851,9 @@ class Compiled(Module):
         dynamic_out, out_static = self.compiled(w._dynamic_fun, donated, kept)
         return out_static.combine(dynamic_out)
 
+    def as_text(self) -> str:
+        return self.compiled.as_text()
+
     @property
     def input_shardings(self) -> tuple[tuple, dict]:
         """The shardings of the array arguments, as `(args, kwargs)` in the structure

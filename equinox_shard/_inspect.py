@@ -1,0 +1,165 @@
+import collections as co
+import math
+from typing import Any
+
+import jax
+import jax.core
+import jax.tree_util as jtu
+import numpy as np
+from equinox import is_array
+from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
+from jaxtyping import PyTree
+
+
+_HEADER = ("path", "shape", "dtype", "sharding", "bytes/device")
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def _format_bytes(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    exponent = min(int(math.log(n, 1024)), len(_UNITS) - 1)
+    return f"{n / 1024**exponent:.1f} {_UNITS[exponent]}"
+
+
+def _itemsize(x: Any) -> int:
+    try:
+        return np.dtype(x.dtype).itemsize
+    except TypeError:
+        # Extended dtypes (typed PRNG keys): `jax.dtypes` knows their size.
+        return x.dtype.itemsize
+
+
+def _describe_sharding(sharding: Sharding, committed: bool) -> str:
+    if isinstance(sharding, NamedSharding):
+        text = str(sharding.spec)
+    elif isinstance(sharding, SingleDeviceSharding):
+        (device,) = sharding.device_set
+        text = str(device)
+    else:
+        text = type(sharding).__name__
+    if sharding.memory_kind not in (None, "device"):
+        text = f"{text} {sharding.memory_kind}"
+    if not committed:
+        text = f"{text} uncommitted"
+    return text
+
+
+def _shard_sizes(sharding: Sharding, shape: tuple[int, ...]) -> dict[Any, int]:
+    """The number of elements each device holds."""
+    if isinstance(sharding, NamedSharding):
+        # Computed from the spec rather than `devices_indices_map`, which rejects
+        # uneven shardings: XLA pads those, so each device holds the rounded-up shard.
+        mesh_shape = dict(sharding.mesh.shape)
+        size = 1
+        for dim, entry in zip(shape, sharding.spec):
+            names = entry if isinstance(entry, tuple) else (entry,)
+            parts = math.prod(mesh_shape[n] for n in names if isinstance(n, str))
+            size *= -(-dim // parts)
+        size *= math.prod(shape[len(sharding.spec) :])
+        return dict.fromkeys(sharding.device_set, size)
+    return {
+        device: math.prod(len(range(*s.indices(dim))) for s, dim in zip(index, shape))
+        for device, index in sharding.devices_indices_map(shape).items()
+    }
+
+
+def sharding_table(tree: PyTree[Any], *, name: str = "") -> str:
+    """Describes how every array in a PyTree is laid out across devices, as a table
+    with one row per array: its key path, shape, dtype, sharding, and how many bytes
+    of it each device holds.
+
+    Useful to check a parallelism strategy at a glance, e.g. that the parameters of a
+    model are really split across a mesh axis, and how much memory that saves per
+    device. Only metadata is read (each array's `.sharding`, shape and dtype): nothing
+    is transferred, compiled or waited for.
+
+    **Arguments:**
+
+    - `tree`: any PyTree. Each array leaf (`equinox.is_array`) gets a row; so does
+        each `jax.ShapeDtypeStruct` (planning a layout before allocating it). Other
+        leaves (activation functions, Python scalars, ...) are skipped.
+    - `name`: prepended to every key path, e.g. `name="model"` gives rows such as
+        `model.layers[0].weight`.
+
+    **Returns:**
+
+    A string: a header, one line per array leaf, and a final line with the total
+    number of bytes held by the most loaded device. The sharding column shows:
+
+    - the `PartitionSpec` for a `jax.sharding.NamedSharding` (e.g. `P('data', None)`;
+        `P()` is replicated);
+    - the device for a `jax.sharding.SingleDeviceSharding` (e.g. `cpu:0`);
+    - otherwise the sharding's type name;
+
+    followed by the memory kind if it is not the default, and by `uncommitted` for a
+    JAX array that `jax.jit` may still move freely. NumPy arrays are shown as `host`
+    and traced values as `traced`; neither counts towards the bytes per device.
+    A dimension that does not divide evenly across its mesh axes is counted as XLA
+    pads it: every device holds the rounded-up shard.
+
+    !!! example
+
+        ```python
+        mesh = jax.make_mesh((8,), ("data",))
+        model = eqx.nn.MLP(64, 10, 128, 1, key=jr.key(0))
+        split_rows = lambda x: jax.P("data") if x.shape[0] % 8 == 0 else jax.P()
+        with jax.set_mesh(mesh):
+            model = eqxs.filter_device_put(model, split_rows)
+        print(eqxs.sharding_table(model, name="model"))
+        ```
+
+        ```
+        path                    shape      dtype    sharding    bytes/device
+        --------------------------------------------------------------------
+        model.layers[0].weight  (128, 64)  float32  P('data',)       4.0 KiB
+        model.layers[0].bias    (128,)     float32  P('data',)          64 B
+        model.layers[1].weight  (10, 128)  float32  P()              5.0 KiB
+        model.layers[1].bias    (10,)      float32  P()                 40 B
+        --------------------------------------------------------------------
+        total                                                        9.1 KiB
+        ```
+
+        The activation function, not being an array, has no row.
+    """
+    rows = []
+    per_device: co.Counter = co.Counter()
+    for path, leaf in jtu.tree_flatten_with_path(tree)[0]:
+        if not (is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)):
+            continue
+        shape = tuple(leaf.shape)
+        itemsize = _itemsize(leaf)
+        if isinstance(leaf, jax.core.Tracer):
+            sharding_text, size_text = "traced", "-"
+        elif isinstance(leaf, (np.ndarray, np.generic)):
+            sharding_text, size_text = "host", "-"
+        else:
+            sharding = leaf.sharding
+            if sharding is None:  # A `ShapeDtypeStruct` without a sharding.
+                sharding_text, size_text = "unspecified", "-"
+            else:
+                committed = getattr(leaf, "committed", True)
+                sharding_text = _describe_sharding(sharding, committed)
+                sizes = _shard_sizes(sharding, shape)
+                for device, size in sizes.items():
+                    per_device[device] += size * itemsize
+                size_text = _format_bytes(max(sizes.values()) * itemsize)
+        key = name + jtu.keystr(path)
+        rows.append(
+            (key or "(root)", str(shape), str(leaf.dtype), sharding_text, size_text)
+        )
+    total = _format_bytes(max(per_device.values())) if per_device else "-"
+    widths = [
+        max(len(row[i]) for row in [_HEADER, *rows, ("total", "", "", "", total)])
+        for i in range(len(_HEADER))
+    ]
+
+    def line(row):
+        *left, right = row
+        cells = [cell.ljust(width) for cell, width in zip(left, widths)]
+        return "  ".join([*cells, right.rjust(widths[-1])])
+
+    rule = "-" * (sum(widths) + 2 * (len(widths) - 1))
+    lines = [line(_HEADER), rule, *map(line, rows), rule]
+    lines.append(line(("total", "", "", "", total)))
+    return "\n".join(lines)
