@@ -24,6 +24,18 @@ except ImportError:  # pragma: no cover - forward compatibility
     _ArrayImpl = None
 
 
+try:
+    from jax._src.core import trace_state_clean as _trace_state_clean  # pyright: ignore
+except ImportError:  # pragma: no cover - forward compatibility
+
+    def _trace_state_clean() -> bool:
+        try:
+            jax.sharding.get_mesh()
+        except ValueError:
+            return False
+        return True
+
+
 def _array_impl_type() -> type:
     global _ArrayImpl
     if _ArrayImpl is None:  # pragma: no cover - forward compatibility
@@ -33,6 +45,22 @@ def _array_impl_type() -> type:
 
 def _is_default_memory(sharding: Sharding) -> bool:
     return sharding.memory_kind in (None, "device")
+
+
+def _same_mesh(current: Sharding, target: Sharding) -> bool:
+    """Whether an array placed on `current` may stand for one placed on `target`, given
+    that the two are equivalent: the mesh is part of an array's type (Explicit axes
+    appear in it, and JAX requires the inputs of one computation to share a mesh), so
+    an equivalent sharding over another mesh, or over other axis types, is not enough.
+    """
+    current_named = isinstance(current, NamedSharding)
+    target_named = isinstance(target, NamedSharding)
+    if current_named and target_named:
+        return current.mesh == target.mesh  # pyright: ignore[reportAttributeAccessIssue]
+    if current_named or target_named:
+        named = current if current_named else target
+        return AxisType.Explicit not in named.mesh.axis_types  # pyright: ignore
+    return True
 
 
 def resolve_leaves(
@@ -66,7 +94,9 @@ def resolve_leaves(
     return out
 
 
-def _broadcast_flags(flags: Any, value: Any, leaves: list, name: str) -> list | bool:
+def _broadcast_flags(
+    flags: Any, value: Any, leaves: list, name: str
+) -> list | bool | None:
     if isinstance(flags, bool) or flags is None:
         return flags  # pyright: ignore[reportReturnType]
     flag_leaves, flag_def = jtu.tree_flatten(
@@ -85,7 +115,7 @@ def _raise_for_deleted(value: Any, leaves: list, indices: list, value_name: str)
     for i in indices:
         leaf = leaves[i]
         if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
-            if leaf.is_deleted():
+            if leaf.is_deleted():  # pyright: ignore[reportAttributeAccessIssue]
                 raise RuntimeError(
                     f"{leaf_path(value, i, value_name)}: this array has been deleted "
                     "(was it donated to an earlier call?), so it cannot be placed."
@@ -98,7 +128,7 @@ def device_put_leaves(
     todo: list[tuple[int, Sharding]],
     value_name: str,
     *,
-    donate: list | bool = False,
+    donate: list | bool | None = False,
     may_alias: list | bool | None = None,
 ) -> None:
     """Places `leaves[i]` on `sharding` for each `(i, sharding)` in `todo` with one
@@ -115,7 +145,9 @@ def device_put_leaves(
             if current == sharding:
                 continue
             try:
-                if current.is_equivalent_to(sharding, leaf.ndim):
+                if current.is_equivalent_to(sharding, leaf.ndim) and _same_mesh(
+                    current, sharding
+                ):
                     continue
             except Exception:
                 pass  # Not equivalent; `check` below names the problem if any.
@@ -124,25 +156,21 @@ def device_put_leaves(
         targets.append(sharding)
     if not indices:
         return
+    # Before any transfer, so that a failure cannot leave earlier leaves donated.
+    # (Only leaves that move are checked: already-placed ones cost nothing here.)
+    _raise_for_deleted(value, leaves, indices, value_name)
     if isinstance(donate, list):
         donate = [donate[i] for i in indices]
     if isinstance(may_alias, list):
         may_alias = [may_alias[i] for i in indices]
-    try:
-        out = jax.device_put(
-            [leaves[i] for i in indices], targets, donate=donate, may_alias=may_alias
-        )
-    except Exception:
-        _raise_for_deleted(value, leaves, indices, value_name)
-        raise
+    out = jax.device_put(
+        [leaves[i] for i in indices], targets, donate=donate, may_alias=may_alias
+    )
     for i, leaf in zip(indices, out):
         leaves[i] = leaf
 
 
 def _constraint_kind(sharding: Sharding, where: Callable[[], str]) -> str:
-    if not _is_default_memory(sharding):
-        # `with_sharding_constraint` ignores memory kinds; `device_put` honours them.
-        return "device_put"
     if not isinstance(sharding, NamedSharding):
         return "with_sharding_constraint"
     mesh = sharding.mesh
@@ -176,9 +204,11 @@ def constrain_leaves(
 ) -> None:
     """Constrains `leaves[i]` (inside a trace) to `sharding` for each `(i, sharding)`
     in `todo`, in place: `jax.sharding.reshard` on Explicit mesh axes,
-    `jax.lax.with_sharding_constraint` on Auto axes, and `jax.device_put` for a
-    non-default memory kind."""
+    `jax.lax.with_sharding_constraint` on Auto axes, followed by `jax.device_put` for
+    a non-default memory kind (which those two ignore, and which `jax.device_put`
+    alone would not partition on Auto axes)."""
     groups: dict[str, tuple[list, list]] = {}
+    memory = []
     for i, sharding in todo:
         where = lambda i=i: leaf_path(value, i, value_name)
         check(jax.numpy.shape(leaves[i]), sharding, where)
@@ -187,15 +217,19 @@ def constrain_leaves(
         )
         indices.append(i)
         targets.append(sharding)
+        if not _is_default_memory(sharding):
+            memory.append((i, sharding))
     for kind, (indices, targets) in groups.items():
         inputs = [leaves[i] for i in indices]
         if kind == "reshard":
             out = jax.sharding.reshard(inputs, targets)
-        elif kind == "device_put":
-            out = jax.device_put(inputs, targets)
         else:
             out = lax.with_sharding_constraint(inputs, targets)
         for i, leaf in zip(indices, out):
+            leaves[i] = leaf
+    if memory:
+        out = jax.device_put([leaves[i] for i, _ in memory], [s for _, s in memory])
+        for (i, _), leaf in zip(memory, out):
             leaves[i] = leaf
 
 
@@ -214,9 +248,13 @@ def filter_device_put(
     device or sharding, and returns every non-array leaf as the very same object.
 
     Outside a trace this calls `jax.device_put` once, batched over the array leaves that
-    actually need to move. It never compiles. An array that already carries an
-    equivalent sharding (`Sharding.is_equivalent_to`) and is committed is returned as
-    the same object, without calling `jax.device_put` at all.
+    actually need to move. It does not compile or run a computation of its own (unlike
+    an eager `jax.lax.with_sharding_constraint` or `jax.jit`); the only compilation is
+    what `jax.device_put` itself does, e.g. a small slicing helper, cached per shape,
+    the first time an array that lives on a single device is split across several. An
+    array that already carries an equivalent sharding (`Sharding.is_equivalent_to`)
+    and is committed is returned as the same object, without calling
+    `jax.device_put` at all.
 
     **Arguments:**
 
@@ -225,9 +263,9 @@ def filter_device_put(
         scalars, strings, functions, `jax.ShapeDtypeStruct`s, ...) is returned as-is.
     - `device_or_shardings`: a PyTree prefix of `x`. Each of its leaves is a
         `jax.sharding.Sharding`, a `jax.Device`, a bare `jax.sharding.PartitionSpec`
-        (resolved against the mesh set with `jax.set_mesh`), `None` (leave that subtree
-        exactly as it is), or a callable `leaf -> spec` that is called on each array leaf
-        beneath it and returns one of the former.
+        (resolved against the mesh set with `jax.set_mesh`), `None` (leave that
+        subtree exactly as it is), or a callable `leaf -> spec` that is called on each
+        array leaf beneath it and returns one of the former.
     - `donate`: passed to `jax.device_put`; a bool or a PyTree prefix of `x` of bools.
         Donation is best-effort, as in JAX.
     - `may_alias`: passed to `jax.device_put`; a bool, `None`, or a PyTree prefix of
@@ -245,7 +283,8 @@ def filter_device_put(
     has more entries than the array has dimensions, a dimension is not divisible by its
     mesh axes, a bare `PartitionSpec` is given with no mesh set, or a mesh axis is
     unknown; `TypeError` for a spec leaf of the wrong type or a callable that returns
-    one. `RuntimeError` (with the key path) if an input array was already deleted.
+    one. `RuntimeError` (with the key path) if an input array that has to move was
+    already deleted (e.g. donated to an earlier call).
 
     !!! info "Inside a trace"
 
@@ -325,13 +364,16 @@ def filter_shard(x: PyTree[Any], device_or_shardings: Any) -> PyTree[Any]:
 
     - **Outside a trace** (including under `jax.disable_jit()`): exactly
         [`equinox_shard.filter_device_put`][], i.e. one batched `jax.device_put`. No
-        compilation, and already-placed arrays come back as the same object.
+        computation of its own is compiled, and already-placed arrays come back as the
+        same object.
     - **Inside a trace** (`jax.jit`, `equinox.filter_jit`, `jax.vmap`, `jax.grad`,
         `jax.eval_shape`, ...), per array leaf:
-        `jax.lax.with_sharding_constraint` when the spec uses Auto mesh axes, and
+        `jax.lax.with_sharding_constraint` when the spec uses Auto mesh axes, or
         `jax.sharding.reshard` when it uses Explicit mesh axes (the default of
-        `jax.make_mesh`), and `jax.device_put` when the sharding has a non-default
-        memory kind (which `with_sharding_constraint` ignores).
+        `jax.make_mesh`); then, if the sharding has a non-default memory kind such as
+        `"pinned_host"` (which those two ignore), also `jax.device_put`. This also
+        applies to array leaves that are not tracers, such as constants closed over
+        by a jitted function. Under `jax.disable_jit()` those are placed instead.
 
     **Arguments:**
 
@@ -363,7 +405,13 @@ def filter_shard(x: PyTree[Any], device_or_shardings: Any) -> PyTree[Any]:
         ```
     """
     leaves, treedef = jtu.tree_flatten(x)
-    traced = _is_traced_tree(leaves)
+    # Inside a trace also for leaves that are not tracers (constants closed over by a
+    # jitted function): `jax.device_put` there would not be a constraint. Under
+    # `jax.disable_jit()` such constants are placed instead, as
+    # `with_sharding_constraint` would do nothing.
+    traced = _is_traced_tree(leaves) or (
+        not _trace_state_clean() and not jax.config.jax_disable_jit  # pyright: ignore
+    )
     todo = resolve_leaves(
         x, leaves, device_or_shardings, "device_or_shardings", "x", abstract_ok=traced
     )

@@ -24,20 +24,33 @@ from typing import Any
 
 import jax
 import jax.tree_util as jtu
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+from jaxtyping import PyTreeDef
 
 
 _SPEC_TYPES = (Sharding, PartitionSpec, jax.Device)
+# Callable (as context decorators), but never a sharding rule.
+_NOT_RULES = (jax.sharding.Mesh, jax.sharding.AbstractMesh)
+
+
+def _one_level(x: Any) -> PyTreeDef:
+    return jtu.tree_structure(x, is_leaf=lambda y: y is not x)
 
 
 def is_pytree_node(x: Any) -> bool:
-    return not jtu.treedef_is_leaf(jtu.tree_structure(x))
+    # Flattens one level only: this is called on every callable node of a
+    # specification, e.g. on every submodule of a Module-shaped one.
+    return not jtu.treedef_is_leaf(_one_level(x))
 
 
 def is_rule(x: Any) -> bool:
     """Whether `x` is a callable spec leaf (a rule `leaf -> spec leaf`)."""
     return (
-        callable(x) and not isinstance(x, _SPEC_TYPES) and not is_pytree_node(x)
+        callable(x)
+        and not isinstance(x, _SPEC_TYPES)
+        and not isinstance(x, _NOT_RULES)
+        and not is_pytree_node(x)
     )
 
 
@@ -54,14 +67,21 @@ def _describe_leaf(x: Any) -> str:
 
 def _check_spec_leaf(x: Any, where: str) -> None:
     if not is_spec_leaf(x):
+        hint = ""
+        if isinstance(x, _NOT_RULES):
+            hint = (
+                " A mesh is not a sharding: pass "
+                "`jax.sharding.NamedSharding(mesh, spec)`, or set the mesh with "
+                "`jax.set_mesh(mesh)` and pass a bare `PartitionSpec`."
+            )
         raise TypeError(
             f"{where}: a sharding specification leaf must be a "
             "`jax.sharding.Sharding`, a `jax.Device`, a `jax.sharding.PartitionSpec`, "
-            f"`None`, or a callable `leaf -> spec`; got {_describe_leaf(x)}."
+            f"`None`, or a callable `leaf -> spec`; got {_describe_leaf(x)}.{hint}"
         )
 
 
-def flatten_specs(specs: Any, name: str) -> tuple[list, jtu.PyTreeDef]:
+def flatten_specs(specs: Any, name: str) -> tuple[list, PyTreeDef]:
     """Flattens a specification down to its spec leaves, checking each leaf's type.
 
     `name` is what the specification is called in error messages, e.g.
@@ -78,11 +98,10 @@ def flatten_specs(specs: Any, name: str) -> tuple[list, jtu.PyTreeDef]:
     return leaves, treedef
 
 
-def _one_level(x: Any) -> jtu.PyTreeDef:
-    return jtu.tree_structure(x, is_leaf=lambda y: y is not x)
-
-
 def _describe_node(x: Any) -> str:
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        shape = tuple(x.shape)  # pyright: ignore[reportAttributeAccessIssue]
+        return f"an array leaf of shape {shape} and dtype {x.dtype}"
     if not is_pytree_node(x) and x is not None:
         return f"a leaf ({_describe_leaf(x)})"
     if isinstance(x, dict):
@@ -91,23 +110,53 @@ def _describe_node(x: Any) -> str:
         return f"a {type(x).__name__} of length {len(x)}"
     if x is None:
         return "None (an empty subtree)"
-    return f"a {type(x).__module__}.{type(x).__qualname__}"
+    return f"an instance of {type(x).__module__}.{type(x).__qualname__}"
 
 
-def _first_mismatch(spec: Any, value: Any, path: tuple) -> tuple | None:
-    """Walks `spec` and `value` together; returns `(path, spec_node, value_node)` at
-    the first place where `spec` is not a prefix of `value`."""
-    if is_spec_leaf(spec):
+def _is_mismatch_leaf(spec: Any) -> bool:
+    # Spec leaves, and also the bools of `donate=`/`may_alias=` prefixes, which are
+    # broadcast with the same machinery.
+    return is_spec_leaf(spec) or isinstance(spec, bool)
+
+
+def _first_mismatch(spec: Any, value: Any, path: tuple) -> tuple[tuple, str] | None:
+    """Walks `spec` and `value` together; returns `(path, explanation)` at the first
+    place where `spec` is not a prefix of `value`."""
+    if _is_mismatch_leaf(spec):
         return None
+    found = f"the specification has {_describe_node(spec)}"
     if not is_pytree_node(value) and value is not None:
-        return path, spec, value
+        return path, f"{found} whereas the value has {_describe_node(value)}"
     spec_def = _one_level(spec)
     value_def = _one_level(value)
     if (
-        spec_def.node_data() != value_def.node_data()
-        or spec_def.num_leaves != value_def.num_leaves
+        type(spec) is type(value)
+        and isinstance(spec, dict)
+        and isinstance(value, dict)
+        and spec.keys() != value.keys()
     ):
-        return path, spec, value
+        for key in sorted(value.keys() | spec.keys(), key=repr):
+            if key not in spec:
+                return (
+                    path + (jtu.DictKey(key),),
+                    "the value has this key but the specification does not",
+                )
+            if key not in value:
+                return (
+                    path + (jtu.DictKey(key),),
+                    "the specification has this key but the value does not",
+                )
+    if spec_def.node_data() != value_def.node_data():
+        if type(spec) is type(value) and is_pytree_node(spec):
+            spec_data = spec_def.node_data()[1]  # pyright: ignore[reportOptionalSubscript]
+            value_data = value_def.node_data()[1]  # pyright: ignore[reportOptionalSubscript]
+            return path, (
+                f"{found} whose static (non-PyTree) data differs from the "
+                f"value's: {spec_data!r} vs {value_data!r}"
+            )
+        return path, f"{found} whereas the value has {_describe_node(value)}"
+    if spec_def.num_leaves != value_def.num_leaves:
+        return path, f"{found} whereas the value has {_describe_node(value)}"
     spec_children = jtu.tree_flatten_with_path(spec, is_leaf=lambda y: y is not spec)[0]
     value_children = jtu.tree_leaves(value, is_leaf=lambda y: y is not value)
     for (key, spec_child), value_child in zip(spec_children, value_children):
@@ -118,25 +167,25 @@ def _first_mismatch(spec: Any, value: Any, path: tuple) -> tuple | None:
 
 
 def prefix_error(specs: Any, value: Any, spec_name: str, value_name: str) -> ValueError:
+    """The error for `specs` not being a PyTree prefix of `value`, naming the first
+    mismatching path as `value_name[...]`."""
     found = _first_mismatch(specs, value, ())
     if found is None:  # pragma: no cover - defensive; flatten_up_to disagreed with us.
         return ValueError(
             f"`{spec_name}` is not a PyTree prefix of `{value_name}`: "
-            f"{jtu.tree_structure(specs, is_leaf=is_spec_leaf)} vs "
+            f"{jtu.tree_structure(specs, is_leaf=_is_mismatch_leaf)} vs "
             f"{jtu.tree_structure(value)}."
         )
-    path, spec_node, value_node = found
+    path, explanation = found
     return ValueError(
         f"`{spec_name}` must be a PyTree prefix of `{value_name}`, but at "
-        f"{value_name}{jtu.keystr(path)} the specification has "
-        f"{_describe_node(spec_node)} whereas the value has "
-        f"{_describe_node(value_node)}."
+        f"{value_name}{jtu.keystr(path)} {explanation}."
     )
 
 
 def broadcast_specs(
     spec_leaves: list,
-    spec_def: jtu.PyTreeDef,
+    spec_def: PyTreeDef,
     specs: Any,
     value: Any,
     num_leaves: int,
@@ -158,9 +207,19 @@ def broadcast_specs(
 
 
 def context_mesh(*, abstract_ok: bool):
-    """The mesh set by `jax.set_mesh`, or `None` if there is none."""
-    mesh = jax.sharding.get_mesh()
-    if not mesh.empty:
+    """The mesh set by `jax.set_mesh`, or `None` if there is none.
+
+    Outside a trace this is the concrete mesh. The abstract mesh is returned if
+    `abstract_ok`, or if JAX is tracing: then `jax.sharding.get_mesh` raises and only
+    the abstract mesh is available, also for leaves that are not tracers (constants).
+    """
+    try:
+        mesh = jax.sharding.get_mesh()
+    except ValueError:
+        # Inside `jax.jit` only the abstract mesh is available.
+        mesh = None
+        abstract_ok = True
+    if mesh is not None and not mesh.empty:
         return mesh
     if abstract_ok:
         abstract_mesh = jax.sharding.get_abstract_mesh()
@@ -189,8 +248,7 @@ def resolve(
             out = spec(leaf)
         except Exception as e:
             raise ValueError(
-                f"{where()}: the sharding rule {spec!r} raised "
-                f"{type(e).__name__}: {e}"
+                f"{where()}: the sharding rule {spec!r} raised {type(e).__name__}: {e}"
             ) from e
         if not (out is None or isinstance(out, _SPEC_TYPES)):
             raise TypeError(
@@ -213,7 +271,9 @@ def resolve(
             )
         try:
             return NamedSharding(mesh, spec)
-        except ValueError as e:
+        except Exception as e:
+            # Unknown mesh axis (ValueError), or an axis used twice (JAX's
+            # `DuplicateSpecError`, which is not a ValueError).
             raise ValueError(f"{where()}: {e}") from e
     return spec
 
