@@ -6,7 +6,7 @@ import jax.core
 import jax.lax as lax
 import jax.tree_util as jtu
 from equinox import is_array
-from jax.sharding import AxisType, NamedSharding, Sharding
+from jax.sharding import AxisType, NamedSharding, Sharding, SingleDeviceSharding
 from jaxtyping import PyTree
 
 from ._spec import (
@@ -163,6 +163,17 @@ def device_put_leaves(
         donate = [donate[i] for i in indices]
     if isinstance(may_alias, list):
         may_alias = [may_alias[i] for i in indices]
+    if donate is not False:
+        # JAX 0.10.2: donating to a `SingleDeviceSharding` frees the input without
+        # marking it deleted, so touching it afterwards segfaults; donating to the
+        # `jax.Device` itself is handled correctly. See `tests/test_jax_facts.py::`
+        # `test_device_put_donate_to_single_device_sharding_crashes`.
+        targets = [
+            next(iter(s.device_set))
+            if type(s) is SingleDeviceSharding and _is_default_memory(s)
+            else s
+            for s in targets
+        ]
     out = jax.device_put(
         [leaves[i] for i in indices], targets, donate=donate, may_alias=may_alias
     )

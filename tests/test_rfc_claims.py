@@ -379,12 +379,6 @@ print(float(jnp.sum(y["w"])), x.is_deleted(), flush=True)
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="filter_device_put turns a jax.Device into a SingleDeviceSharding, and "
-    "donating to one leaves the input freed but not marked deleted on JAX 0.10.2 "
-    "(test_jax_facts.py::test_device_put_donate_to_single_device_sharding_crashes)",
-)
 def test_filter_device_put_donate_to_another_device():
     import subprocess
     import sys
