@@ -6,7 +6,11 @@ trace), and `filter_jit` is `equinox.filter_jit` with `in_shardings`/`out_shardi
 
 import importlib.metadata
 
+from ._inspect import sharding_table as sharding_table
 from ._jit import Compiled as Compiled, filter_jit as filter_jit, Lowered as Lowered
+from ._multiprocess import (
+    filter_make_array_from_process_local_data as filter_make_array_from_process_local_data,  # noqa: E501
+)
 from ._sharding import (
     filter_device_put as filter_device_put,
     filter_shard as filter_shard,

@@ -17,8 +17,10 @@ import jax
 import jax._src.traceback_util as traceback_util
 import jax.core
 import jax.tree_util as jtu
+import numpy as np
 from equinox import field, is_array, Module, module_update_wrapper, Partial
 
+from . import _multiprocess
 from ._sharding import (
     _array_impl_type,
     constrain_leaves,
@@ -446,33 +448,60 @@ def _walk_callbacks(jaxpr) -> bool:
 class _Commit:
     """Commits uncommitted JAX arrays to their `in_shardings` before the call, so that
     `jax.jit` sees committed inputs every time and compiles once (it otherwise traces
-    uncommitted and committed inputs separately)."""
+    uncommitted and committed inputs separately).
 
-    __slots__ = ("donated", "kept")
+    Where a sharding spans several processes (`jax.distributed`), NumPy arrays are
+    committed too, and both are placed as by `filter_device_put`: checked to be the
+    same on every process, naming the argument's key path if not."""
+
+    __slots__ = ("donated", "kept", "multiprocess")
 
     def __init__(self, donated, kept):
         self.donated = donated
         self.kept = kept
+        self.multiprocess = any(not s.is_fully_addressable for _, s in donated + kept)
 
-    def __call__(self, donated: tuple, kept: tuple) -> tuple[tuple, tuple]:
+    def __call__(
+        self, donated: tuple, kept: tuple, where: Callable[[int, int], str]
+    ) -> tuple[tuple, tuple]:
         array_impl = _array_impl_type()
+        multiprocess = self.multiprocess
         out = []
-        for group, specified in ((donated, self.donated), (kept, self.kept)):
+        for g, (group, specified) in enumerate(
+            ((donated, self.donated), (kept, self.kept))
+        ):
             fix = [
                 (p, s)
                 for p, s in specified
-                if type(group[p]) is array_impl and not group[p]._committed
+                if (type(group[p]) is array_impl and not group[p]._committed)
+                or (multiprocess and isinstance(group[p], (np.ndarray, np.generic)))
             ]
             if fix:
                 group = list(group)
-                # As with `jax.jit`'s own resharding, a donated argument's buffer may
-                # be shared with this copy (e.g. device 0 of a replicated sharding).
-                moved = jax.device_put([group[p] for p, _ in fix], [s for _, s in fix])
-                for (p, _), x in zip(fix, moved):
-                    group[p] = x
+                indices = [p for p, _ in fix]
+                targets = [s for _, s in fix]
+                if multiprocess:
+                    indices, targets = _multiprocess.place_host_local(
+                        group, indices, targets, lambda p, g=g: where(g, p)
+                    )
+                if indices:
+                    # As with `jax.jit`'s own resharding, a donated argument's buffer
+                    # may be shared with this copy (e.g. device 0 of a replicated
+                    # sharding).
+                    moved = jax.device_put([group[p] for p in indices], targets)
+                    for p, x in zip(indices, moved):
+                        group[p] = x
                 group = tuple(group)
             out.append(group)
         return out[0], out[1]
+
+
+def _commit_where(w, entry: "_Entry", args, kwargs) -> Callable[[int, int], str]:
+    """For `_Commit`: the key path of position `p` of the donated (`g == 0`) or kept
+    (`g == 1`) leaves of this call."""
+    config: _Config = _getattr(w, "_table").config
+    groups = (entry.donated, entry.kept)
+    return lambda g, p: _arg_path(config, args, kwargs, groups[g][p])
 
 
 def _make_entry(w, plan: _Plan, args, kwargs, leaves) -> _Entry:
@@ -751,7 +780,9 @@ def _lookup(w, table: _Table, args, kwargs, leaves, treedef):
                 donated = plan.get_donated(leaves)
                 kept = plan.get_kept(leaves)
                 if entry.commit is not None:
-                    donated, kept = entry.commit(donated, kept)
+                    donated, kept = entry.commit(
+                        donated, kept, _commit_where(w, entry, args, kwargs)
+                    )
                 _check_sync(entry, _getattr(w, "_dynamic_fun"), donated, kept)
                 entry.fast = not (
                     entry.sync
@@ -799,7 +830,9 @@ def _call(w, args, kwargs):
                 w, plan, demote, key, args, kwargs, leaves
             )
     if entry.commit is not None:
-        donated, kept = entry.commit(donated, kept)
+        donated, kept = entry.commit(
+            donated, kept, _commit_where(w, entry, args, kwargs)
+        )
     jitted = entry.jitted
     try:
         if entry.sync:

@@ -9,6 +9,7 @@ from equinox import is_array
 from jax.sharding import AxisType, NamedSharding, Sharding, SingleDeviceSharding
 from jaxtyping import PyTree
 
+from . import _multiprocess
 from ._spec import (
     broadcast_specs,
     check,
@@ -159,6 +160,13 @@ def device_put_leaves(
     # Before any transfer, so that a failure cannot leave earlier leaves donated.
     # (Only leaves that move are checked: already-placed ones cost nothing here.)
     _raise_for_deleted(value, leaves, indices, value_name)
+    if jax.process_count() > 1:
+        # Host-local arrays onto shardings that span several processes.
+        indices, targets = _multiprocess.place_host_local(
+            leaves, indices, targets, lambda i: leaf_path(value, i, value_name)
+        )
+        if not indices:
+            return
     if isinstance(donate, list):
         donate = [donate[i] for i in indices]
     if isinstance(may_alias, list):
