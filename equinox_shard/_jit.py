@@ -634,6 +634,13 @@ def _diagnose(table: _Table, plan: _Plan, entry: _Entry, args, kwargs, leaves) -
                 )
 
 
+def _raise_deleted_fun(dynamic_fun: tuple) -> None:
+    raise RuntimeError(
+        "An array of the function being JIT'd has been deleted (was it donated to an "
+        "earlier call?)."
+    )
+
+
 def _demotions(
     donated: tuple,
     kept: tuple,
@@ -824,6 +831,15 @@ def _call(w, args, kwargs):
             raise
         return out[1].combine(out[0])
     if donated or (config.donate_rest and table.fun_has_arrays):
+        # XLA segfaults when an already-deleted (e.g. previously donated) multi-device
+        # array is passed to a donating call, so check before calling.
+        array_impl = _array_impl_type()
+        if any(
+            type(x) is array_impl and x.is_deleted()
+            for x in donated + kept + dynamic_fun
+        ):
+            _diagnose(table, plan, entry, args, kwargs, leaves)
+            _raise_deleted_fun(dynamic_fun)
         demote = _demotions(donated, kept, dynamic_fun, table, plan, args, kwargs)
         if demote:
             entry, donated, kept = _aliased_entry(
@@ -868,17 +884,26 @@ class Compiled(Module):
     same structure, shapes and static values as were lowered."""
 
     compiled: jax.stages.Compiled
-    _wrapper: Any = field(static=True)
-    _treedef: Any = field(static=True)
-    _donated: tuple = field(static=True)
-    _kept: tuple = field(static=True)
+    _wrapper: Any = field(static=True, repr=False)
+    _treedef: Any = field(static=True, repr=False)
+    _statics: tuple = field(static=True, repr=False)
+    _donated: tuple = field(static=True, repr=False)
+    _kept: tuple = field(static=True, repr=False)
 
     def __call__(self, /, *args, **kwargs):
         w = self._wrapper
         config: _Config = w._table.config
         if kwargs or not (config.min_args <= len(args) <= config.max_args):
             args, kwargs = _bind(config, args, kwargs)
-        leaves = jtu.tree_leaves((args, kwargs))
+        leaves, treedef = jtu.tree_flatten((args, kwargs))
+        statics = tuple(x for x in leaves if not is_array(x))
+        if treedef != self._treedef or statics != self._statics:
+            raise TypeError(
+                "This function was compiled for arguments of structure "
+                f"{self._treedef} with static (non-array) leaves {self._statics}, but "
+                f"was called with {treedef} and {statics}. Lower and compile it again "
+                "for these arguments."
+            )
         donated = tuple(leaves[i] for i in self._donated)
         kept = tuple(leaves[i] for i in self._kept)
         dynamic_out, out_static = self.compiled(w._dynamic_fun, donated, kept)
@@ -911,10 +936,11 @@ class Lowered(Module):
     """The result of `filter_jit(f).lower(...)`."""
 
     lowered: jax.stages.Lowered
-    _wrapper: Any = field(static=True)
-    _treedef: Any = field(static=True)
-    _donated: tuple = field(static=True)
-    _kept: tuple = field(static=True)
+    _wrapper: Any = field(static=True, repr=False)
+    _treedef: Any = field(static=True, repr=False)
+    _statics: tuple = field(static=True, repr=False)
+    _donated: tuple = field(static=True, repr=False)
+    _kept: tuple = field(static=True, repr=False)
 
     def as_text(self) -> str:
         return self.lowered.as_text()
@@ -924,7 +950,12 @@ class Lowered(Module):
     ) -> Compiled:
         compiled = self.lowered.compile(compiler_options=compiler_options)
         return Compiled(
-            compiled, self._wrapper, self._treedef, self._donated, self._kept
+            compiled,
+            self._wrapper,
+            self._treedef,
+            self._statics,
+            self._donated,
+            self._kept,
         )
 
 
@@ -939,7 +970,8 @@ def _lower(w, args, kwargs) -> Lowered:
     lowered = entry.jitted.lower(
         _getattr(w, "_dynamic_fun"), plan.get_donated(leaves), plan.get_kept(leaves)
     )
-    return Lowered(lowered, w, plan.treedef, plan.donated, plan.kept)
+    statics = tuple(x for x, m in zip(leaves, plan.mask) if not m)
+    return Lowered(lowered, w, plan.treedef, statics, plan.donated, plan.kept)
 
 
 #

@@ -6,7 +6,13 @@ import jax.core
 import jax.lax as lax
 import jax.tree_util as jtu
 from equinox import is_array
-from jax.sharding import AxisType, NamedSharding, Sharding, SingleDeviceSharding
+from jax.sharding import (
+    AxisType,
+    NamedSharding,
+    PartitionSpec,
+    Sharding,
+    SingleDeviceSharding,
+)
 from jaxtyping import PyTree
 
 from . import _multiprocess
@@ -42,6 +48,16 @@ def _array_impl_type() -> type:
     if _ArrayImpl is None:  # pragma: no cover - forward compatibility
         _ArrayImpl = type(jax.numpy.zeros(()))
     return _ArrayImpl
+
+
+_UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
+
+
+def _without_unconstrained(sharding: NamedSharding) -> NamedSharding:
+    spec = PartitionSpec(
+        *(None if entry is _UNCONSTRAINED else entry for entry in sharding.spec)
+    )
+    return NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
 
 
 def _is_default_memory(sharding: Sharding) -> bool:
@@ -140,6 +156,11 @@ def device_put_leaves(
     targets = []
     for i, sharding in todo:
         leaf = leaves[i]
+        if isinstance(sharding, NamedSharding) and _UNCONSTRAINED in sharding.spec:
+            # A transfer needs a concrete layout: an unconstrained dimension (which
+            # only a compiler can choose) is placed replicated, as eager
+            # `with_sharding_constraint` (an identity `jit`) does.
+            sharding = _without_unconstrained(sharding)
         flag = may_alias if not isinstance(may_alias, list) else may_alias[i]
         if flag is not False and type(leaf) is array_impl and leaf._committed:
             current = leaf.sharding

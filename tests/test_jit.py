@@ -604,3 +604,52 @@ def test_filter_pmap_migration(getkey):
         atol=1e-6,
     )
     assert_shardings(eqx.filter(jit_grads, eqx.is_array), per_device)
+
+
+_REUSE_DONATED = """
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import jax.numpy as jnp, equinox_shard as eqxs
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+s = NamedSharding(mesh, P("x"))
+x = jax.device_put(jnp.ones((16, 8)), s)
+f = eqxs.filter_jit(lambda x: x * 2, in_shardings=s, donate="all")
+f(x)
+try:
+    f(x)
+except RuntimeError as e:
+    print(e)
+"""
+
+
+def test_reusing_a_donated_array_raises_instead_of_crashing():
+    # Plain `jax.jit(f, donate_argnums=0)` segfaults when called again with the array
+    # it already donated (multi-device arrays); run in a subprocess so that a
+    # regression fails this test rather than killing pytest.
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", _REUSE_DONATED],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert "x: this array has been deleted" in result.stdout
+
+
+def test_compiled_checks_argument_structure():
+    batch = NamedSharding(auto_mesh(), P("x"))
+    struct = jax.ShapeDtypeStruct((16,), jnp.float32)
+    compiled = (
+        eqxs.filter_jit(lambda a, b: a - b, in_shardings=(batch, batch))
+        .lower(struct, struct)
+        .compile()
+    )
+    a, b, c = (jax.device_put(jnp.full(16, v), batch) for v in (10.0, 1.0, 100.0))
+    assert tree_allclose(compiled(a, b), jnp.full(16, 9.0))
+    with pytest.raises(TypeError, match="compiled for arguments of structure"):
+        compiled((a, c), b)
+    assert not a.is_deleted() and not c.is_deleted()

@@ -25,6 +25,7 @@ from .helpers import (
     make_module,
     mixed_mesh,
     snapshot,
+    tree_allclose,
 )
 
 
@@ -607,3 +608,19 @@ def test_optax_update_with_sharded_state():
         assert_shardings(leaf, NamedSharding(mesh, spec(leaf)))
     for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(reference)):
         np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_unconstrained_dimension_is_replicated_eagerly():
+    # `eqx.filter_shard` accepts `P.UNCONSTRAINED` eagerly (an identity `jit`); a
+    # transfer needs a concrete layout, so the dimension is placed replicated.
+    mesh = auto_mesh()
+    target = NamedSharding(mesh, P("x", P.UNCONSTRAINED))
+    x = jnp.arange(64.0).reshape(8, 8)
+    for out in (
+        eqxs.filter_shard(x, target),
+        eqxs.filter_device_put(x, target),
+    ):
+        assert out.sharding.is_equivalent_to(NamedSharding(mesh, P("x", None)), 2)
+        assert tree_allclose(out, x)
+    traced = jax.jit(lambda y: eqxs.filter_shard(y, target))(x)
+    assert tree_allclose(traced, x)
