@@ -148,6 +148,7 @@ class _Plan:
         "extra_indices",
         "needs_mesh",
         "keyed",
+        "any_deleted",
         "entries",
         "arg_names",
         "n_args",
@@ -167,6 +168,7 @@ class _Entry:
         "donated",
         "kept",
         "fast",
+        "serialize",
     )
 
 
@@ -417,6 +419,14 @@ def _make_plan(table, config, args, kwargs, leaves, treedef, dynamic) -> _Plan:
         isinstance(s, jax.sharding.PartitionSpec) for s in plan.in_specs
     )
     plan.keyed = bool(plan.extra_indices) or plan.needs_mesh
+    array_impl = _array_impl_type()
+    if all(type(x) is array_impl for x, m in zip(leaves, mask) if m):
+        # `map` over the unbound method runs at C speed (~27ns per leaf).
+        plan.any_deleted = lambda xs: any(map(array_impl.is_deleted, xs))
+    else:
+        plan.any_deleted = lambda xs: any(
+            type(x) is array_impl and x.is_deleted() for x in xs
+        )
     with table.lock:
         plan.entries = table.entries.setdefault((treedef, mask), {})
     return plan
@@ -582,6 +592,10 @@ def _make_entry(w, plan: _Plan, args, kwargs, leaves) -> _Entry:
     entry.jitted = jax.jit(fun_wrapped, donate_argnums=donate_argnums, **jit_kwargs)
     entry.sync = False
     entry.fast = False
+    entry.serialize = _serialize_dispatch(
+        [s for _, s in in_todo]
+        + [getattr(leaves[i], "sharding", None) for i in plan.donated + plan.kept]
+    )
     return entry
 
 
@@ -632,6 +646,22 @@ def _diagnose(table: _Table, plan: _Plan, entry: _Entry, args, kwargs, leaves) -
                     "`equinox_shard.filter_device_put`, or give `None` for it in "
                     "`in_shardings` to accept its current sharding."
                 )
+
+
+# On the CPU backend, several threads dispatching multi-device executables at once can
+# deadlock inside XLA (every thread waits in `PjRtCpuLoadedExecutable::Execute`; plain
+# `jax.jit` from 8 threads hangs too: tests/test_concurrency.py). Dispatch is
+# asynchronous, so holding a lock around it costs ~50ns and serialises only the launch.
+_cpu_dispatch_lock = threading.Lock()
+
+
+def _serialize_dispatch(shardings: list) -> bool:
+    if jax.default_backend() != "cpu":
+        return False
+    return any(
+        isinstance(s, jax.sharding.Sharding) and len(s.device_set) > 1
+        for s in shardings
+    )
 
 
 def _raise_deleted_fun(dynamic_fun: tuple) -> None:
@@ -822,23 +852,25 @@ def _call(w, args, kwargs):
     donated = plan.get_donated(leaves)
     kept = plan.get_kept(leaves)
     dynamic_fun = _getattr(w, "_dynamic_fun")
+    # XLA segfaults when an already-deleted (e.g. previously donated) multi-device
+    # array is passed to a function that has run before, so check first.
+    if plan.any_deleted(donated) or plan.any_deleted(kept):
+        _diagnose(table, plan, entry, args, kwargs, leaves)
     if entry.fast:
         # The hot path: no donation, no commits, no callbacks to wait for.
         try:
-            out = entry.jitted(dynamic_fun, donated, kept)
+            if entry.serialize:
+                with _cpu_dispatch_lock:
+                    out = entry.jitted(dynamic_fun, donated, kept)
+            else:
+                out = entry.jitted(dynamic_fun, donated, kept)
         except Exception:
             _diagnose(table, plan, entry, args, kwargs, leaves)
             raise
         return out[1].combine(out[0])
     if donated or (config.donate_rest and table.fun_has_arrays):
-        # XLA segfaults when an already-deleted (e.g. previously donated) multi-device
-        # array is passed to a donating call, so check before calling.
         array_impl = _array_impl_type()
-        if any(
-            type(x) is array_impl and x.is_deleted()
-            for x in donated + kept + dynamic_fun
-        ):
-            _diagnose(table, plan, entry, args, kwargs, leaves)
+        if any(type(x) is array_impl and x.is_deleted() for x in dynamic_fun):
             _raise_deleted_fun(dynamic_fun)
         demote = _demotions(donated, kept, dynamic_fun, table, plan, args, kwargs)
         if demote:
@@ -858,6 +890,13 @@ def _call(w, args, kwargs):
                 warnings.filterwarnings(
                     "ignore", message="Some donated buffers were not usable"
                 )
+                if entry.serialize:
+                    with _cpu_dispatch_lock:
+                        out = jitted(dynamic_fun, donated, kept)
+                else:
+                    out = jitted(dynamic_fun, donated, kept)
+        elif entry.serialize:
+            with _cpu_dispatch_lock:
                 out = jitted(dynamic_fun, donated, kept)
         else:
             out = jitted(dynamic_fun, donated, kept)

@@ -3,6 +3,8 @@ import typing
 import jax
 import pytest
 
+from . import hypothesis_profiles  # noqa: F401 - registers `--hypothesis-profile=long`
+
 
 typing.TESTING = True  # pyright: ignore
 

@@ -1,0 +1,72 @@
+"""Runs a check in a fresh Python process with 8 simulated CPU devices and a deadline.
+
+For checks whose failure mode would take the test run down with it: a segmentation
+fault inside XLA, or a deadlock. The snippet runs after a preamble that sets up the
+devices (and the same configuration as tests/conftest.py); it reports back by printing
+one line of JSON, prefixed with `RESULT `, which `run_isolated` returns parsed.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+
+_PREAMBLE = """\
+import json
+import jax
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_num_cpu_devices", 8)
+
+def report(value):
+    print("RESULT " + json.dumps(value), flush=True)
+
+"""
+
+
+class Isolated:
+    """What happened in the fresh process: `returncode` (negative: killed by that
+    signal; `None`: it ran past its deadline and was killed), `result` (what the snippet
+    passed to `report`, or `None`) and the tail of its output."""
+
+    def __init__(self, returncode: int | None, result: Any, output: str):
+        self.returncode = returncode
+        self.result = result
+        self.output = output
+
+    def __repr__(self):
+        return (
+            f"Isolated(returncode={self.returncode}, result={self.result!r}, "
+            f"output=...{self.output[-3000:]!r})"
+        )
+
+
+def run_isolated(code: str, *, timeout: float) -> Isolated:
+    """Runs `code` (dedented) in a new process group; kills the group after `timeout`
+    seconds."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PREAMBLE + textwrap.dedent(code)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        returncode = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        returncode = None
+    result = None
+    for line in output.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT ") :])
+    return Isolated(returncode, result, output)

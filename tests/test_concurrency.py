@@ -1,0 +1,209 @@
+"""`filter_jit` called from many threads at once, and many times over.
+
+- Threads: 8 threads call one `filter_jit`-wrapped function 1000 times each, with a
+    static argument that takes 4 values (so threads share compiled functions, and race
+    to compile each one first). Nothing may raise, every output must be right, and the
+    function must be traced exactly once per static value. These run in a fresh process
+    with a deadline, because a deadlock would otherwise hang the test run (see
+    `test_threads_sharded`).
+- Growth: thousands of calls with freshly built but equal Modules must not add compiled
+    functions (nor compile anything) past the first call per static signature, and must
+    not grow the resident memory. benchmarks/growth.py measures the same at 10,000
+    calls and reports the figures.
+"""
+
+import gc
+
+import equinox as eqx
+import equinox_shard as eqxs
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from .helpers import auto_mesh, count_compiles
+from .isolated import run_isolated
+
+
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "cpu", reason="simulates 8 CPU devices"
+)
+
+
+_THREADS = """
+import collections
+import threading
+
+import equinox_shard as eqxs
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+THREADS, CALLS, STATICS = 8, {calls}, 4
+if {sharded}:
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharding = NamedSharding(mesh, P("x"))
+else:
+    sharding = SingleDeviceSharding(jax.devices()[0])
+
+traces = collections.Counter()
+traces_lock = threading.Lock()
+
+
+@eqxs.filter_jit(in_shardings=(sharding, None), out_shardings=sharding)
+def f(x, k):
+    with traces_lock:
+        traces[k] += 1
+    return x * k + 1
+
+
+base = np.arange(8.0, dtype=np.float32)
+committed = jax.device_put(base, sharding)
+barrier = threading.Barrier(THREADS)
+errors = []
+outputs = [[] for _ in range(THREADS)]
+
+
+def work(t):
+    try:
+        barrier.wait()  # All threads start together: they race to compile.
+        for i in range(CALLS):
+            k = (t + i) % STATICS
+            # Uncommitted inputs first (committed to `sharding` before the call), then
+            # committed ones: both must use the same compilation.
+            x = jnp.asarray(base) if i < STATICS else committed
+            outputs[t].append((k, f(x, k)))
+    except BaseException as e:
+        errors.append(repr(e))
+
+
+threads = [threading.Thread(target=work, args=(t,)) for t in range(THREADS)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+
+wrong = 0
+for t in range(THREADS):
+    for k, out in outputs[t]:
+        if not (
+            np.array_equal(np.asarray(out), base * k + 1)
+            and out.sharding.is_equivalent_to(sharding, 1)
+        ):
+            wrong += 1
+report(
+    {{
+        "errors": errors[:5],
+        "calls": sum(map(len, outputs)),
+        "wrong": wrong,
+        "traces": {{str(k): n for k, n in traces.items()}},
+        "plans": len(f._table.plans),
+        "entries": sum(map(len, f._table.entries.values())),
+    }}
+)
+"""
+
+
+def _check_threads(run, calls):
+    assert run.returncode == 0, run
+    result = run.result
+    assert result["errors"] == [], result
+    assert result["calls"] == 8 * calls, result
+    assert result["wrong"] == 0, result
+    # Traced once per static value, however many threads raced for it.
+    assert result["traces"] == {"0": 1, "1": 1, "2": 1, "3": 1}, result
+    assert result["plans"] == 1, result
+    assert result["entries"] == 4, result
+
+
+@pytest.mark.slow
+def test_threads():
+    calls = 1000
+    run = run_isolated(_THREADS.format(sharded=False, calls=calls), timeout=300)
+    _check_threads(run, calls)
+
+
+@pytest.mark.slow
+def test_threads_sharded():
+    calls = 1000
+    # A deadlocked run is killed at the deadline (a good run takes seconds).
+    run = run_isolated(_THREADS.format(sharded=True, calls=calls), timeout=90)
+    _check_threads(run, calls)
+
+
+#
+# Growth.
+#
+
+
+class _Layer(eqx.Module):
+    weight: jax.Array
+    bias: jax.Array
+    activation: tuple = eqx.field(static=True)
+    name: str = eqx.field(static=True)
+
+    def __call__(self, x):
+        return jnp.tanh(x @ self.weight + self.bias[None])
+
+
+def _fresh_layer(i: int) -> _Layer:
+    # New arrays, new tuple, new string: equal to, but not the same objects as, those
+    # of the previous call. Two static signatures (`name`).
+    rng = np.random.default_rng(0)
+    weight = jnp.asarray(rng.standard_normal((4, 4), dtype=np.float32))
+    bias = jnp.asarray(np.zeros(4, np.float32))
+    return _Layer(weight, bias, ("tanh", 4), "".join(["layer", str(i % 2)]))
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")  # pragma: no cover
+
+
+# RSS may grow by at most this much over the measured calls (it measures well under
+# 1 MiB for 10,000 calls: see benchmarks/growth.py); a leak of one compiled function,
+# trace or PyTree per call would exceed it.
+_RSS_BOUND_MIB = 32
+
+
+@pytest.mark.slow
+def test_growth_fresh_equal_modules():
+    mesh = auto_mesh()
+    replicated = NamedSharding(mesh, P())
+    batch = NamedSharding(mesh, P("x"))
+    traces = []
+
+    @eqxs.filter_jit(in_shardings=(replicated, batch), out_shardings=batch)
+    def apply(layer, x):
+        traces.append(layer.name)
+        return layer(x)
+
+    x = jax.device_put(jnp.ones((8, 4)), batch)
+    expected: dict[str, np.ndarray] = {}
+    for i in range(200):  # warm-up: compiles, caches, allocator pools
+        layer = _fresh_layer(i)
+        expected[layer.name] = np.asarray(layer(jnp.ones((8, 4))))
+        jax.block_until_ready(apply(layer, x))
+    assert sorted(traces) == ["layer0", "layer1"]
+    gc.collect()
+    before = _rss_mib()
+    out = None
+    with count_compiles() as compiles:
+        for i in range(3000):
+            out = apply(_fresh_layer(i), x)
+            if i % 500 == 0:
+                np.testing.assert_allclose(out, expected[f"layer{i % 2}"], rtol=1e-6)
+                assert out.sharding.is_equivalent_to(batch, 2)
+        jax.block_until_ready(out)
+    gc.collect()
+    growth = _rss_mib() - before
+    assert compiles == []
+    assert sorted(traces) == ["layer0", "layer1"]
+    assert len(apply._table.plans) == 2
+    entries = apply._table.entries.values()
+    assert sum(map(len, entries)) == 2
+    assert growth < _RSS_BOUND_MIB, growth
