@@ -48,6 +48,8 @@ def is_rule(x: Any) -> bool:
     """Whether `x` is a callable spec leaf (a rule `leaf -> spec leaf`)."""
     return (
         callable(x)
+        # A class (e.g. `P` for `P()`) is callable but is never a rule.
+        and not isinstance(x, type)
         and not isinstance(x, _SPEC_TYPES)
         and not isinstance(x, _NOT_RULES)
         and not is_pytree_node(x)

@@ -267,12 +267,6 @@ def test_spec_leaf_is_a_mesh(apply):
         apply(x, {"a": auto_mesh(), "b": r, "c": r})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a class is callable, so `P` (for `P()`) is taken for a rule and called on "
-    "the array: 'ValueError: ... the sharding rule <class 'jax.P'> raised ValueError: "
-    "The truth value of an array with more than one element is ambiguous'",
-)
 @eager_modes
 def test_spec_leaf_is_a_class(apply):
     x = _tree()
