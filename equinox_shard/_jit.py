@@ -83,7 +83,7 @@ def _hashable_combine(dynamic: tuple, static: tuple) -> Any:
     return jtu.tree_unflatten(treedef, leaves)
 
 
-def _getter(indices: tuple[int, ...]) -> Callable[[list], tuple]:
+def _getter(indices: tuple[int, ...]) -> Callable[[Any], tuple]:
     # `operator.itemgetter` gathers at C speed; it returns a bare item for one index.
     if len(indices) == 0:
         return lambda leaves: ()
@@ -102,7 +102,7 @@ class _OutStatic:
     def __init__(self, treedef, static_leaves, positions):
         self.treedef = treedef
         if positions is None:  # every output leaf is an array
-            self.static_leaves = None
+            self.static_leaves = ()
             self.gather = None
         else:
             # Output leaf `i` is element `order[i]` of `dynamic + static_values`, so
@@ -793,7 +793,9 @@ def _run_sync(call, jit_id: bytes):
 _getattr = object.__getattribute__
 
 
-def _lookup(w, table: _Table, args, kwargs, leaves, treedef):
+def _lookup(
+    w, table: _Table, args, kwargs, leaves, treedef
+) -> tuple[_Plan, Any, _Entry]:
     """The slow path of a call: build the plan and/or the compiled entry."""
     config: _Config = table.config
     plan_key = (treedef, tuple(map(type, leaves)))
@@ -841,13 +843,13 @@ def _call(w, args, kwargs):
         args, kwargs = _bind(config, args, kwargs)
     leaves, treedef = jtu.tree_flatten((args, kwargs))
     plan = table.plans.get((treedef, tuple(map(type, leaves))))
-    entry = None
+    entry = key = None
     if plan is not None:
         key = plan.get_static(leaves)
         if plan.keyed:
             key = (key, _extra_key(plan, leaves))
         entry = plan.entries.get(key)
-    if entry is None:
+    if plan is None or entry is None:
         plan, key, entry = _lookup(w, table, args, kwargs, leaves, treedef)
     donated = plan.get_donated(leaves)
     kept = plan.get_kept(leaves)
@@ -948,7 +950,7 @@ class Compiled(Module):
         dynamic_out, out_static = self.compiled(w._dynamic_fun, donated, kept)
         return out_static.combine(dynamic_out)
 
-    def as_text(self) -> str:
+    def as_text(self) -> str | None:
         return self.compiled.as_text()
 
     @property

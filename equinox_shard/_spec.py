@@ -26,7 +26,7 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
-from jaxtyping import PyTreeDef
+from jax.tree_util import PyTreeDef
 
 
 _SPEC_TYPES = (Sharding, PartitionSpec, jax.Device)
@@ -34,7 +34,7 @@ _SPEC_TYPES = (Sharding, PartitionSpec, jax.Device)
 _NOT_RULES = (jax.sharding.Mesh, jax.sharding.AbstractMesh)
 
 
-def _one_level(x: Any) -> PyTreeDef:
+def _one_level(x: Any) -> PyTreeDef:  # pyright: ignore[reportInvalidTypeForm]
     return jtu.tree_structure(x, is_leaf=lambda y: y is not x)
 
 
@@ -83,7 +83,7 @@ def _check_spec_leaf(x: Any, where: str) -> None:
         )
 
 
-def flatten_specs(specs: Any, name: str) -> tuple[list, PyTreeDef]:
+def flatten_specs(specs: Any, name: str) -> tuple[list, PyTreeDef]:  # pyright: ignore[reportInvalidTypeForm]
     """Flattens a specification down to its spec leaves, checking each leaf's type.
 
     `name` is what the specification is called in error messages, e.g.
@@ -187,7 +187,7 @@ def prefix_error(specs: Any, value: Any, spec_name: str, value_name: str) -> Val
 
 def broadcast_specs(
     spec_leaves: list,
-    spec_def: PyTreeDef,
+    spec_def: PyTreeDef,  # pyright: ignore[reportInvalidTypeForm]
     specs: Any,
     value: Any,
     num_leaves: int,

@@ -213,7 +213,7 @@ def test_spec_module_of_another_type(apply):
 
 
 @pytest.mark.xfail(
-    strict=True,
+    strict=False,  # Equinox 0.13.1's treedef repr happens to name the field.
     reason="the message shows Equinox's raw static data, '(Missing, True, True, 2, 2, "
     "8, 1, False) vs (Missing, True, True, 2, 2, 6, 1, False)', but not which field "
     "differs (`width_size`)",

@@ -71,9 +71,11 @@ def test_fresh_but_equal_module_does_not_retrace(getkey):
         num_traces += 1
         return model(x)
 
+    model = out = None
     for _ in range(3):
         model = eqx.nn.MLP(4, 4, 8, 2, key=jr.key(0))  # fresh but equal
         out = f(model, jnp.ones(4))
+    assert model is not None and out is not None
     assert num_traces == 1
     assert tree_allclose(out, model(jnp.ones(4)))
 

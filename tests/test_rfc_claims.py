@@ -323,7 +323,10 @@ def test_module_placement_non_arrays_untouched(getkey):
 
 def test_if_array_specs_work_as_callables():
     """Equinox's `if_array(spec)` (the `AxisSpec` idiom of #1077) is a callable spec
-    leaf: called on array leaves only, it returns the spec."""
+    leaf: called on array leaves only, it returns the spec. (Its annotation says
+    `axis: int`, so Equinox's own runtime type checks reject it; see RFC §5.)"""
+    if getattr(eqx.if_array.__init__, "__wrapped__", None) is not None:
+        pytest.skip("eqx.if_array is runtime type-checked (axis: int)")
     mesh = auto_mesh()
     s, r = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
     f = eqxs.filter_jit(

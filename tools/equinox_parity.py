@@ -71,7 +71,8 @@ def main() -> int:
                 "-W",
                 "error",
                 "-W",
-                "ignore:Setting `jax_pmap_shmap_merge` is deprecated:DeprecationWarning",
+                "ignore:Setting `jax_pmap_shmap_merge` is deprecated"
+                ":DeprecationWarning",
                 "tests",
                 *args.pytest_args,
             ],
