@@ -1,0 +1,4 @@
+from .run import main
+
+
+main()

@@ -1,0 +1,146 @@
+"""Eager placement of a whole `eqx.Module` tree on a sharding, outside any trace.
+
+Variants:
+
+- `device_put`: `jax.device_put` on the array partition, made once up front (the
+    floor: what a hand-written program pays at the least).
+- `eqxs.fdp`: `equinox_shard.filter_device_put`.
+- `eqxs.fs`: `equinox_shard.filter_shard` (eager).
+- `eqx.fs`: `equinox.filter_shard` (eager: `with_sharding_constraint` per leaf).
+
+Sources: `uncommitted` arrays on the default device, or arrays `placed` (committed)
+on the target sharding already. Each call is waited for (wall time, µs per call).
+`same` is the fraction of output array leaves that are the very objects of the input.
+"""
+
+import equinox as eqx
+import equinox_shard as eqxs
+import jax
+
+from . import _harness as h, _trees as t
+
+
+VARIANTS = ("device_put", "eqxs.fdp", "eqxs.fs", "eqx.fs")
+SOURCES = ("uncommitted", "placed")
+
+
+def _variants(tree, s, n, cfg):
+    dynamic, _ = eqx.partition(tree, eqx.is_array)
+    out = {
+        "device_put": (lambda: jax.device_put(dynamic, s), dynamic),
+        "eqxs.fdp": (lambda: eqxs.filter_device_put(tree, s), tree),
+        "eqxs.fs": (lambda: eqxs.filter_shard(tree, s), tree),
+    }
+    if n <= cfg["eqx_shard_max_n"]:
+        # `with_sharding_constraint` outside jit dispatches one `jit` per leaf, about
+        # a millisecond each: too slow for the largest trees.
+        out["eqx.fs"] = (lambda: eqx.filter_shard(tree, s), tree)
+    return out
+
+
+def run(cfg: dict) -> dict:
+    cells = {}
+    same = {}
+    same_static = {}
+    for layout in cfg["layouts"]:
+        s = t.sharding(layout)
+        for source in SOURCES:
+            for n in cfg["ns"]:
+                key = (layout, source, n)
+                tree = t.make_tree("module", n)
+                if source == "placed":
+                    tree = t.place(tree, s)
+                variants = _variants(tree, s, n, cfg)
+                same[key] = {}
+                same_static[key] = {}
+                samplers = {}
+                for name, (fn, before) in variants.items():
+                    after = jax.block_until_ready(fn())  # also compiles, if anything
+                    same[key][name] = t.identity_fraction(before, after)
+                    if name != "device_put":
+                        same_static[key][name] = t.static_identity_fraction(
+                            before, after
+                        )
+                    del after
+                    inner = h.calibrate(fn, (), cfg["sample_s"], cfg["max_inner"])
+                    samplers[name] = lambda fn=fn, inner=inner: h.sample_sync(
+                        fn, (), inner
+                    )
+                cells[key] = samplers
+    rounds = cfg["warmup"] + cfg["reps"]
+    measured = h.interleaved(
+        cells,
+        reps=cfg["reps"],
+        warmup=cfg["warmup"],
+        progress=h.progress_printer("placement", rounds, cfg["verbose"]),
+    )
+    rows = []
+    for (layout, source, n), (medians, samples) in measured.items():
+        key = (layout, source, n)
+        rows.append(
+            {
+                "layout": layout,
+                "source": source,
+                "n": n,
+                "seconds": {v: medians.get(v) for v in VARIANTS},
+                "ratio_to_device_put": h.paired_ratios(
+                    samples, list(VARIANTS), "device_put"
+                ),
+                "same_object": {v: same[key].get(v) for v in VARIANTS},
+                "same_object_non_array": same_static[key],
+            }
+        )
+    return {"variants": list(VARIANTS), "rows": rows}
+
+
+def scaling(result: dict) -> list[dict]:
+    out = []
+    groups: dict = {}
+    for row in result["rows"]:
+        groups.setdefault((row["layout"], row["source"]), []).append(row)
+    for (layout, source), rows in groups.items():
+        per_leaf = {}
+        for v in result["variants"]:
+            points = [(r["n"], r["seconds"][v]) for r in rows if r["seconds"][v]]
+            if len(points) >= 2:
+                ns, ys = zip(*points)
+                per_leaf[v] = h.slope(list(ns), list(ys)) * 1e6
+            else:
+                per_leaf[v] = None
+        if len(rows) >= 2:
+            out.append(
+                {
+                    "what": "placement",
+                    "tree": "module",
+                    "layout": layout,
+                    "mode": source,
+                    "us_per_leaf": per_leaf,
+                }
+            )
+    return out
+
+
+def render(result: dict) -> str:
+    headers = [
+        "layout",
+        "from",
+        "N",
+        *VARIANTS,
+        *(f"{v}/device_put" for v in VARIANTS[1:]),
+        *(f"same {v}" for v in VARIANTS),
+    ]
+    rows = []
+    for r in result["rows"]:
+        rows.append(
+            [
+                r["layout"],
+                r["source"],
+                r["n"],
+                *(h.fmt(r["seconds"][v]) for v in VARIANTS),
+                *(h.fmt(r["ratio_to_device_put"][v], "x") for v in VARIANTS[1:]),
+                *(h.fmt(r["same_object"][v], "pct") for v in VARIANTS),
+            ]
+        )
+    return "### Eager placement: wall µs per call (Module tree)\n\n" + h.table(
+        headers, rows
+    )

@@ -1,0 +1,309 @@
+"""Runs every benchmark in one process, prints the tables (Markdown) and writes JSON.
+
+    python -m benchmarks            # the full run: a few minutes
+    python -m benchmarks --quick    # a smoke run: seconds, numbers meaningless
+
+The simulated devices are set up here, before JAX computes anything.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+from statistics import median
+
+
+DEFAULT_JSON = pathlib.Path(__file__).parent / "results" / "latest.json"
+
+SECTIONS = ("dispatch", "placement", "compiles", "step")
+
+FULL = {
+    "ns": [1, 10, 100, 1000],
+    "layouts": ["replicated", "batch", "single"],
+    "reps": 21,
+    "warmup": 2,
+    "sample_s": 0.003,
+    "max_inner": 200,
+    "eqx_shard_max_n": 100,
+    "compile_calls": 100,
+    "step": {
+        "vocab": 256,
+        "length": 32,
+        "width": 256,
+        "heads": 4,
+        "depth": 4,
+        "batch": 8,
+        "reps": 30,
+        "warmup": 2,
+    },
+}
+
+QUICK = {
+    "ns": [1, 10],
+    "layouts": ["batch", "single"],
+    "reps": 2,
+    "warmup": 1,
+    "sample_s": 0.0002,
+    "max_inner": 5,
+    "eqx_shard_max_n": 10,
+    "compile_calls": 5,
+    "step": {
+        "vocab": 16,
+        "length": 8,
+        "width": 16,
+        "heads": 2,
+        "depth": 1,
+        "batch": 8,
+        "reps": 2,
+        "warmup": 1,
+    },
+}
+
+# (section, description, threshold, how the value is read from the results)
+TARGET_DISPATCH_FLOOR = 1.25
+TARGET_DISPATCH_VS_EQX = 2.0
+TARGET_PLACE_UNCOMMITTED = 1.1
+TARGET_PLACE_PLACED = 0.5
+TARGET_STEP = 1.02
+
+
+def _targets(results: dict) -> list[dict]:
+    out = []
+
+    def add(name, value, threshold, *, at_most, detail, values=None):
+        if value is None:
+            return
+        met = value <= threshold if at_most else value >= threshold
+        out.append(
+            {
+                "target": name,
+                "value": value,
+                "median_over_cells": None if values is None else median(values),
+                "threshold": threshold,
+                "at_most": at_most,
+                "met": met,
+                "detail": detail,
+            }
+        )
+
+    if "dispatch" in results:
+        rows = results["dispatch"]["rows"]
+        for variant in ("eqxs", "eqxs+shard"):
+            for mode in ("async", "sync"):
+                sel = [r for r in rows if r["mode"] == mode]
+                worst = max(sel, key=lambda r: r["ratio_to_floor"][variant])
+                add(
+                    f"dispatch {variant}/floor ({mode}), worst N",
+                    worst["ratio_to_floor"][variant],
+                    TARGET_DISPATCH_FLOOR,
+                    at_most=True,
+                    detail=f"{worst['layout']} {worst['tree']} N={worst['n']}",
+                    values=[r["ratio_to_floor"][variant] for r in sel],
+                )
+        for variant, key in (
+            ("eqxs", "eqx_over_eqxs"),
+            ("eqxs+shard", "eqx_over_eqxs_shard"),
+        ):
+            small = [r for r in rows if r["n"] <= 10 and r["mode"] == "async"]
+            if small:
+                worst = min(small, key=lambda r: r[key])
+                add(
+                    f"dispatch eqx/{variant} speed-up (async), N <= 10, worst",
+                    worst[key],
+                    TARGET_DISPATCH_VS_EQX,
+                    at_most=False,
+                    detail=f"{worst['layout']} {worst['tree']} N={worst['n']}",
+                    values=[r[key] for r in small],
+                )
+    if "placement" in results:
+        rows = results["placement"]["rows"]
+        for variant in ("eqxs.fdp", "eqxs.fs"):
+            for source, threshold in (
+                ("uncommitted", TARGET_PLACE_UNCOMMITTED),
+                ("placed", TARGET_PLACE_PLACED),
+            ):
+                sel = [r for r in rows if r["source"] == source]
+                if not sel:
+                    continue
+                worst = max(sel, key=lambda r: r["ratio_to_device_put"][variant])
+                add(
+                    f"placement {variant}/device_put from {source}, worst N",
+                    worst["ratio_to_device_put"][variant],
+                    threshold,
+                    at_most=True,
+                    detail=f"{worst['layout']} N={worst['n']}",
+                    values=[r["ratio_to_device_put"][variant] for r in sel],
+                )
+                if source == "placed":
+                    least = min(r["same_object"][variant] for r in sel)
+                    add(
+                        f"placement {variant} identity on placed trees, least",
+                        least,
+                        1.0,
+                        at_most=False,
+                        detail="fraction of array leaves returned as the same object",
+                    )
+    if "compiles" in results:
+        counts = results["compiles"]["counts"]
+        worst = max(counts[s]["eqxs+shard"] for s in counts)
+        add(
+            "compilations of eqxs+shard, worst scenario",
+            worst,
+            1,
+            at_most=True,
+            detail=", ".join(f"{s}: {counts[s]['eqxs+shard']}" for s in counts),
+        )
+    if "step" in results:
+        add(
+            "training step eqxs/jit",
+            results["step"]["ratio_to_jit"]["eqxs"],
+            TARGET_STEP,
+            at_most=True,
+            detail=f"{results['step']['n_params'] / 1e6:.2f}M parameters",
+        )
+    return out
+
+
+def _render_targets(targets: list[dict]) -> str:
+    from ._harness import table
+
+    rows = []
+    for t in targets:
+        value = t["value"]
+        shown = f"{value:.2f}" if isinstance(value, float) else str(value)
+        typical = t["median_over_cells"]
+        rows.append(
+            [
+                t["target"],
+                shown,
+                "-" if typical is None else f"{typical:.2f}",
+                ("<= " if t["at_most"] else ">= ") + str(t["threshold"]),
+                "met" if t["met"] else "MISSED",
+                t["detail"],
+            ]
+        )
+    return (
+        "### Targets\n\nThe value is the worst cell; the median over all cells of the "
+        "same kind shows how much of that is noise.\n\n"
+        + table(["target", "value", "median", "threshold", "", "where"], rows)
+    )
+
+
+def _render_scaling(scaling: list[dict]) -> str:
+    from ._harness import table
+
+    variants: list[str] = []
+    for s in scaling:
+        for v in s["us_per_leaf"]:
+            if v not in variants:
+                variants.append(v)
+    rows = [
+        [
+            s["what"],
+            s["layout"],
+            s["tree"],
+            s["mode"],
+            *(
+                "-" if s["us_per_leaf"].get(v) is None else f"{s['us_per_leaf'][v]:.2f}"
+                for v in variants
+            ),
+        ]
+        for s in scaling
+    ]
+    return "### Scaling: µs per array leaf (least-squares slope over N)\n\n" + table(
+        ["what", "layout", "tree", "mode", *variants], rows
+    )
+
+
+def _load(values) -> str:
+    return "/".join(f"{x:.1f}" for x in values) if values else "?"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=SECTIONS,
+        default=list(SECTIONS),
+        help="run only these sections",
+    )
+    parser.add_argument("--json", type=pathlib.Path, default=None, help="output file")
+    parser.add_argument("--reps", type=int, default=None, help="override repetitions")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    args = parser.parse_args(argv)
+
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 8)
+
+    from . import _harness as h, compiles, dispatch, placement, step
+
+    cfg = dict(QUICK if args.quick else FULL)
+    if args.reps is not None:
+        cfg["reps"] = args.reps
+    cfg["verbose"] = not args.quiet
+    json_path = args.json or (
+        DEFAULT_JSON.with_name("quick.json") if args.quick else DEFAULT_JSON
+    )
+
+    start = time.perf_counter()
+    results: dict = {
+        "meta": {
+            **h.machine(),
+            "command": "python -m benchmarks" + (" --quick" if args.quick else ""),
+            "quick": args.quick,
+            "config": {k: v for k, v in cfg.items() if k != "verbose"},
+        }
+    }
+    sections = {
+        "dispatch": dispatch,
+        "placement": placement,
+        "compiles": compiles,
+        "step": step,
+    }
+    for name in SECTIONS:
+        if name not in args.only:
+            continue
+        if cfg["verbose"]:
+            print(f"running {name} ...", file=sys.stderr, flush=True)
+        results[name] = sections[name].run(cfg)
+    scaling = []
+    if "dispatch" in results:
+        scaling += dispatch.scaling(results["dispatch"])
+    if "placement" in results:
+        scaling += placement.scaling(results["placement"])
+    results["scaling"] = scaling
+    results["targets"] = _targets(results)
+    results["meta"]["seconds"] = time.perf_counter() - start
+    try:
+        results["meta"]["loadavg_at_end"] = os.getloadavg()
+    except OSError:
+        pass
+
+    meta = results["meta"]
+    parts = [
+        f"`{meta['command']}` on {meta['nproc']} x {meta['cpu']}, {meta['devices']} "
+        f"simulated {meta['platform']} devices, jax {meta['jax']}, equinox "
+        f"{meta['equinox']}, {meta['date']}, {meta['seconds']:.0f} s; load average "
+        f"{_load(meta.get('loadavg_at_start'))} at the start, "
+        f"{_load(meta.get('loadavg_at_end'))} at the end. Medians of {cfg['reps']} "
+        "interleaved repetitions; ratios are medians of per-round ratios."
+    ]
+    for name in SECTIONS:
+        if name in results:
+            parts.append(sections[name].render(results[name]))
+        if name == "placement" and scaling:
+            parts.append(_render_scaling(scaling))
+    parts.append(_render_targets(results["targets"]))
+    print("\n\n".join(parts))
+
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    if cfg["verbose"]:
+        print(f"wrote {json_path}", file=sys.stderr)
+    return results

@@ -1,0 +1,99 @@
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+
+_ROOT = pathlib.Path(__file__).parent.parent
+
+
+@pytest.mark.benchmark
+def test_quick_run(tmp_path):
+    # A smoke run of `python -m benchmarks --quick` in a fresh process (it sets up its
+    # own 8 simulated devices): it must run to the end and produce every table and
+    # every JSON key. Times are never asserted; the counts and identities are.
+    out = tmp_path / "quick.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--quiet", "--json", str(out)],
+        cwd=_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for title in (
+        "### Dispatch: calling-thread CPU",
+        "### Dispatch: wall",
+        "### Eager placement",
+        "### Scaling",
+        "### Compilations",
+        "### Training step",
+        "### Targets",
+    ):
+        assert title in proc.stdout, title
+
+    results = json.loads(out.read_text())
+    assert set(results) == {
+        "meta",
+        "dispatch",
+        "placement",
+        "compiles",
+        "step",
+        "scaling",
+        "targets",
+    }
+    assert results["meta"]["quick"] is True
+    assert results["meta"]["devices"] == 8
+    for key in ("date", "nproc", "cpu", "jax", "equinox", "command"):
+        assert key in results["meta"], key
+
+    dispatch = results["dispatch"]
+    assert dispatch["variants"] == ["floor", "jit+shard", "eqx", "eqxs", "eqxs+shard"]
+    ns = results["meta"]["config"]["ns"]
+    layouts = results["meta"]["config"]["layouts"]
+    assert len(dispatch["rows"]) == len(ns) * len(layouts) * 2 * 2
+    for row in dispatch["rows"]:
+        assert set(row["seconds"]) == set(dispatch["variants"])
+        assert all(s > 0 for s in row["seconds"].values())
+        assert row["ratio_to_floor"]["floor"] == 1.0
+
+    placement = results["placement"]
+    assert len(placement["rows"]) == len(ns) * len(layouts) * 2
+    for row in placement["rows"]:
+        assert set(row["seconds"]) == set(placement["variants"])
+        # Non-array leaves always come back as the same objects.
+        assert set(row["same_object_non_array"].values()) == {1.0}
+        if row["source"] == "placed":
+            # Already-placed arrays come back as the same objects...
+            assert row["same_object"]["eqxs.fdp"] == 1.0
+            assert row["same_object"]["eqxs.fs"] == 1.0
+        else:
+            # ...whilst uncommitted ones are transferred.
+            assert row["same_object"]["eqxs.fdp"] == 0.0
+
+    # `filter_jit` with shardings compiles once in every scenario.
+    counts = results["compiles"]["counts"]
+    assert set(counts) == {"fresh values", "fresh equal Modules", "x = f(x)"}
+    for scenario in counts.values():
+        assert scenario["eqxs+shard"] == 1
+        assert set(scenario) == {"eqxs+shard", "jit+shard", "eqx", "eqxs"}
+
+    step = results["step"]
+    assert set(step["steps_per_second"]) == {"eqxs", "jit", "eqx tutorial"}
+    assert set(step["peak_rss_mib"]) == {"eqxs", "jit", "eqx tutorial"}
+    assert step["n_params"] > 0
+
+    assert {s["what"] for s in results["scaling"]} == {"dispatch", "placement"}
+    assert len(results["targets"]) > 0
+    for target in results["targets"]:
+        assert set(target) == {
+            "target",
+            "value",
+            "median_over_cells",
+            "threshold",
+            "at_most",
+            "met",
+            "detail",
+        }
