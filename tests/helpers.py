@@ -1,4 +1,5 @@
 import contextlib
+import logging
 
 import equinox as eqx
 import jax
@@ -132,3 +133,29 @@ def make_module(constructor, *args, **kwargs):
         return x
 
     return jtu.tree_map(fill, shapes)
+
+
+class _CompileLog(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def emit(self, record):
+        message = record.getMessage()
+        if message.startswith("Compiling "):
+            self.names.append(message.split(" with ")[0].removeprefix("Compiling "))
+
+
+@contextlib.contextmanager
+def compiled_names():
+    """Records the name of every function JAX compiles inside the block."""
+    handler = _CompileLog()
+    logger = logging.getLogger("jax")
+    logger.addHandler(handler)
+    previous = jax.config.jax_log_compiles  # pyright: ignore
+    jax.config.update("jax_log_compiles", True)
+    try:
+        yield handler.names
+    finally:
+        jax.config.update("jax_log_compiles", previous)
+        logger.removeHandler(handler)

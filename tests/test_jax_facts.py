@@ -5,8 +5,6 @@ on the versions in use, so that a change upstream shows up as a failing test wit
 RFC section it invalidates. RFC.md names these tests next to each claim.
 """
 
-import contextlib
-import logging
 import subprocess
 import sys
 import textwrap
@@ -21,33 +19,7 @@ import pytest
 from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from .helpers import auto_mesh, explicit_mesh
-
-
-class _CompileLog(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def emit(self, record):
-        message = record.getMessage()
-        if message.startswith("Compiling "):
-            self.names.append(message.split(" with ")[0].removeprefix("Compiling "))
-
-
-@contextlib.contextmanager
-def _compiles():
-    """Records the name of every function JAX compiles inside the block."""
-    handler = _CompileLog()
-    logger = logging.getLogger("jax")
-    logger.addHandler(handler)
-    previous = jax.config.jax_log_compiles  # pyright: ignore
-    jax.config.update("jax_log_compiles", True)
-    try:
-        yield handler.names
-    finally:
-        jax.config.update("jax_log_compiles", previous)
-        logger.removeHandler(handler)
+from .helpers import auto_mesh, compiled_names, explicit_mesh
 
 
 def _buffers(x):
@@ -76,16 +48,16 @@ def test_make_mesh_defaults_to_explicit():
 def test_eager_wsc_compiles_identity_jit():
     s = NamedSharding(auto_mesh(), P("x"))
     x = _uncommitted(40)
-    with _compiles() as first:
+    with compiled_names() as first:
         y = jax.lax.with_sharding_constraint(x, s)
     assert "jit(_identity_fn)" in first
     assert y.committed and y.sharding == s
     # The input's sharding is part of the cache key: an already-placed input compiles
     # its own identity function once, then nothing.
-    with _compiles() as second:
+    with compiled_names() as second:
         jax.lax.with_sharding_constraint(y, s)
     assert second == ["jit(_identity_fn)"]
-    with _compiles() as third:
+    with compiled_names() as third:
         jax.lax.with_sharding_constraint(y, NamedSharding(auto_mesh(), P("x")))
     assert third == []
 
@@ -121,15 +93,15 @@ def test_device_put_compiles_only_to_split_a_single_device_array():
     r = jax.device_put(_uncommitted(32), NamedSharding(mesh, P()))
     n = np.arange(16.0)
     jax.block_until_ready((x, r))
-    with _compiles() as names:
+    with compiled_names() as names:
         jax.device_put(r, s)  # replicated -> sharded
         jax.device_put(n, s)  # NumPy -> sharded
         jax.device_put(x, NamedSharding(mesh, P()))  # one device -> replicated
     assert names == []
-    with _compiles() as names:
+    with compiled_names() as names:
         jax.device_put(x, s)  # one device -> sharded: slices with a jitted helper
     assert names == ["jit(_multi_slice)"]
-    with _compiles() as names:
+    with compiled_names() as names:
         jax.device_put(_uncommitted(24) + 1, s)  # same shape again: cached
     assert "jit(_multi_slice)" not in names
 

@@ -2,9 +2,6 @@
 one test per cell group, checked on the mechanism (which primitive is traced, what is
 compiled) as well as on the result (the sharding of every array leaf)."""
 
-import contextlib
-import logging
-
 import equinox as eqx
 import equinox_shard as eqxs
 import jax
@@ -15,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from .helpers import assert_shardings, auto_mesh, explicit_mesh
+from .helpers import assert_shardings, auto_mesh, compiled_names, explicit_mesh
 
 
 _MESHES = {"auto": auto_mesh, "explicit": explicit_mesh}
@@ -23,31 +20,6 @@ _FUNCTIONS = {
     "filter_device_put": eqxs.filter_device_put,
     "filter_shard": eqxs.filter_shard,
 }
-
-
-class _CompileLog(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def emit(self, record):
-        message = record.getMessage()
-        if message.startswith("Compiling "):
-            self.names.append(message.split(" with ")[0].removeprefix("Compiling "))
-
-
-@contextlib.contextmanager
-def _compiles():
-    handler = _CompileLog()
-    logger = logging.getLogger("jax")
-    logger.addHandler(handler)
-    previous = jax.config.jax_log_compiles  # pyright: ignore
-    jax.config.update("jax_log_compiles", True)
-    try:
-        yield handler.names
-    finally:
-        jax.config.update("jax_log_compiles", previous)
-        logger.removeHandler(handler)
 
 
 def _primitives(fn, *args) -> set[str]:
@@ -65,7 +37,7 @@ def test_outside_trace_is_device_put(fn_name, mesh_name):
     s = NamedSharding(_MESHES[mesh_name](), P("x"))
     tree = _tree(24)
     jax.block_until_ready(tree["w"])
-    with _compiles() as names:
+    with compiled_names() as names:
         out = fn(tree, s)
     # No identity `jit` (as eager `with_sharding_constraint` compiles); only JAX's own
     # `device_put` helper that splits a single-device array across devices.
@@ -73,7 +45,7 @@ def test_outside_trace_is_device_put(fn_name, mesh_name):
     assert_shardings(out["w"], s)
     assert out["act"] is jax.nn.relu and out["k"] == 3
     assert np.array_equal(out["w"], tree["w"])
-    with _compiles() as names:
+    with compiled_names() as names:
         again = fn(out, s)
     assert names == []
     assert again["w"] is out["w"]
