@@ -92,6 +92,8 @@ def resolve_leaves(
 ) -> list[tuple[int, Sharding]]:
     """Returns `(leaf index, sharding)` for every dynamic leaf of `value` whose
     specification resolves to a sharding (i.e. not `None`)."""
+    if isinstance(specs, Sharding):  # the common case: nothing to broadcast or resolve
+        return [(i, specs) for i, leaf in enumerate(leaves) if dynamic(leaf)]
     spec_leaves, spec_def = flatten_specs(specs, spec_name)
     per_leaf = broadcast_specs(
         spec_leaves, spec_def, specs, value, len(leaves), spec_name, value_name
@@ -99,6 +101,9 @@ def resolve_leaves(
     out = []
     for i, (spec, leaf) in enumerate(zip(per_leaf, leaves)):
         if spec is None or not dynamic(leaf):
+            continue
+        if isinstance(spec, Sharding):  # nothing to resolve
+            out.append((i, spec))
             continue
         sharding = resolve(
             spec,
@@ -192,6 +197,10 @@ def device_put_leaves(
         donate = [donate[i] for i in indices]
     if isinstance(may_alias, list):
         may_alias = [may_alias[i] for i in indices]
+    elif may_alias is None and isinstance(donate, bool):
+        # `None` means `not donate`. `jax.device_put` broadcasts a non-bool over the
+        # tree (`flatten_axes`), which costs more than transferring a small array.
+        may_alias = not donate
     if donate is not False:
         # JAX 0.10.2: donating to a `SingleDeviceSharding` frees the input without
         # marking it deleted, so touching it afterwards segfaults; donating to the
@@ -203,6 +212,9 @@ def device_put_leaves(
             else s
             for s in targets
         ]
+    first = targets[0]
+    if all(t is first for t in targets):
+        targets = first  # likewise: one sharding is not broadcast over the tree
     out = jax.device_put(
         [leaves[i] for i in indices], targets, donate=donate, may_alias=may_alias
     )
