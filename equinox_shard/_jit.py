@@ -467,17 +467,26 @@ class _Commit:
     committed too, and both are placed as by `filter_device_put`: checked to be the
     same on every process, naming the argument's key path if not."""
 
-    __slots__ = ("donated", "kept", "multiprocess", "get_donated", "get_kept")
+    __slots__ = (
+        "donated",
+        "kept",
+        "multiprocess",
+        "get_donated",
+        "get_kept",
+        "leaf_indices",
+    )
 
-    def __init__(self, donated, kept):
+    def __init__(self, donated, kept, leaf_indices):
         self.donated = donated
         self.kept = kept
+        # (donated leaf indices, kept leaf indices) of the call: for key paths only.
+        self.leaf_indices = leaf_indices
         self.multiprocess = any(not s.is_fully_addressable for _, s in donated + kept)
         self.get_donated = _getter(tuple(p for p, _ in donated))
         self.get_kept = _getter(tuple(p for p, _ in kept))
 
     def __call__(
-        self, donated: tuple, kept: tuple, where: Callable[[int, int], str]
+        self, donated: tuple, kept: tuple, config: "_Config", args, kwargs
     ) -> tuple[tuple, tuple]:
         # The common case, at C speed: every specified leaf is committed already.
         try:
@@ -504,8 +513,12 @@ class _Commit:
                 indices = [p for p, _ in fix]
                 targets = [s for _, s in fix]
                 if multiprocess:
+                    leaf_index = self.leaf_indices[g]
                     indices, targets = _multiprocess.place_host_local(
-                        group, indices, targets, lambda p, g=g: where(g, p)
+                        group,
+                        indices,
+                        targets,
+                        lambda p: _arg_path(config, args, kwargs, leaf_index[p]),
                     )
                 if indices:
                     # As with `jax.jit`'s own resharding, a donated argument's buffer
@@ -517,14 +530,6 @@ class _Commit:
                 group = tuple(group)
             out.append(group)
         return out[0], out[1]
-
-
-def _commit_where(w, entry: "_Entry", args, kwargs) -> Callable[[int, int], str]:
-    """For `_Commit`: the key path of position `p` of the donated (`g == 0`) or kept
-    (`g == 1`) leaves of this call."""
-    config: _Config = _getattr(w, "_table").config
-    groups = (entry.donated, entry.kept)
-    return lambda g, p: _arg_path(config, args, kwargs, groups[g][p])
 
 
 def _make_entry(w, plan: _Plan, args, kwargs, leaves) -> _Entry:
@@ -552,7 +557,9 @@ def _make_entry(w, plan: _Plan, args, kwargs, leaves) -> _Entry:
     specified_donated = [(p, s) for p, s in enumerate(donated_shardings) if s]
     specified_kept = [(p, s) for p, s in enumerate(kept_shardings) if s]
     if specified_donated or specified_kept:
-        entry.commit = _Commit(specified_donated, specified_kept)
+        entry.commit = _Commit(
+            specified_donated, specified_kept, (plan.donated, plan.kept)
+        )
     else:
         entry.commit = None
 
@@ -832,9 +839,7 @@ def _lookup(
                 donated = plan.get_donated(leaves)
                 kept = plan.get_kept(leaves)
                 if entry.commit is not None:
-                    donated, kept = entry.commit(
-                        donated, kept, _commit_where(w, entry, args, kwargs)
-                    )
+                    donated, kept = entry.commit(donated, kept, config, args, kwargs)
                 _check_sync(entry, _getattr(w, "_dynamic_fun"), donated, kept)
                 entry.fast = not (
                     entry.sync
@@ -893,9 +898,7 @@ def _call(w, args, kwargs):
                 w, plan, demote, key, args, kwargs, leaves
             )
     if entry.commit is not None:
-        donated, kept = entry.commit(
-            donated, kept, _commit_where(w, entry, args, kwargs)
-        )
+        donated, kept = entry.commit(donated, kept, config, args, kwargs)
     jitted = entry.jitted
     try:
         if entry.sync:
