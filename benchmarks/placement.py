@@ -4,7 +4,10 @@ Variants:
 
 - `device_put`: `jax.device_put` on the array partition, made once up front (the
     floor: what a hand-written program pays at the least).
-- `eqxs.fdp`: `equinox_shard.filter_device_put`.
+- `copy`: `jax.device_put(..., may_alias=False)` on the partition: what a copy that
+    owns its buffers costs (JAX still shares a single-device buffer with a replicated
+    target here, so this floor is slightly low).
+- `eqxs.fdp`: `equinox_shard.filter_device_put` (its results own their buffers).
 - `eqxs.fs`: `equinox_shard.filter_shard` (eager).
 - `eqx.fs`: `equinox.filter_shard` (eager: `with_sharding_constraint` per leaf).
 
@@ -20,7 +23,7 @@ import jax
 from . import _harness as h, _trees as t
 
 
-VARIANTS = ("device_put", "eqxs.fdp", "eqxs.fs", "eqx.fs")
+VARIANTS = ("device_put", "copy", "eqxs.fdp", "eqxs.fs", "eqx.fs")
 SOURCES = ("uncommitted", "placed")
 
 
@@ -28,6 +31,7 @@ def _variants(tree, s, n, cfg):
     dynamic, _ = eqx.partition(tree, eqx.is_array)
     out = {
         "device_put": (lambda: jax.device_put(dynamic, s), dynamic),
+        "copy": (lambda: jax.device_put(dynamic, s, may_alias=False), dynamic),
         "eqxs.fdp": (lambda: eqxs.filter_device_put(tree, s), tree),
         "eqxs.fs": (lambda: eqxs.filter_shard(tree, s), tree),
     }
@@ -57,7 +61,7 @@ def run(cfg: dict) -> dict:
                 for name, (fn, before) in variants.items():
                     after = jax.block_until_ready(fn())  # also compiles, if anything
                     same[key][name] = t.identity_fraction(before, after)
-                    if name != "device_put":
+                    if name not in ("device_put", "copy"):
                         same_static[key][name] = t.static_identity_fraction(
                             before, after
                         )

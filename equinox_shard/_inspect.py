@@ -92,9 +92,11 @@ def sharding_table(tree: PyTree[Any], *, name: str = "") -> str:
     - the device for a `jax.sharding.SingleDeviceSharding` (e.g. `cpu:0`);
     - otherwise the sharding's type name;
 
-    followed by the memory kind if it is not the default, and by `uncommitted` for a
-    JAX array that `jax.jit` may still move freely. NumPy arrays are shown as `host`
-    and traced values as `traced`; neither counts towards the bytes per device.
+    followed by the memory kind if it is not the default, by `uncommitted` for a
+    JAX array that `jax.jit` may still move freely, and by `deleted` for an array
+    whose buffers are gone (e.g. donated to an earlier call; it holds no bytes).
+    NumPy arrays are shown as `host` and traced values as `traced`; neither counts
+    towards the bytes per device.
     A dimension that does not divide evenly across its mesh axes is counted as XLA
     pads it: every device holds the rounded-up shard.
 
@@ -140,10 +142,14 @@ def sharding_table(tree: PyTree[Any], *, name: str = "") -> str:
             else:
                 committed = getattr(leaf, "committed", True)
                 sharding_text = _describe_sharding(sharding, committed)
-                sizes = _shard_sizes(sharding, shape)
-                for device, size in sizes.items():
-                    per_device[device] += size * itemsize
-                size_text = _format_bytes(max(sizes.values()) * itemsize)
+                if isinstance(leaf, jax.Array) and leaf.is_deleted():
+                    # Its buffers are gone (e.g. donated): it holds no memory.
+                    sharding_text, size_text = f"{sharding_text} deleted", "-"
+                else:
+                    sizes = _shard_sizes(sharding, shape)
+                    for device, size in sizes.items():
+                        per_device[device] += size * itemsize
+                    size_text = _format_bytes(max(sizes.values()) * itemsize)
         key = name + jtu.keystr(path)
         rows.append(
             (key or "(root)", str(shape), str(leaf.dtype), sharding_text, size_text)

@@ -420,8 +420,11 @@ def _make_plan(table, config, args, kwargs, leaves, treedef, dynamic) -> _Plan:
     )
     plan.keyed = bool(plan.extra_indices) or plan.needs_mesh
     array_impl = _array_impl_type()
-    if all(type(x) is array_impl for x, m in zip(leaves, mask) if m):
-        # `map` over the unbound method runs at C speed (~27ns per leaf).
+    if dynamic is is_array and all(
+        type(x) is array_impl for x, m in zip(leaves, mask) if m
+    ):
+        # `map` over the unbound method runs at C speed (~27ns per leaf). (Not for
+        # `.lower()`: a `Compiled` may be called with other array types.)
         plan.any_deleted = lambda xs: any(map(array_impl.is_deleted, xs))
     else:
         plan.any_deleted = lambda xs: any(
@@ -641,10 +644,7 @@ def _bind(config: _Config, args, kwargs):
     return bound.args, bound.kwargs
 
 
-def _diagnose(table: _Table, plan: _Plan, entry: _Entry, args, kwargs, leaves) -> None:
-    """Called only after `jax.jit` raised: re-raise with the user's key path where we
-    can name the culprit."""
-    config: _Config = table.config
+def _raise_deleted(config: _Config, plan: _Plan, args, kwargs, leaves) -> None:
     for i in plan.donated + plan.kept:
         x = leaves[i]
         if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
@@ -653,6 +653,13 @@ def _diagnose(table: _Table, plan: _Plan, entry: _Entry, args, kwargs, leaves) -
                     f"{_arg_path(config, args, kwargs, i)}: this array has been "
                     "deleted (was it donated to an earlier call?)."
                 )
+
+
+def _diagnose(table: _Table, plan: _Plan, entry: _Entry, args, kwargs, leaves) -> None:
+    """Called only after `jax.jit` raised: re-raise with the user's key path where we
+    can name the culprit."""
+    config: _Config = table.config
+    _raise_deleted(config, plan, args, kwargs, leaves)
     for i, sharding in entry.in_todo:
         x = leaves[i]
         where = lambda i=i: _arg_path(config, args, kwargs, i)
@@ -731,6 +738,23 @@ def _demotions(
         counts[x] += 1
     demote = [i for i, x in zip(plan.donated, donated) if counts[id(x)] > 1]
     return tuple(demote)
+
+
+def _guard(
+    table: _Table, plan: _Plan, args, kwargs, leaves, donated, kept, dynamic_fun
+) -> tuple | None:
+    """The checks that every call makes before anything runs, whether through
+    `filter_jit` or a `Compiled` object. Raises, naming the key path, if an input was
+    deleted (XLA segfaults on a deleted multi-device input); returns the leaf indices
+    of donated inputs whose buffer is reachable twice and must be kept, or `None`."""
+    if plan.any_deleted(donated) or plan.any_deleted(kept):
+        _raise_deleted(table.config, plan, args, kwargs, leaves)
+    if not donated and not (table.config.donate_rest and table.fun_has_arrays):
+        return None
+    array_impl = _array_impl_type()
+    if any(type(x) is array_impl and x.is_deleted() for x in dynamic_fun):
+        _raise_deleted_fun(dynamic_fun)
+    return _demotions(donated, kept, dynamic_fun, table, plan, args, kwargs)
 
 
 def _aliased_entry(w, plan: _Plan, demote: tuple, key, args, kwargs, leaves):
@@ -872,10 +896,7 @@ def _call(w, args, kwargs):
     donated = plan.get_donated(leaves)
     kept = plan.get_kept(leaves)
     dynamic_fun = _getattr(w, "_dynamic_fun")
-    # XLA segfaults when an already-deleted (e.g. previously donated) multi-device
-    # array is passed to a function that has run before, so check first.
-    if plan.any_deleted(donated) or plan.any_deleted(kept):
-        _diagnose(table, plan, entry, args, kwargs, leaves)
+    demote = _guard(table, plan, args, kwargs, leaves, donated, kept, dynamic_fun)
     if entry.fast:
         # The hot path: no donation, no commits, no callbacks to wait for.
         try:
@@ -888,15 +909,10 @@ def _call(w, args, kwargs):
             _diagnose(table, plan, entry, args, kwargs, leaves)
             raise
         return out[1].combine(out[0])
-    if donated or (config.donate_rest and table.fun_has_arrays):
-        array_impl = _array_impl_type()
-        if any(type(x) is array_impl and x.is_deleted() for x in dynamic_fun):
-            _raise_deleted_fun(dynamic_fun)
-        demote = _demotions(donated, kept, dynamic_fun, table, plan, args, kwargs)
-        if demote:
-            entry, donated, kept = _aliased_entry(
-                w, plan, demote, key, args, kwargs, leaves
-            )
+    if demote:
+        entry, donated, kept = _aliased_entry(
+            w, plan, demote, key, args, kwargs, leaves
+        )
     if entry.commit is not None:
         donated, kept = entry.commit(donated, kept, config, args, kwargs)
     jitted = entry.jitted
@@ -938,32 +954,50 @@ def _is_array_or_struct(x) -> bool:
 
 class Compiled(Module):
     """The result of `filter_jit(f).lower(...).compile()`: call it with arguments of the
-    same structure, shapes and static values as were lowered."""
+    same structure, shapes and static values as were lowered. Each call makes the
+    checks of a `filter_jit` call before it runs: a deleted input raises, naming its key
+    path, and a donated buffer that is reachable twice is kept (the executable gets a
+    copy of it)."""
 
     compiled: jax.stages.Compiled
     _wrapper: Any = field(static=True, repr=False)
-    _treedef: Any = field(static=True, repr=False)
     _statics: tuple = field(static=True, repr=False)
-    _donated: tuple = field(static=True, repr=False)
-    _kept: tuple = field(static=True, repr=False)
+    _plan: _Plan = field(static=True, repr=False)
 
     def __call__(self, /, *args, **kwargs):
         w = self._wrapper
-        config: _Config = w._table.config
+        table: _Table = w._table
+        config = table.config
+        plan = self._plan
         if kwargs or not (config.min_args <= len(args) <= config.max_args):
             args, kwargs = _bind(config, args, kwargs)
         leaves, treedef = jtu.tree_flatten((args, kwargs))
         statics = tuple(x for x in leaves if not is_array(x))
-        if treedef != self._treedef or statics != self._statics:
+        if treedef != plan.treedef or statics != self._statics:
             raise TypeError(
                 "This function was compiled for arguments of structure "
-                f"{self._treedef} with static (non-array) leaves {self._statics}, but "
+                f"{plan.treedef} with static (non-array) leaves {self._statics}, but "
                 f"was called with {treedef} and {statics}. Lower and compile it again "
                 "for these arguments."
             )
-        donated = tuple(leaves[i] for i in self._donated)
-        kept = tuple(leaves[i] for i in self._kept)
-        dynamic_out, out_static = self.compiled(w._dynamic_fun, donated, kept)
+        donated = plan.get_donated(leaves)
+        kept = plan.get_kept(leaves)
+        dynamic_fun = w._dynamic_fun
+        demote = _guard(table, plan, args, kwargs, leaves, donated, kept, dynamic_fun)
+        if demote:
+            # The executable donates these: it gets private copies, and the caller's
+            # buffer is kept, as `filter_jit` keeps it.
+            positions = [plan.donated.index(i) for i in demote]
+            copies = jax.device_put(
+                [donated[p] for p in positions],
+                [donated[p].sharding for p in positions],
+                may_alias=False,
+            )
+            donated = list(donated)
+            for p, x in zip(positions, copies):
+                donated[p] = x
+            donated = tuple(donated)
+        dynamic_out, out_static = self.compiled(dynamic_fun, donated, kept)
         return out_static.combine(dynamic_out)
 
     def as_text(self) -> str | None:
@@ -974,12 +1008,13 @@ class Compiled(Module):
         """The shardings of the array arguments, as `(args, kwargs)` in the structure
         of the (bound) arguments; `None` at non-array leaves."""
         (_, donated, kept), _ = self.compiled.input_shardings
-        leaves: list = [None] * self._treedef.num_leaves
-        for i, sharding in zip(self._donated, donated):
+        plan = self._plan
+        leaves: list = [None] * plan.treedef.num_leaves
+        for i, sharding in zip(plan.donated, donated):
             leaves[i] = sharding
-        for i, sharding in zip(self._kept, kept):
+        for i, sharding in zip(plan.kept, kept):
             leaves[i] = sharding
-        return jtu.tree_unflatten(self._treedef, leaves)
+        return jtu.tree_unflatten(plan.treedef, leaves)
 
     @property
     def output_shardings(self) -> Any:
@@ -994,10 +1029,8 @@ class Lowered(Module):
 
     lowered: jax.stages.Lowered
     _wrapper: Any = field(static=True, repr=False)
-    _treedef: Any = field(static=True, repr=False)
     _statics: tuple = field(static=True, repr=False)
-    _donated: tuple = field(static=True, repr=False)
-    _kept: tuple = field(static=True, repr=False)
+    _plan: _Plan = field(static=True, repr=False)
 
     def as_text(self) -> str:
         return self.lowered.as_text()
@@ -1006,14 +1039,7 @@ class Lowered(Module):
         self, /, compiler_options: dict[str, str | bool] | None = None
     ) -> Compiled:
         compiled = self.lowered.compile(compiler_options=compiler_options)
-        return Compiled(
-            compiled,
-            self._wrapper,
-            self._treedef,
-            self._statics,
-            self._donated,
-            self._kept,
-        )
+        return Compiled(compiled, self._wrapper, self._statics, self._plan)
 
 
 def _lower(w, args, kwargs) -> Lowered:
@@ -1028,7 +1054,7 @@ def _lower(w, args, kwargs) -> Lowered:
         _getattr(w, "_dynamic_fun"), plan.get_donated(leaves), plan.get_kept(leaves)
     )
     statics = tuple(x for x, m in zip(leaves, plan.mask) if not m)
-    return Lowered(lowered, w, plan.treedef, statics, plan.donated, plan.kept)
+    return Lowered(lowered, w, statics, plan)
 
 
 #

@@ -133,7 +133,9 @@ def _broadcast_flags(
     return broadcast_specs(flag_leaves, flag_def, flags, value, len(leaves), name, "x")
 
 
-def _raise_for_deleted(value: Any, leaves: list, indices: list, value_name: str):
+def raise_if_deleted(value: Any, leaves: list, indices, value_name: str) -> None:
+    """Raises `RuntimeError`, naming the key path, if `leaves[i]` for any `i` in
+    `indices` is a deleted (e.g. donated) array."""
     for i in indices:
         leaf = leaves[i]
         if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
@@ -142,6 +144,27 @@ def _raise_for_deleted(value: Any, leaves: list, indices: list, value_name: str)
                     f"{leaf_path(value, i, value_name)}: this array has been deleted "
                     "(was it donated to an earlier call?), so it cannot be placed."
                 )
+
+
+def _shares_source_buffer(leaf: Any, sharding: Sharding) -> bool:
+    """Whether `jax.device_put(leaf, sharding, may_alias=False)` would still hand back
+    `leaf`'s own buffer as one of the shards: JAX reuses a single-device array's buffer
+    for the shard on that device of a fully replicated sharding, whatever `may_alias`
+    says (upstream/jax-reports/device-put-may-alias-replicated)."""
+    if not isinstance(leaf, jax.Array) or len(sharding.device_set) == 1:
+        return False
+    source = leaf.sharding.device_set
+    return (
+        len(source) == 1
+        and sharding.is_fully_replicated
+        and not source.isdisjoint(sharding.device_set)
+    )
+
+
+def _is_committed_array(x: Any) -> bool:
+    return (
+        isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed  # pyright: ignore[reportAttributeAccessIssue]
+    )
 
 
 def device_put_leaves(
@@ -155,7 +178,9 @@ def device_put_leaves(
 ) -> None:
     """Places `leaves[i]` on `sharding` for each `(i, sharding)` in `todo` with one
     batched `jax.device_put`, in place. Arrays that already carry an equivalent
-    sharding are left as the same object (unless `may_alias=False`)."""
+    sharding are left as the same object (unless `may_alias=False`). Every other
+    result owns its buffers, unless donated or `may_alias=True`: donating it later
+    never deletes the input."""
     array_impl = _array_impl_type()
     indices = []
     targets = []
@@ -167,7 +192,13 @@ def device_put_leaves(
             # `with_sharding_constraint` (an identity `jit`) does.
             sharding = _without_unconstrained(sharding)
         flag = may_alias if not isinstance(may_alias, list) else may_alias[i]
-        if flag is not False and type(leaf) is array_impl and leaf._committed:
+        if flag is not False and (
+            leaf._committed
+            if type(leaf) is array_impl
+            else _is_committed_array(leaf)  # e.g. a typed PRNG key array
+        ):
+            if leaf.is_deleted():
+                raise_if_deleted(value, leaves, (i,), value_name)
             current = leaf.sharding
             if current == sharding:
                 continue
@@ -184,8 +215,7 @@ def device_put_leaves(
     if not indices:
         return
     # Before any transfer, so that a failure cannot leave earlier leaves donated.
-    # (Only leaves that move are checked: already-placed ones cost nothing here.)
-    _raise_for_deleted(value, leaves, indices, value_name)
+    raise_if_deleted(value, leaves, indices, value_name)
     if jax.process_count() > 1:
         # Host-local arrays onto shardings that span several processes.
         indices, targets = _multiprocess.place_host_local(
@@ -195,12 +225,35 @@ def device_put_leaves(
             return
     if isinstance(donate, list):
         donate = [donate[i] for i in indices]
-    if isinstance(may_alias, list):
-        may_alias = [may_alias[i] for i in indices]
-    elif may_alias is None and isinstance(donate, bool):
-        # `None` means `not donate`. `jax.device_put` broadcasts a non-bool over the
-        # tree (`flatten_axes`), which costs more than transferring a small array.
-        may_alias = not donate
+    # A result owns its buffers unless the caller donated the input or allowed
+    # aliasing with `may_alias=True`; `None` therefore means "copy unless donated".
+    if isinstance(may_alias, list) or isinstance(donate, list):
+        flags = [
+            may_alias[i] if isinstance(may_alias, list) else may_alias for i in indices
+        ]
+        donated = donate if isinstance(donate, list) else [donate] * len(indices)
+        may_alias = [
+            None if d and f is None else bool(f) for f, d in zip(flags, donated)
+        ]
+        copy = [f is False for f in may_alias]
+    else:
+        may_alias = None if donate and may_alias is None else bool(may_alias)
+        copy = [may_alias is False] * len(indices)
+    sources = [leaves[i] for i in indices]
+    early = [
+        k
+        for k, (x, t) in enumerate(zip(sources, targets))
+        if copy[k] and _shares_source_buffer(x, t)
+    ]
+    if early:
+        # A private copy on the source device first, whose buffer may then be shared.
+        copies = jax.device_put(
+            [sources[k] for k in early],
+            [sources[k].sharding for k in early],
+            may_alias=False,
+        )
+        for k, x in zip(early, copies):
+            sources[k] = x
     if donate is not False:
         # JAX 0.10.2: donating to a `SingleDeviceSharding` frees the input without
         # marking it deleted, so touching it afterwards segfaults; donating to the
@@ -215,9 +268,7 @@ def device_put_leaves(
     first = targets[0]
     if all(t is first for t in targets):
         targets = first  # likewise: one sharding is not broadcast over the tree
-    out = jax.device_put(
-        [leaves[i] for i in indices], targets, donate=donate, may_alias=may_alias
-    )
+    out = jax.device_put(sources, targets, donate=donate, may_alias=may_alias)
     for i, leaf in zip(indices, out):
         leaves[i] = leaf
 
@@ -251,14 +302,18 @@ def _constraint_kind(sharding: Sharding, where: Callable[[], str]) -> str:
     return "with_sharding_constraint"
 
 
+def _in_host_memory(x: Any) -> bool:
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
 def constrain_leaves(
     value: Any, leaves: list, todo: list[tuple[int, Sharding]], value_name: str
 ) -> None:
     """Constrains `leaves[i]` (inside a trace) to `sharding` for each `(i, sharding)`
     in `todo`, in place: `jax.sharding.reshard` on Explicit mesh axes,
-    `jax.lax.with_sharding_constraint` on Auto axes, followed by `jax.device_put` for
-    a non-default memory kind (which those two ignore, and which `jax.device_put`
-    alone would not partition on Auto axes)."""
+    `jax.lax.with_sharding_constraint` on Auto axes, followed by `jax.device_put`
+    where the memory kind changes (which those two ignore, and which
+    `jax.device_put` alone would not partition on Auto axes)."""
     groups: dict[str, tuple[list, list]] = {}
     memory = []
     for i, sharding in todo:
@@ -269,7 +324,7 @@ def constrain_leaves(
         )
         indices.append(i)
         targets.append(sharding)
-        if not _is_default_memory(sharding):
+        if not _is_default_memory(sharding) or _in_host_memory(leaves[i]):
             memory.append((i, sharding))
     for kind, (indices, targets) in groups.items():
         inputs = [leaves[i] for i in indices]
@@ -320,13 +375,18 @@ def filter_device_put(
         array leaf beneath it and returns one of the former.
     - `donate`: passed to `jax.device_put`; a bool or a PyTree prefix of `x` of bools.
         Donation is best-effort, as in JAX.
-    - `may_alias`: passed to `jax.device_put`; a bool, `None`, or a PyTree prefix of
-        `x`. `may_alias=False` always copies, even an array that is already placed.
+    - `may_alias`: a bool, `None`, or a PyTree prefix of `x`. `None` (the default)
+        returns an array that is already placed as the same object and copies every
+        other one, unless it is donated. `False` always copies, even an array that is
+        already placed. `True` lets a result share its buffers with its input, as
+        `jax.device_put` may: donating that result later may then delete the input.
 
     **Returns:**
 
     A PyTree with the structure of `x`: array leaves placed (committed), with the same
-    shapes and dtypes; other leaves the same objects.
+    shapes and dtypes; other leaves the same objects. Each array is either the very
+    object of `x` (already placed) or owns its buffers, so that donating it later
+    never deletes an array of `x` (unless `may_alias=True`).
 
     **Raises:**
 
@@ -335,8 +395,8 @@ def filter_device_put(
     has more entries than the array has dimensions, a dimension is not divisible by its
     mesh axes, a bare `PartitionSpec` is given with no mesh set, or a mesh axis is
     unknown; `TypeError` for a spec leaf of the wrong type or a callable that returns
-    one. `RuntimeError` (with the key path) if an input array that has to move was
-    already deleted (e.g. donated to an earlier call).
+    one. `RuntimeError` (with the key path) if an input array was already deleted
+    (e.g. donated to an earlier call).
 
     !!! info "Inside a trace"
 

@@ -57,7 +57,9 @@ def _is_none(x):
 def _host_value(x):
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
-    return np.asarray(x)
+    # A copy, never a view: on CPU a NumPy view pins the array's buffer, and XLA then
+    # declines to donate it, which would hide a deletion from the test.
+    return np.array(x, copy=True)
 
 
 def snapshot(tree):

@@ -493,12 +493,6 @@ def test_deleted_input_to_be_moved(apply):
         apply(x, s)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an array that already carries the target sharding is returned as-is "
-    "without looking at it, so a deleted one comes back silently (documented: "
-    "RuntimeError with the key path)",
-)
 @eager_modes
 def test_deleted_input_already_placed(apply):
     s, _ = _sharded()

@@ -1,0 +1,278 @@
+"""Nothing the caller did not donate is lost: an array passed to any function of this
+package without being donated is never deleted or changed, neither by that call nor by
+a later call that donates an array the package returned.
+
+References are independent copies (`snapshot`), never NumPy views of the live arrays:
+on CPU a view pins the buffer and XLA then declines to donate it, hiding a deletion.
+"""
+
+import equinox as eqx
+import equinox_shard as eqxs
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from .helpers import (
+    assert_alive,
+    assert_same_values,
+    assert_shardings,
+    make_module,
+    snapshot,
+)
+from .isolated import run_isolated
+
+
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "cpu", reason="simulates 8 CPU devices"
+)
+
+
+def _mesh(axis_type):
+    return jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+
+
+def _double(tree):
+    return jtu.tree_map(lambda x: 2 * x if eqx.is_inexact_array(x) else x, tree)
+
+
+def _layouts(mesh):
+    # Replicated (where JAX reuses a single-device buffer), split over one axis and
+    # partially replicated, split over both.
+    replicated = NamedSharding(mesh, P())
+    rows = lambda x: NamedSharding(mesh, P("data") if x.shape[0] % 4 == 0 else P())
+    both = lambda x: NamedSharding(
+        mesh, P(("data", "model")) if x.shape[0] % 8 == 0 else P()
+    )
+    return {"replicated": replicated, "rows": rows, "both": both}
+
+
+def _model(getkey):
+    del getkey
+    return make_module(eqx.nn.MLP, 8, 8, 16, 2)
+
+
+def _placements():
+    return {
+        "filter_device_put": eqxs.filter_device_put,
+        "may_alias=False": lambda x, s: eqxs.filter_device_put(x, s, may_alias=False),
+        "filter_shard": eqxs.filter_shard,
+    }
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+@pytest.mark.parametrize("layout", ["replicated", "rows", "both"])
+@pytest.mark.parametrize("place", list(_placements()))
+def test_donating_a_placed_copy_keeps_the_original(place, layout, axis_type, getkey):
+    model = _model(getkey)
+    expected = snapshot(model)
+    rule = _layouts(_mesh(axis_type))[layout]
+    placed = _placements()[place](model, rule)
+    spec = rule
+    if callable(spec):
+        spec = jtu.tree_map(lambda x: spec(x) if eqx.is_array(x) else None, placed)
+    assert_shardings(placed, spec)
+    step = eqxs.filter_jit(_double, donate="all")
+    doubled = step(placed)
+    assert_alive(model)
+    assert_same_values(model, expected)
+    assert_same_values(doubled, _double(expected))
+    # The original can be placed (and donated) again.
+    again = eqxs.filter_device_put(model, rule)
+    step(again)
+    assert_alive(model)
+    assert_same_values(model, expected)
+
+
+def test_placed_key_array_and_committed_input_keep_the_original():
+    mesh = _mesh(AxisType.Auto)
+    replicated = NamedSharding(mesh, P())
+    keys = jax.random.split(jax.random.key(0), 8)
+    single = jax.device_put(jnp.arange(8.0), jax.devices()[0])  # committed
+    other_mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+    elsewhere = jax.device_put(jnp.arange(8.0), NamedSharding(other_mesh, P()))
+    tree = {"keys": keys, "single": single, "elsewhere": elsewhere}
+    expected = snapshot(tree)
+    placed = eqxs.filter_device_put(tree, replicated)
+    eqxs.filter_jit(lambda t: jtu.tree_map(lambda x: x, t), donate="all")(placed)
+    assert_alive(tree)
+    assert_same_values(tree, expected)
+
+
+def test_uncommitted_inputs_placed_by_filter_jit_are_kept(getkey):
+    mesh = _mesh(AxisType.Auto)
+    replicated = NamedSharding(mesh, P())
+    batch = NamedSharding(mesh, P("data"))
+    model = _model(getkey)
+    x = jnp.ones((8, 8))
+    expected = snapshot((model, x))
+
+    @eqxs.filter_jit(in_shardings=(replicated, batch), donate="none")
+    def forward(model, x):
+        return model, jax.vmap(model)(x)
+
+    same_model, y = forward(model, x)
+    # Donate everything the call returned: the caller's arrays stay alive.
+    eqxs.filter_jit(_double, donate="all")((same_model, y))
+    assert_alive((model, x))
+    assert_same_values((model, x), expected)
+
+
+def test_make_array_from_process_local_data_keeps_the_original():
+    mesh = _mesh(AxisType.Auto)
+    local = {"w": jnp.arange(16.0).reshape(8, 2), "b": jnp.arange(2.0)}
+    expected = snapshot(local)
+    spec = {"w": NamedSharding(mesh, P("data")), "b": NamedSharding(mesh, P())}
+    out = eqxs.filter_make_array_from_process_local_data(spec, local)
+    eqxs.filter_jit(_double, donate="all")(out)
+    assert_alive(local)
+    assert_same_values(local, expected)
+
+
+#
+# Ahead-of-time: `Compiled.__call__` runs the checks of a `filter_jit` call.
+#
+
+_AOT_PREAMBLE = """
+import equinox as eqx, equinox_shard as eqxs, jax, jax.numpy as jnp
+import jax.tree_util as jtu
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+s = NamedSharding(mesh, P("d"))
+double = lambda t: jtu.tree_map(lambda x: 2 * x, t)
+"""
+
+
+def test_compiled_donated_input_reused():
+    # Segfaulted on JAX 0.10.2 (raised without a key path on 0.12).
+    run = run_isolated(
+        _AOT_PREAMBLE
+        + """
+f = eqxs.filter_jit(double, donate="all")
+a = {"w": jax.device_put(jnp.ones((8, 4)), s)}
+c = f.lower(a).compile()
+c(a)
+try:
+    c(a)
+except RuntimeError as e:
+    report({"type": "RuntimeError", "message": str(e)})
+else:
+    report({"type": None})
+""",
+        timeout=120,
+    )
+    assert run.returncode == 0, run
+    assert run.result["type"] == "RuntimeError", run
+    assert run.result["message"].startswith("t['w']: this array has been deleted"), run
+
+
+def test_compiled_one_buffer_in_two_donated_arguments():
+    run = run_isolated(
+        _AOT_PREAMBLE
+        + """
+import numpy as np
+f = eqxs.filter_jit(lambda a, b: a + 2 * b, donate="all")
+a = jax.device_put(jnp.arange(32.0).reshape(8, 4), s)
+c = f.lower(a, a).compile()
+out = c(a, a)
+report({
+    "alive": not a.is_deleted(),
+    "right": bool(np.array_equal(np.array(out), 3 * np.arange(32.0).reshape(8, 4))),
+    "a": np.array(a).tolist() == np.arange(32.0).reshape(8, 4).tolist(),
+})
+""",
+        timeout=120,
+    )
+    assert run.returncode == 0, run
+    assert run.result == {"alive": True, "right": True, "a": True}, run
+
+
+def test_compiled_checks_match_filter_jit(getkey):
+    mesh = _mesh(AxisType.Auto)
+    s = NamedSharding(mesh, P("data"))
+    model = eqxs.filter_device_put(_model(getkey), NamedSharding(mesh, P()))
+    x = jax.device_put(jnp.ones((8, 8)), s)
+    f = eqxs.filter_jit(lambda model, x: jax.vmap(model)(x), donate="all-except-first")
+    compiled = f.lower(model, x).compile()
+    x.delete()
+    for call in (f, compiled):
+        with pytest.raises(RuntimeError, match=r"^x: this array has been deleted"):
+            call(model, x)
+    assert_alive(model)
+    # One buffer as both arguments: kept, not donated, by both.
+    g = eqxs.filter_jit(lambda a, b: a + b, donate="all")
+    a = jax.device_put(jnp.ones((8, 8)), s)
+    expected = snapshot(a)
+    for call in (g, g.lower(a, a).compile()):
+        out = call(a, a)
+        assert_alive(a)
+        assert_same_values(a, expected)
+        assert_same_values(out, 2 * expected)
+
+
+#
+# Deleted inputs are always named, also when no transfer is needed.
+#
+
+
+@pytest.mark.parametrize("place", [eqxs.filter_device_put, eqxs.filter_shard])
+def test_deleted_input_already_placed_on_a_module(place, getkey):
+    replicated = NamedSharding(_mesh(AxisType.Auto), P())
+    model = eqxs.filter_device_put(_model(getkey), replicated)
+    model.layers[1].bias.delete()
+    with pytest.raises(
+        RuntimeError, match=r"^x\.layers\[1\]\.bias: this array has been deleted"
+    ):
+        place(model, replicated)
+    assert_alive(model.layers[0])
+
+
+def test_sharding_table_shows_deleted(getkey):
+    replicated = NamedSharding(_mesh(AxisType.Auto), P())
+    model = eqxs.filter_device_put(_model(getkey), replicated)
+    model.layers[0].weight.delete()
+    rows = [line.split() for line in eqxs.sharding_table(model).splitlines()[2:-2]]
+    assert rows[0] == [
+        ".layers[0].weight",
+        "(16,",
+        "8)",
+        "float32",
+        "P()",
+        "deleted",
+        "-",
+    ]
+    assert rows[1] == [".layers[0].bias", "(16,)", "float32", "P()", "64", "B"]
+    total = eqxs.sharding_table(model).splitlines()[-1].split()
+    # 4 bytes x (16 + 16 * 16 + 16 + 8 * 16 + 8): every array but the deleted weight.
+    assert total == ["total", "1.7", "KiB"]
+
+
+#
+# `filter_shard` inside a trace moves between memory kinds in both directions.
+#
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_filter_shard_in_trace_moves_between_memory_kinds(axis_type):
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(axis_type,))
+    device = NamedSharding(mesh, P("x"))
+    host = NamedSharding(mesh, P("x"), memory_kind="pinned_host")
+    on_host = jax.device_put(jnp.arange(8.0), host)
+    on_device = jax.device_put(jnp.ones(8), device)
+
+    @jax.jit
+    def to_device(h, d):
+        return eqxs.filter_shard(h, device) + d  # fails if `h` stayed in host memory
+
+    @jax.jit
+    def to_host(d):
+        return eqxs.filter_shard(d, host)
+
+    out = to_device(on_host, on_device)
+    assert out.sharding.memory_kind == "device"
+    assert out.sharding.is_equivalent_to(device, 1)
+    assert_same_values(out, jnp.arange(8.0) + 1)
+    back = to_host(on_device)
+    assert back.sharding.memory_kind == "pinned_host"
+    assert_same_values(back, jnp.ones(8))
