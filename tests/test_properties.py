@@ -439,12 +439,6 @@ def test_out_shardings_explicit_without_mesh():
     np.testing.assert_array_equal(out, expected)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the same-object fast path of `device_put_leaves` tests `type(leaf) is "
-    "ArrayImpl`, which a typed PRNG key array (`PRNGKeyArray`) is not: it goes "
-    "through `jax.device_put` again and comes back as a new object",
-)
 @pytest.mark.parametrize(
     "place", [eqxs.filter_device_put, eqxs.filter_shard], ids=lambda f: f.__name__
 )
