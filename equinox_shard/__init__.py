@@ -8,7 +8,7 @@ import importlib.metadata
 
 from ._inspect import sharding_table as sharding_table
 from ._jit import Compiled as Compiled, filter_jit as filter_jit, Lowered as Lowered
-from ._multiprocess import (
+from ._process_local import (
     filter_make_array_from_process_local_data as filter_make_array_from_process_local_data,  # noqa: E501
 )
 from ._sharding import (

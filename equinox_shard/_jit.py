@@ -1,11 +1,8 @@
-import collections as co
 import functools as ft
 import inspect
-import logging
 import operator
 import os
 import threading
-import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -13,26 +10,23 @@ from typing import Any, Literal, overload, TypeVar
 from typing_extensions import ParamSpec
 
 import equinox as eqx
+import equinox._caches
+import equinox.internal as eqxi
 import jax
 import jax._src.traceback_util as traceback_util
 import jax.core
 import jax.tree_util as jtu
-import numpy as np
 from equinox import field, is_array, Module, module_update_wrapper, Partial
 
-from . import _multiprocess
-from ._sharding import (
-    _array_impl_type,
-    constrain_leaves,
-    device_put_leaves,
-    resolve_leaves,
-)
+from . import _callbacks, _checks, _commit
+from ._sharding import device_put_leaves, resolve_leaves
 from ._spec import (
     broadcast_specs,
     check,
     context_mesh,
     flatten_specs,
     is_rule,
+    is_spec_leaf,
     resolve,
 )
 
@@ -63,24 +57,176 @@ class _Unset:
 _unset: Any = _Unset()
 
 
-#
-# Static bookkeeping. None of these are PyTrees of arrays; the objects that end up in a
-# `Module`'s static fields hash by identity, so that two wrappers around the same
-# function (and configuration) compare equal and share their compiled functions.
-#
+_is_deleted = operator.methodcaller("is_deleted")
 
 
-def _hashable_partition(tree: Any) -> tuple[tuple, tuple]:
+def hashable_partition(tree: Any) -> tuple[Any, tuple[tuple, Any]]:
+    """Splits `tree` into a PyTree of the same structure holding its arrays (`None` at
+    every other leaf), and a hashable `(leaves, treedef)` holding everything else."""
     leaves, treedef = jtu.tree_flatten(tree)
-    dynamic = tuple(x if is_array(x) else None for x in leaves)
+    dynamic = [x if is_array(x) else None for x in leaves]
     static = tuple(None if is_array(x) else x for x in leaves)
-    return dynamic, (static, treedef)
+    return treedef.unflatten(dynamic), (static, treedef)
 
 
-def _hashable_combine(dynamic: tuple, static: tuple) -> Any:
+def hashable_combine(dynamic: Any, static: tuple[tuple, Any]) -> Any:
+    """The inverse of `hashable_partition`."""
     static_leaves, treedef = static
-    leaves = [d if s is None else s for d, s in zip(dynamic, static_leaves)]
-    return jtu.tree_unflatten(treedef, leaves)
+    if dynamic is None:
+        return treedef.unflatten(static_leaves)
+    dynamic_leaves = treedef.flatten_up_to(dynamic)
+    leaves = [d if s is None else s for d, s in zip(dynamic_leaves, static_leaves)]
+    return treedef.unflatten(leaves)
+
+
+def _is_array_or_struct(x: Any) -> bool:
+    return is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+#
+# Caches. One per decoration, owned by it: compiled functions are released with the
+# wrapper, whatever the function is (a `functools.partial`, a lambda, a Module).
+#
+
+
+class _Cache:
+    """The configuration of one `filter_jit` decoration and its compiled functions:
+    `layouts[(treedef, leaf types)]` -> `_Layout`, whose `entries[static key]` ->
+    `_Entry`."""
+
+    def __init__(self, fun, donate, in_shardings, out_shardings):
+        try:
+            self.donate_first, self.donate_rest, self.filter_warning = _DONATE_MODES[
+                donate
+            ]
+        except (KeyError, TypeError):
+            raise ValueError(
+                "`filter_jit(..., donate=...)` must be one of 'all', "
+                "'all-except-first', 'warn', 'warn-except-first', or 'none'; got "
+                f"{donate!r}."
+            ) from None
+        self.signature = signature = inspect.signature(fun)
+        params = list(signature.parameters.values())
+        positional = [
+            p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        var = [p.name for p in params if p.kind is p.VAR_POSITIONAL]
+        var_keyword = [p.name for p in params if p.kind is p.VAR_KEYWORD]
+        self.names = tuple(p.name for p in positional)
+        self.var_name = var[0] if var else None
+        taken = {p.name for p in params}
+        self.fun_name = _unique("fun", taken)
+        self.kwargs_name = var_keyword[0] if var_keyword else _unique("kwargs", taken)
+        self.min_args = sum(p.default is p.empty for p in positional)
+        self.max_args = float("inf") if var else len(positional)
+        self.in_shardings = in_shardings
+        self.in_leaves = None
+        if in_shardings is not _unset:
+            self.in_leaves, treedef = flatten_specs(in_shardings, "in_shardings")
+            if treedef.num_nodes == 1 and treedef.num_leaves == 1:
+                self.in_kind = "broadcast"
+            elif type(in_shardings) in (tuple, list):
+                self.in_kind = "positional"
+                if not var and len(in_shardings) != len(positional):
+                    raise ValueError(
+                        "`in_shardings` must be a single specification (applied to "
+                        "every argument) or a tuple with one entry per positional "
+                        f"parameter of `{_fn_names(fun)[1]}`, which has "
+                        f"{len(positional)} ({', '.join(self.names) or 'none'}); got "
+                        f"{len(in_shardings)} entries."
+                    )
+            else:
+                raise TypeError(
+                    "`in_shardings` must be a single specification (applied to every "
+                    "argument) or a tuple with one entry per positional parameter; "
+                    f"got a {type(in_shardings).__name__}. To give one argument a "
+                    "PyTree of shardings, wrap it in a tuple: `in_shardings=(spec,)`."
+                )
+        self.out_shardings = out_shardings
+        out_leaves = []
+        if out_shardings is not _unset:
+            out_leaves, _ = flatten_specs(out_shardings, "out_shardings")
+        self.out_rules = any(map(is_rule, out_leaves))
+        self.out_mesh = any(isinstance(x, jax.P) for x in out_leaves)
+        self.fun_names = _fn_names(fun)
+        self.layouts: dict = {}
+        self.entries: dict = {}
+        self.lock = threading.Lock()
+        # Identifies this decoration's frames in `eqx.error_if`'s stacks.
+        self.jit_id = os.urandom(16)
+        _live_caches.add(self)
+
+    def clear(self):
+        with self.lock:
+            self.layouts = {}
+            self.entries = {}
+
+
+# Every live `_Cache`, so that `eqx.clear_caches()` clears them (through the list of
+# cache-clearing functions that Equinox's own caches register with).
+_live_caches: weakref.WeakSet = weakref.WeakSet()
+equinox._caches.cache_clears.append(lambda: [c.clear() for c in list(_live_caches)])
+
+
+def _unique(name: str, taken: set) -> str:
+    while name in taken:
+        name = name + "_"
+    return name
+
+
+def _fn_names(fun) -> tuple[str, str]:
+    while True:
+        if isinstance(fun, ft.partial):
+            fun = fun.func
+        elif hasattr(fun, "__wrapped__") and not isinstance(fun, Module):
+            fun = fun.__wrapped__
+        else:
+            break
+    try:
+        return fun.__name__, fun.__qualname__
+    except AttributeError:
+        return type(fun).__name__, type(fun).__qualname__
+
+
+class _Layout:
+    """What depends only on the structure and leaf types of the bound arguments: which
+    leaves are traced and donated, and the `in_shardings` leaf above each leaf."""
+
+    def __init__(self, cache: _Cache, args, kwargs, leaves, treedef, dynamic):
+        mask = tuple(map(dynamic, leaves))
+        self.treedef = treedef
+        self.dynamic = tuple(i for i, m in enumerate(mask) if m)
+        self.dynamic_leaves = _getter(self.dynamic)
+        static = tuple(i for i, m in enumerate(mask) if not m)
+        self.static_of = _getter(static)
+        # `dynamic_of(leaves + [None])`: the leaves with `None` at static positions.
+        n = len(leaves)
+        self.dynamic_of = (
+            None
+            if not static
+            else _getter(tuple(i if m else n for i, m in enumerate(mask)))
+        )
+        n_first = len(jtu.tree_leaves(args[0])) if args else 0
+        self.donated = tuple(
+            i
+            for i in self.dynamic
+            if (cache.donate_first if i < n_first else cache.donate_rest)
+        )
+        self.specs = _in_specs(cache, args, leaves)
+        self.rules = tuple(i for i in self.dynamic if is_rule(self.specs[i]))
+        self.needs_mesh = cache.out_mesh or any(
+            isinstance(s, jax.P) for s in self.specs
+        )
+        # Shared by every layout with the same traced leaves (e.g. NumPy or JAX).
+        self.entries = cache.entries.setdefault((treedef, mask), {})
+
+    def key(self, leaves: list) -> Any:
+        key = self.static_of(leaves)
+        if self.rules or self.needs_mesh:
+            avals = tuple((leaves[i].shape, leaves[i].dtype) for i in self.rules)
+            mesh = context_mesh(abstract_ok=True) if self.needs_mesh else None
+            key = (key, avals, mesh)
+        return key
 
 
 def _getter(indices: tuple[int, ...]) -> Callable[[Any], tuple]:
@@ -93,854 +239,346 @@ def _getter(indices: tuple[int, ...]) -> Callable[[Any], tuple]:
     return operator.itemgetter(*indices)
 
 
-class _OutStatic:
-    """The non-array part of a traced function's output, returned from `jax.jit` as a
-    leafless PyTree node so that each compiled executable carries its own."""
-
-    __slots__ = ("treedef", "static_leaves", "gather")
-
-    def __init__(self, treedef, static_leaves, positions):
-        self.treedef = treedef
-        if positions is None:  # every output leaf is an array
-            self.static_leaves = ()
-            self.gather = None
-        else:
-            # Output leaf `i` is element `order[i]` of `dynamic + static_values`, so
-            # that `combine` gathers at C speed instead of looping in Python.
-            static_values = tuple(x for x in static_leaves if x is not None)
-            order = []
-            n_dynamic = len(positions)
-            dynamic_index = {p: k for k, p in enumerate(positions)}
-            static_count = 0
-            for i, x in enumerate(static_leaves):
-                if i in dynamic_index:
-                    order.append(dynamic_index[i])
-                else:
-                    order.append(n_dynamic + static_count)
-                    static_count += 1
-            self.static_leaves = static_values
-            self.gather = _getter(tuple(order))
-
-    def combine(self, dynamic: tuple) -> Any:
-        if self.gather is None:
-            return self.treedef.unflatten(dynamic)
-        return self.treedef.unflatten(self.gather(dynamic + self.static_leaves))
-
-
-jtu.register_static(_OutStatic)
-
-
-class _Plan:
-    """Everything about one call that depends only on the argument structure
-    (treedef) and the leaf types: which leaves are traced, which are donated, and the
-    specification that sits above each leaf."""
-
-    __slots__ = (
-        "treedef",
-        "n_leaves",
-        "mask",
-        "donated",
-        "kept",
-        "get_donated",
-        "get_kept",
-        "get_static",
-        "in_specs",
-        "extra_indices",
-        "needs_mesh",
-        "keyed",
-        "any_deleted",
-        "entries",
-        "arg_names",
-        "n_args",
-    )
-
-
-class _Entry:
-    """One compiled function: a `jax.jit` over the flat array leaves, for one value of
-    the static leaves."""
-
-    __slots__ = (
-        "jitted",
-        "in_todo",
-        "commit",
-        "sync",
-        "filter_warning",
-        "donated",
-        "kept",
-        "fast",
-        "serialize",
-    )
-
-
-class _Table:
-    """Plans and compiled entries shared by all wrappers of equal functions with equal
-    configuration."""
-
-    def __init__(self, config, names, static_fun):
-        self.config = config
-        self.names = names
-        # Whether the function being JIT'd (e.g. a Module) has array leaves of its own.
-        self.fun_has_arrays = any(x is None for x in static_fun[0])
-        self.plans: dict = {}
-        self.entries: dict = {}
-        self.lock = threading.RLock()
-        # Identifies this table's frames in `eqx.error_if`'s stacks.
-        self.id = os.urandom(16)
-
-
-# user function (or a default key) -> {(names, config, static_fun): _Table}
-_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_tables_lock = threading.Lock()
-
-
-def _default_table_key():  # A weakref-able sentinel.
-    assert False
-
-
-def _strip_wrapped(fun):
-    while True:
-        if isinstance(fun, ft.partial):
-            fun = fun.func
-        elif hasattr(fun, "__wrapped__") and not isinstance(fun, Module):
-            fun = fun.__wrapped__
-        else:
-            return fun
-
-
-def _fn_names(fun) -> tuple[str, str]:
-    fun = _strip_wrapped(fun)
-    try:
-        return fun.__name__, fun.__qualname__
-    except AttributeError:
-        return type(fun).__name__, type(fun).__qualname__
-
-
-def _get_table(fun, config, static_fun) -> _Table:
-    user_fn = _strip_wrapped(fun)
-    weak_key = user_fn if type(user_fn) is types.FunctionType else _default_table_key
-    key = (_fn_names(fun), config, static_fun)
-    try:
-        hash(key)
-    except TypeError:
-        # An unhashable specification or static function: no sharing.
-        return _Table(config, key[0], static_fun)
-    with _tables_lock:
-        try:
-            by_key = _tables[weak_key]
-        except KeyError:
-            by_key = _tables[weak_key] = {}
-        try:
-            return by_key[key]
-        except KeyError:
-            table = by_key[key] = _Table(config, key[0], static_fun)
-            return table
-
-
-class _Config:
-    """The immutable configuration of one `filter_jit` decoration."""
-
-    __slots__ = (
-        "donate_first",
-        "donate_rest",
-        "filter_warning",
-        "in_shardings",
-        "in_leaves",
-        "in_def",
-        "in_kind",
-        "out_shardings",
-        "signature",
-        "positional_names",
-        "var_positional",
-        "min_args",
-        "max_args",
-        "_key",
-    )
-
-    def __eq__(self, other):
-        return type(other) is _Config and self._key == other._key
-
-    def __hash__(self):
-        return hash(self._key)
-
-
-def _make_config(fun, donate, in_shardings, out_shardings) -> _Config:
-    try:
-        donate_first, donate_rest, filter_warning = _DONATE_MODES[donate]
-    except (KeyError, TypeError):
+def _in_specs(cache: _Cache, args: tuple, leaves: list) -> list:
+    """One `in_shardings` leaf per leaf of the bound `(args, kwargs)`."""
+    if cache.in_shardings is _unset:
+        return [None] * len(leaves)
+    if cache.in_kind == "broadcast":
+        return cache.in_leaves * len(leaves)  # pyright: ignore
+    if cache.var_name is not None and len(cache.in_shardings) != len(args):
         raise ValueError(
-            "`filter_jit(..., donate=...)` must be one of 'all', 'all-except-first', "
-            f"'warn', 'warn-except-first', or 'none'; got {donate!r}."
-        ) from None
-    signature = inspect.signature(fun)
-    positional = [
-        p
-        for p in signature.parameters.values()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-    var_positional = any(
-        p.kind is p.VAR_POSITIONAL for p in signature.parameters.values()
-    )
-    config = _Config()
-    config.donate_first = donate_first
-    config.donate_rest = donate_rest
-    config.filter_warning = filter_warning
-    config.signature = signature
-    config.positional_names = tuple(p.name for p in positional)
-    config.var_positional = var_positional
-    config.min_args = sum(p.default is p.empty for p in positional)
-    config.max_args = float("inf") if var_positional else len(positional)
-    config.in_shardings = in_shardings
-    config.out_shardings = out_shardings
-    if in_shardings is _unset:
-        config.in_kind = None
-        config.in_leaves = config.in_def = None
-    else:
-        leaves, treedef = flatten_specs(in_shardings, "in_shardings")
-        config.in_leaves = leaves
-        config.in_def = treedef
-        if treedef.num_nodes == 1 and treedef.num_leaves == 1:
-            config.in_kind = "broadcast"
-        elif type(in_shardings) in (tuple, list):
-            config.in_kind = "positional"
-            if not var_positional and len(in_shardings) != len(positional):
-                raise ValueError(
-                    "`in_shardings` must be a single specification (applied to every "
-                    "argument) or a tuple with one entry per positional parameter of "
-                    f"`{_fn_names(fun)[1]}`, which has {len(positional)} "
-                    f"({', '.join(config.positional_names) or 'none'}); got "
-                    f"{len(in_shardings)} entries."
-                )
-        else:
-            raise TypeError(
-                "`in_shardings` must be a single specification (applied to every "
-                "argument) or a tuple with one entry per positional parameter; got "
-                f"a {type(in_shardings).__name__}. To give one argument a PyTree of "
-                "shardings, wrap it in a tuple: `in_shardings=(spec,)`."
-            )
-    if out_shardings is not _unset:
-        flatten_specs(out_shardings, "out_shardings")
-    try:
-        in_key = (
-            None if in_shardings is _unset else (tuple(config.in_leaves), config.in_def)  # pyright: ignore
-        )
-        out_key = (
-            None
-            if out_shardings is _unset
-            else jtu.tree_flatten(out_shardings, is_leaf=lambda x: x is None)
-        )
-        if out_key is not None:
-            out_key = (tuple(out_key[0]), out_key[1])
-        config._key = (donate, in_key, out_key, signature)
-        hash(config._key)
-    except TypeError:
-        config._key = (object(),)
-    return config
-
-
-#
-# Paths, in terms of the user's arguments.
-#
-
-
-def _arg_path(config: _Config, args: tuple, kwargs: dict, index: int) -> str:
-    path, _ = jtu.tree_flatten_with_path((args, kwargs))[0][index]
-    group, key, *rest = path
-    if group.idx == 0:  # pyright: ignore
-        position = key.idx  # pyright: ignore
-        if position < len(config.positional_names):
-            name = config.positional_names[position]
-        else:
-            name = f"args[{position}]"
-    else:
-        name = key.key  # pyright: ignore
-    return name + jtu.keystr(tuple(rest))
-
-
-def _arg_name(config: _Config, position: int) -> str:
-    if position < len(config.positional_names):
-        return config.positional_names[position]
-    return f"args[{position}]"
-
-
-def _in_specs(config: _Config, args: tuple, kwargs: dict, n_leaves: int) -> list:
-    """One spec leaf per leaf of `(args, kwargs)`."""
-    if config.in_kind is None:
-        return [None] * n_leaves
-    if config.in_kind == "broadcast":
-        return config.in_leaves * n_leaves  # pyright: ignore
-    in_shardings = config.in_shardings
-    if config.var_positional and len(in_shardings) != len(args):
-        raise ValueError(
-            f"`in_shardings` has {len(in_shardings)} entries but the call has "
+            f"`in_shardings` has {len(cache.in_shardings)} entries but the call has "
             f"{len(args)} positional arguments."
         )
     out = []
-    for position, arg in enumerate(args):
-        spec = in_shardings[position]
-        spec_leaves, spec_def = flatten_specs(spec, f"in_shardings[{position}]")
+    for position, (spec, arg) in enumerate(zip(cache.in_shardings, args)):
+        name = f"in_shardings[{position}]"
+        spec_leaves, spec_def = flatten_specs(spec, name)
         n = len(jtu.tree_leaves(arg))
-        out.extend(
-            broadcast_specs(
-                spec_leaves,
-                spec_def,
-                spec,
-                arg,
-                n,
-                f"in_shardings[{position}]",
-                _arg_name(config, position),
+        arg_name = (
+            cache.names[position]
+            if position < len(cache.names)
+            else f"args[{position}]"
+        )
+        out.extend(broadcast_specs(spec_leaves, spec_def, spec, arg, n, name, arg_name))
+    return out + [None] * (len(leaves) - len(out))  # keyword arguments
+
+
+class _Entry:
+    """One compiled function: a `jax.jit` for one static part of the arguments."""
+
+    __slots__ = ("layout", "static", "jitted", "targets", "get_targets", "wait")
+
+
+#
+# The traced function: rebuilds the call from the dynamic trees and the static part,
+# and returns the output's arrays in the output's own structure.
+#
+
+
+def _traced_function(
+    cache: _Cache, static_fun, layout: _Layout, leaves, targets, out_specs, found
+):
+    static_leaves = tuple(
+        None if i in set(layout.dynamic) else x for i, x in enumerate(leaves)
+    )
+    treedef = layout.treedef
+
+    def fun_wrapped(dynamic_fun, dynamic_kwargs, *dynamic_args):
+        fun = hashable_combine(dynamic_fun, static_fun)
+        dynamic = treedef.flatten_up_to((dynamic_args, dynamic_kwargs))
+        flat = [d if s is None else s for d, s in zip(dynamic, static_leaves)]
+        if targets and jax.config.jax_disable_jit:  # pyright: ignore
+            # `jax.jit` ignores `in_shardings` under `disable_jit`; we place anyway.
+            device_put_leaves(treedef.unflatten(flat), flat, targets, "args")
+        args, kwargs = treedef.unflatten(flat)
+        out = fun(*args, **kwargs)
+        if out_specs is not _unset:
+            out = _out_shardings(out, out_specs, found)
+        dynamic_out, static_out = hashable_partition(out)
+        if all(x is None for x in static_out[0]):
+            return dynamic_out, None
+        return dynamic_out, eqxi.Static(static_out)
+
+    fun_wrapped.__name__, fun_wrapped.__qualname__ = cache.fun_names
+    # JAX names arguments by this signature in its errors: `model.layers[0].weight`.
+    n_args = len(treedef.children()[0].children()) if treedef.children() else 0
+    positional = inspect.Parameter.POSITIONAL_ONLY
+    params = [
+        inspect.Parameter(cache.fun_name, positional),
+        inspect.Parameter(cache.kwargs_name, positional),
+    ] + [inspect.Parameter(name, positional) for name in cache.names[:n_args]]
+    if n_args > len(cache.names):
+        params.append(
+            inspect.Parameter(
+                cache.var_name or "args", inspect.Parameter.VAR_POSITIONAL
             )
         )
-    out.extend([None] * (n_leaves - len(out)))  # keyword-only and **kwargs
+    fun_wrapped.__signature__ = inspect.Signature(params)  # pyright: ignore
+    return fun_wrapped
+
+
+def _out_shardings(out, out_specs, found: list | None):
+    """At trace time: checks `out_shardings` against the output, naming `out[...]`, and
+    (for callable spec leaves) records the resolved shardings in `found`. Under
+    `jax.disable_jit()` places the output instead, as `jax.jit` would have."""
+    out_leaves, out_def = jtu.tree_flatten(out)
+    todo = resolve_leaves(
+        out, out_leaves, out_specs, "out_shardings", "out", abstract_ok=True
+    )
+    for i, sharding in todo:
+        check(
+            jax.numpy.shape(out_leaves[i]),
+            sharding,
+            lambda i=i: f"out{jtu.keystr(jtu.tree_flatten_with_path(out)[0][i][0])}",
+        )
+    if found is not None:
+        by_index = dict(todo)
+        found.append(
+            out_def.unflatten([by_index.get(i) for i in range(len(out_leaves))])
+        )
+    if jax.config.jax_disable_jit and todo:  # pyright: ignore
+        device_put_leaves(out, out_leaves, todo, "out")
+        return out_def.unflatten(out_leaves)
     return out
 
 
-def _make_plan(table, config, args, kwargs, leaves, treedef, dynamic) -> _Plan:
-    plan = _Plan()
-    mask = tuple(dynamic(x) for x in leaves)
-    n_first = len(jtu.tree_leaves(args[0])) if args else 0
-    plan.treedef = treedef
-    plan.n_leaves = len(leaves)
-    plan.mask = mask
-    plan.donated = tuple(
-        i
-        for i, m in enumerate(mask)
-        if m and (config.donate_first if i < n_first else config.donate_rest)
-    )
-    donated = set(plan.donated)
-    plan.kept = tuple(i for i, m in enumerate(mask) if m and i not in donated)
-    plan.get_donated = _getter(plan.donated)
-    plan.get_kept = _getter(plan.kept)
-    plan.get_static = _getter(tuple(i for i, m in enumerate(mask) if not m))
-    plan.in_specs = _in_specs(config, args, kwargs, len(leaves))
-    plan.extra_indices = tuple(
-        i for i, (m, s) in enumerate(zip(mask, plan.in_specs)) if m and is_rule(s)
-    )
-    plan.needs_mesh = any(
-        isinstance(s, jax.sharding.PartitionSpec) for s in plan.in_specs
-    )
-    plan.keyed = bool(plan.extra_indices) or plan.needs_mesh
-    array_impl = _array_impl_type()
-    if dynamic is is_array and all(
-        type(x) is array_impl for x, m in zip(leaves, mask) if m
-    ):
-        # `map` over the unbound method runs at C speed (~27ns per leaf). (Not for
-        # `.lower()`: a `Compiled` may be called with other array types.)
-        plan.any_deleted = lambda xs: any(map(array_impl.is_deleted, xs))
-    else:
-        plan.any_deleted = lambda xs: any(
-            type(x) is array_impl and x.is_deleted() for x in xs
-        )
-    with table.lock:
-        plan.entries = table.entries.setdefault((treedef, mask), {})
-    return plan
+def _static_out_shardings(out_specs):
+    """`out_shardings` with every spec leaf that needs no output resolved to a
+    `Sharding`: a `jax.Device`, or a bare `PartitionSpec` against the context mesh."""
+
+    def resolve_leaf(spec):
+        if spec is None or is_rule(spec):
+            return spec
+        return resolve(spec, None, lambda: "out_shardings", abstract_ok=False)
+
+    return jtu.tree_map(resolve_leaf, out_specs, is_leaf=is_spec_leaf)
 
 
-def _extra_key(plan: _Plan, leaves: list) -> tuple:
-    avals = tuple((leaves[i].shape, leaves[i].dtype) for i in plan.extra_indices)
-    mesh = context_mesh(abstract_ok=True) if plan.needs_mesh else None
-    return avals, mesh
-
-
-#
-# Building the jitted function for one entry.
-#
-
-
-def _walk_callbacks(jaxpr) -> bool:
-    for eqn in jaxpr.eqns:
-        if "callback" in eqn.primitive.name:
-            return True
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns") and _walk_callbacks(inner):
-                    return True
-    return False
-
-
-_committed = operator.attrgetter("_committed")
-
-
-class _Commit:
-    """Commits uncommitted JAX arrays to their `in_shardings` before the call, so that
-    `jax.jit` sees committed inputs every time and compiles once (it otherwise traces
-    uncommitted and committed inputs separately).
-
-    Where a sharding spans several processes (`jax.distributed`), NumPy arrays are
-    committed too, and both are placed as by `filter_device_put`: checked to be the
-    same on every process, naming the argument's key path if not."""
-
-    __slots__ = (
-        "donated",
-        "kept",
-        "multiprocess",
-        "get_donated",
-        "get_kept",
-        "leaf_indices",
-    )
-
-    def __init__(self, donated, kept, leaf_indices):
-        self.donated = donated
-        self.kept = kept
-        # (donated leaf indices, kept leaf indices) of the call: for key paths only.
-        self.leaf_indices = leaf_indices
-        self.multiprocess = any(not s.is_fully_addressable for _, s in donated + kept)
-        self.get_donated = _getter(tuple(p for p, _ in donated))
-        self.get_kept = _getter(tuple(p for p, _ in kept))
-
-    def __call__(
-        self, donated: tuple, kept: tuple, config: "_Config", args, kwargs
-    ) -> tuple[tuple, tuple]:
-        # The common case, at C speed: every specified leaf is committed already.
-        try:
-            if all(map(_committed, self.get_donated(donated))) and all(
-                map(_committed, self.get_kept(kept))
-            ):
-                return donated, kept
-        except AttributeError:  # e.g. a NumPy array: no `_committed`
-            pass
-        array_impl = _array_impl_type()
-        multiprocess = self.multiprocess
-        out = []
-        for g, (group, specified) in enumerate(
-            ((donated, self.donated), (kept, self.kept))
-        ):
-            fix = [
-                (p, s)
-                for p, s in specified
-                if (type(group[p]) is array_impl and not group[p]._committed)
-                or (multiprocess and isinstance(group[p], (np.ndarray, np.generic)))
-            ]
-            if fix:
-                group = list(group)
-                indices = [p for p, _ in fix]
-                targets = [s for _, s in fix]
-                if multiprocess:
-                    leaf_index = self.leaf_indices[g]
-                    indices, targets = _multiprocess.place_host_local(
-                        group,
-                        indices,
-                        targets,
-                        lambda p: _arg_path(config, args, kwargs, leaf_index[p]),
-                    )
-                if indices:
-                    # As with `jax.jit`'s own resharding, a donated argument's buffer
-                    # may be shared with this copy (e.g. device 0 of a replicated
-                    # sharding).
-                    moved = jax.device_put([group[p] for p in indices], targets)
-                    for p, x in zip(indices, moved):
-                        group[p] = x
-                group = tuple(group)
-            out.append(group)
-        return out[0], out[1]
-
-
-def _make_entry(w, plan: _Plan, args, kwargs, leaves) -> _Entry:
-    config: _Config = w._table.config
-    entry = _Entry()
-    entry.filter_warning = config.filter_warning
-    entry.donated = plan.donated
-    entry.kept = plan.kept
-
-    # Resolve and check `in_shardings` for each traced leaf, naming argument paths.
-    in_todo = []
-    for i in plan.donated + plan.kept:
-        spec = plan.in_specs[i]
+def _new_entry(wrapper, cache: _Cache, layout: _Layout, args, kwargs, leaves) -> _Entry:
+    """Resolves `in_shardings` for this call, checks committed inputs against them
+    (before anything is traced), and builds the `jax.jit`."""
+    names = cache.names
+    targets = []
+    for i in layout.dynamic:
+        spec = layout.specs[i]
         if spec is None:
             continue
-        where = lambda i=i: _arg_path(config, args, kwargs, i)
+        where = lambda i=i: _checks.arg_path(names, args, kwargs, i)
         sharding = resolve(spec, leaves[i], where, abstract_ok=True)
         if sharding is not None:
-            check(leaves[i].shape, sharding, where)
-            in_todo.append((i, sharding))
-    entry.in_todo = in_todo
-    by_index = dict(in_todo)
-    donated_shardings = tuple(by_index.get(i) for i in plan.donated)
-    kept_shardings = tuple(by_index.get(i) for i in plan.kept)
-    specified_donated = [(p, s) for p, s in enumerate(donated_shardings) if s]
-    specified_kept = [(p, s) for p, s in enumerate(kept_shardings) if s]
-    if specified_donated or specified_kept:
-        entry.commit = _Commit(
-            specified_donated, specified_kept, (plan.donated, plan.kept)
-        )
-    else:
-        entry.commit = None
-
-    treedef = plan.treedef
-    # The static leaves of *this* call: a plan is shared by all static values.
-    static_template = tuple(None if m else x for m, x in zip(plan.mask, leaves))
-    donated_index = plan.donated
-    kept_index = plan.kept
-    static_fun = w._static_fun
-    out_shardings = config.out_shardings
-
-    def fun_wrapped(dynamic_fun, donated, kept):
-        full = list(static_template)
-        for i, x in zip(donated_index, donated):
-            full[i] = x
-        for i, x in zip(kept_index, kept):
-            full[i] = x
-        if in_todo and jax.config.jax_disable_jit:  # pyright: ignore
-            # `jax.jit` ignores `in_shardings` under `disable_jit`; we place anyway.
-            device_put_leaves(jtu.tree_unflatten(treedef, full), full, in_todo, "args")
-        call_args, call_kwargs = jtu.tree_unflatten(treedef, full)
-        fun = _hashable_combine(dynamic_fun, static_fun)
-        out = fun(*call_args, **call_kwargs)
-        out_leaves, out_def = jtu.tree_flatten(out)
-        if out_shardings is not _unset:
-            todo = resolve_leaves(
-                out, out_leaves, out_shardings, "out_shardings", "out", abstract_ok=True
-            )
-            if todo:
-                if jax.config.jax_disable_jit:  # pyright: ignore
-                    device_put_leaves(out, out_leaves, todo, "out")
-                else:
-                    constrain_leaves(out, out_leaves, todo, "out")
-        positions = tuple(i for i, x in enumerate(out_leaves) if is_array(x))
-        dynamic_out = tuple(out_leaves[i] for i in positions)
-        if len(positions) == len(out_leaves):
-            out_static = _OutStatic(out_def, None, None)
-        else:
-            static_leaves = tuple(None if is_array(x) else x for x in out_leaves)
-            out_static = _OutStatic(out_def, static_leaves, positions)
-        return dynamic_out, out_static
-
-    fun_name, fun_qualname = w._table.names
-    fun_wrapped.__name__ = fun_name
-    fun_wrapped.__qualname__ = fun_qualname
-    jit_kwargs = {}
-    if config.in_kind is not None:
-        jit_kwargs["in_shardings"] = (None, donated_shardings, kept_shardings)
-    donate_argnums = (0, 1) if config.donate_rest else (1,)
-    entry.jitted = jax.jit(fun_wrapped, donate_argnums=donate_argnums, **jit_kwargs)
-    entry.sync = False
-    entry.fast = False
-    entry.serialize = _serialize_dispatch(
-        [s for _, s in in_todo]
-        + [getattr(leaves[i], "sharding", None) for i in plan.donated + plan.kept]
-    )
+            check(jax.numpy.shape(leaves[i]), sharding, where)
+            targets.append((i, sharding))
+    _checks.raise_if_committed_elsewhere(names, args, kwargs, leaves, targets)
+    entry = _Entry()
+    entry.layout = layout
+    entry.static = layout.static_of(leaves)
+    entry.targets = targets
+    entry.get_targets = _getter(tuple(i for i, _ in targets))
+    entry.wait = None
+    jit_kwargs: dict = {}
+    if cache.in_shardings is not _unset:
+        shardings: list = [None] * len(leaves)
+        for i, sharding in targets:
+            shardings[i] = sharding
+        args_shardings, kwargs_shardings = layout.treedef.unflatten(shardings)
+        jit_kwargs["in_shardings"] = (None, kwargs_shardings, *args_shardings)
+    n_args = len(args)
+    donate = [0, 1] if cache.donate_rest else []
+    if n_args and cache.donate_first:
+        donate.append(2)
+    if cache.donate_rest:
+        donate.extend(range(3, 2 + n_args))
+    jit_kwargs["donate_argnums"] = tuple(donate)
+    out_specs = cache.out_shardings
+    if out_specs is not _unset:
+        out_specs = _static_out_shardings(out_specs)
+        if not cache.out_rules:
+            jit_kwargs["out_shardings"] = (out_specs, None)
+    static_fun = wrapper._static_fun
+    make = ft.partial(_traced_function, cache, static_fun, layout, leaves, targets)
+    entry.jitted = jax.jit(make(out_specs, None), **jit_kwargs)
+    if cache.out_rules:
+        entry.jitted = _ResolveRules(make, out_specs, jit_kwargs)
     return entry
 
 
-def _check_sync(entry: _Entry, dynamic_fun, donated, kept) -> None:
-    """Equinox's runtime errors (`eqx.error_if`) are `pure_callback`s that raise. Only
-    functions that contain a callback are waited for, so that everything else keeps
-    JAX's asynchronous dispatch."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message="Some donated buffers were not usable"
-        )
-        traced = entry.jitted.trace(dynamic_fun, donated, kept)
-    entry.sync = _walk_callbacks(traced.jaxpr.jaxpr)
+class _ResolveRules:
+    """`out_shardings` with callable leaves need the output's shapes. The first call
+    traces the function once (resolving the callables on its outputs), then builds the
+    `jax.jit` that applies them around that trace: JAX reuses the inner trace, so the
+    user's function is traced once."""
+
+    def __init__(self, make, out_specs, jit_kwargs):
+        self.make = make
+        self.out_specs = out_specs
+        self.jit_kwargs = jit_kwargs
+
+    def trace(self, *args):
+        found: list = []
+        fun_wrapped = self.make(self.out_specs, found)
+        inner = jax.jit(fun_wrapped)
+        inner.trace(*args)
+
+        def outer(*args):
+            return inner(*args)
+
+        ft.update_wrapper(outer, fun_wrapped)
+        del outer.__wrapped__
+        out_shardings = (found[0], None)
+        return jax.jit(outer, **self.jit_kwargs, out_shardings=out_shardings)
 
 
 #
-# The call path.
+# The call path: bind, flatten, look up, check, place, call `jax.jit`.
 #
 
 
-def _bind(config: _Config, args, kwargs):
-    bound = config.signature.bind(*args, **kwargs)
-    return bound.args, bound.kwargs
+def _bind(cache: _Cache, args, kwargs):
+    if kwargs or not (cache.min_args <= len(args) <= cache.max_args):
+        bound = cache.signature.bind(*args, **kwargs)
+        return bound.args, bound.kwargs
+    return args, kwargs
 
 
-def _raise_deleted(config: _Config, plan: _Plan, args, kwargs, leaves) -> None:
-    for i in plan.donated + plan.kept:
-        x = leaves[i]
-        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-            if x.is_deleted():
-                raise RuntimeError(
-                    f"{_arg_path(config, args, kwargs, i)}: this array has been "
-                    "deleted (was it donated to an earlier call?)."
-                )
-
-
-def _diagnose(table: _Table, plan: _Plan, entry: _Entry, args, kwargs, leaves) -> None:
-    """Called only after `jax.jit` raised: re-raise with the user's key path where we
-    can name the culprit."""
-    config: _Config = table.config
-    _raise_deleted(config, plan, args, kwargs, leaves)
-    for i, sharding in entry.in_todo:
-        x = leaves[i]
-        where = lambda i=i: _arg_path(config, args, kwargs, i)
-        check(x.shape, sharding, where)
-        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-            if x.committed and not x.sharding.is_equivalent_to(sharding, x.ndim):
-                raise ValueError(
-                    f"{where()}: this argument is committed to {x.sharding}, but "
-                    f"`in_shardings` asks for {sharding}. `filter_jit` does not move "
-                    "committed arrays implicitly; move it first with "
-                    "`equinox_shard.filter_device_put`, or give `None` for it in "
-                    "`in_shardings` to accept its current sharding."
-                )
-
-
-# On the CPU backend, several threads dispatching multi-device executables at once can
-# deadlock inside XLA (every thread waits in `PjRtCpuLoadedExecutable::Execute`; plain
-# `jax.jit` from 8 threads hangs too: tests/test_concurrency.py). Dispatch is
-# asynchronous, so holding a lock around it costs ~50ns and serialises only the launch.
-_cpu_dispatch_lock = threading.Lock()
-
-
-def _serialize_dispatch(shardings: list) -> bool:
-    if jax.default_backend() != "cpu":
-        return False
-    return any(
-        isinstance(s, jax.sharding.Sharding) and len(s.device_set) > 1
-        for s in shardings
-    )
-
-
-def _raise_deleted_fun(dynamic_fun: tuple) -> None:
-    raise RuntimeError(
-        "An array of the function being JIT'd has been deleted (was it donated to an "
-        "earlier call?)."
-    )
-
-
-def _demotions(
-    donated: tuple,
-    kept: tuple,
-    dynamic_fun: tuple,
-    table: _Table,
-    plan: _Plan,
-    args,
-    kwargs,
-):
-    """The same buffer must never be donated whilst it is passed again in the same
-    call (donated twice, or donated and kept): XLA then crashes on multi-device arrays.
-    Returns `None` if no buffer is reachable twice (the common case, checked at C
-    speed), else the leaf indices to keep rather than donate."""
-    config: _Config = table.config
-    ids = set(map(id, donated))
-    fun_ids = {id(x) for x in dynamic_fun if x is not None}
-    if (
-        len(ids) == len(donated)
-        and ids.isdisjoint(map(id, kept))
-        and (not fun_ids or ids.isdisjoint(fun_ids))
-        and not (
-            config.donate_rest and fun_ids and not fun_ids.isdisjoint(map(id, kept))
-        )
-    ):
-        return None
-    if config.donate_rest and fun_ids:
-        for i, x in zip(plan.donated + plan.kept, donated + kept):
-            if id(x) in fun_ids:
-                raise ValueError(
-                    f"{_arg_path(config, args, kwargs, i)}: this array is also part "
-                    "of the function being JIT'd, whose arrays are donated; an array "
-                    "cannot be both donated and passed again."
-                )
-    # A buffer passed more than once is not donated at all: donating any one of its
-    # occurrences would invalidate the others within the same execution.
-    counts = co.Counter(map(id, donated + kept))
-    for x in fun_ids:
-        counts[x] += 1
-    demote = [i for i, x in zip(plan.donated, donated) if counts[id(x)] > 1]
-    return tuple(demote)
-
-
-def _guard(
-    table: _Table, plan: _Plan, args, kwargs, leaves, donated, kept, dynamic_fun
-) -> tuple | None:
-    """The checks that every call makes before anything runs, whether through
-    `filter_jit` or a `Compiled` object. Raises, naming the key path, if an input was
-    deleted (XLA segfaults on a deleted multi-device input); returns the leaf indices
-    of donated inputs whose buffer is reachable twice and must be kept, or `None`."""
-    if plan.any_deleted(donated) or plan.any_deleted(kept):
-        _raise_deleted(table.config, plan, args, kwargs, leaves)
-    if not donated and not (table.config.donate_rest and table.fun_has_arrays):
-        return None
-    array_impl = _array_impl_type()
-    if any(type(x) is array_impl and x.is_deleted() for x in dynamic_fun):
-        _raise_deleted_fun(dynamic_fun)
-    return _demotions(donated, kept, dynamic_fun, table, plan, args, kwargs)
-
-
-def _aliased_entry(w, plan: _Plan, demote: tuple, key, args, kwargs, leaves):
-    table = w._table
-    alias_key = ("aliased", key, demote)
-    entry = plan.entries.get(alias_key)
-    if entry is None:
-        with table.lock:
-            entry = plan.entries.get(alias_key)
-            if entry is None:
-                sub = _Plan()
-                for name in _Plan.__slots__:
-                    if hasattr(plan, name):
-                        setattr(sub, name, getattr(plan, name))
-                demoted = set(demote)
-                sub.donated = tuple(i for i in plan.donated if i not in demoted)
-                sub.kept = tuple(sorted(plan.kept + demote))
-                entry = _make_entry(w, sub, args, kwargs, leaves)
-                entry.fast = False
-                plan.entries[alias_key] = entry
-    donated = tuple(leaves[i] for i in entry.donated)
-    kept = tuple(leaves[i] for i in entry.kept)
-    return entry, donated, kept
-
-
-try:
-    _JaxRuntimeError = jax.errors.JaxRuntimeError  # pyright: ignore
-except AttributeError:  # pragma: no cover
-    _JaxRuntimeError = RuntimeError
-
-
-class _FilterCallback(logging.Filterer):
-    def filter(self, record: logging.LogRecord):  # pyright: ignore
-        return not (
-            record.name == "jax._src.callback"
-            and record.getMessage() == "jax.pure_callback failed"
-        )
-
-
-def _equinox_runtime_error(e: Exception, jit_id: bytes) -> Exception | None:
-    import equinox._jit as eqx_jit  # Equinox's runtime-error channel.
-
-    info = getattr(eqx_jit, "last_error_info", None)
-    if info is None or "_EquinoxRuntimeError: " not in str(e):
-        return None
-    msg, stack = info
-    pieces = []
-    for id_or_str in stack:
-        if type(id_or_str) is str:
-            pieces.append(id_or_str)
-        elif id_or_str == jit_id:
-            break
-    return eqx.EquinoxRuntimeError(
-        eqx_jit._on_error_msg.format(msg=msg, stack="".join(reversed(pieces)))
-    )
-
-
-def _run_sync(call, jit_id: bytes):
-    __tracebackhide__ = True
-    callback_logger = logging.getLogger("jax._src.callback")
-    log_filter = _FilterCallback()
-    callback_logger.addFilter(log_filter)
+def _prepare(wrapper, cache: _Cache, entry: _Entry, args, kwargs, leaves):
+    """Checks and placements before execution; returns the dynamic trees to call with."""
+    layout = entry.layout
+    dynamic_fun = wrapper._dynamic_fun
+    changed = False
+    # XLA crashes on a deleted multi-device input, donated or not.
     try:
-        out = call()
-        jax.block_until_ready(out[0])
-        return out
-    except (_JaxRuntimeError, ValueError) as e:
-        error = _equinox_runtime_error(e, jit_id)
-        if error is None:
-            raise
-        raise error from None
-    finally:
-        callback_logger.removeFilter(log_filter)
+        deleted = any(map(_is_deleted, layout.dynamic_leaves(leaves)))
+    except (AttributeError, TypeError):  # NumPy arrays, tracers: one by one
+        deleted = True
+    if deleted:
+        _checks.raise_if_deleted(cache.names, args, kwargs, leaves, layout.dynamic)
+    if layout.donated or (cache.donate_rest and dynamic_fun is not None):
+        fun_leaves = jtu.tree_leaves(dynamic_fun) if cache.donate_rest else ()
+        if any(x.is_deleted() for x in fun_leaves if isinstance(x, jax.Array)):
+            raise RuntimeError(
+                "An array of the function being JIT'd has been deleted (was it "
+                "donated to an earlier call?)."
+            )
+        copies = _checks.donation_copies(
+            cache.names,
+            args,
+            kwargs,
+            leaves,
+            layout.donated,
+            layout.dynamic,
+            fun_leaves,
+        )
+        if copies:
+            # The caller's buffer is kept; the executable donates a private copy.
+            leaves = list(leaves)
+            moved = jax.device_put(
+                [leaves[i] for i in copies],
+                [leaves[i].sharding for i in copies],
+                may_alias=False,
+            )
+            for i, x in zip(copies, moved):
+                leaves[i] = x
+            changed = True
+    if entry.targets and not _commit.all_committed(entry.get_targets(leaves)):
+        leaves = list(leaves)
+        _commit.commit(
+            leaves,
+            entry.targets,
+            lambda i: _checks.arg_path(cache.names, args, kwargs, i),
+        )
+        changed = True
+    if layout.dynamic_of is not None:
+        args, kwargs = layout.treedef.unflatten(layout.dynamic_of(leaves + [None]))
+    elif changed:
+        args, kwargs = layout.treedef.unflatten(leaves)
+    return leaves, (dynamic_fun, kwargs, *args)
 
 
-# `eqx.Module.__getattribute__` runs in Python (it wraps bound methods): reading four
-# fields through it cost ~1µs per call, a third of `jax.jit`'s whole single-leaf
-# dispatch (3.4µs at N=1, measured with cProfile and `time.thread_time`). Our fields
-# hold no methods, so `object.__getattribute__` returns the same objects at C speed.
-_getattr = object.__getattribute__
-
-
-def _lookup(
-    w, table: _Table, args, kwargs, leaves, treedef
-) -> tuple[_Plan, Any, _Entry]:
-    """The slow path of a call: build the plan and/or the compiled entry."""
-    config: _Config = table.config
-    plan_key = (treedef, tuple(map(type, leaves)))
-    plan = table.plans.get(plan_key)
-    if plan is None:
-        plan = _make_plan(table, config, args, kwargs, leaves, treedef, is_array)
-        with table.lock:
-            plan = table.plans.setdefault(plan_key, plan)
-    key = plan.get_static(leaves)
-    if plan.keyed:
-        key = (key, _extra_key(plan, leaves))
-    entry = plan.entries.get(key)
-    if entry is None:
-        with table.lock:
-            entry = plan.entries.get(key)
-            if entry is None:
-                entry = _make_entry(w, plan, args, kwargs, leaves)
-                if jax.config.jax_disable_jit:  # pyright: ignore
-                    # Nothing is compiled (or waited for): don't cache it.
-                    return plan, key, entry
-                donated = plan.get_donated(leaves)
-                kept = plan.get_kept(leaves)
-                if entry.commit is not None:
-                    donated, kept = entry.commit(donated, kept, config, args, kwargs)
-                _check_sync(entry, _getattr(w, "_dynamic_fun"), donated, kept)
-                entry.fast = not (
-                    entry.sync
-                    or entry.filter_warning
-                    or entry.commit is not None
-                    or plan.donated
-                    or (config.donate_rest and table.fun_has_arrays)
-                )
-                plan.entries[key] = entry
-    return plan, key, entry
-
-
-def _call(w, args, kwargs):
+def _call(wrapper, args, kwargs, compiled=None):
     __tracebackhide__ = True
-    table: _Table = _getattr(w, "_table")
-    __equinox_jit_id__ = table.id  # noqa: F841 - read by `eqx.error_if`'s stacks.
-    config = table.config
-    if kwargs or not (config.min_args <= len(args) <= config.max_args):
-        args, kwargs = _bind(config, args, kwargs)
+    cache: _Cache = wrapper._cache
+    __equinox_jit_id__ = cache.jit_id  # noqa: F841 - read by `eqx.error_if`'s stacks.
+    args, kwargs = _bind(cache, args, kwargs)
     leaves, treedef = jtu.tree_flatten((args, kwargs))
-    plan = table.plans.get((treedef, tuple(map(type, leaves))))
-    entry = key = None
-    if plan is not None:
-        key = plan.get_static(leaves)
-        if plan.keyed:
-            key = (key, _extra_key(plan, leaves))
-        entry = plan.entries.get(key)
-    if plan is None or entry is None:
-        plan, key, entry = _lookup(w, table, args, kwargs, leaves, treedef)
-    donated = plan.get_donated(leaves)
-    kept = plan.get_kept(leaves)
-    dynamic_fun = _getattr(w, "_dynamic_fun")
-    demote = _guard(table, plan, args, kwargs, leaves, donated, kept, dynamic_fun)
-    if entry.fast:
-        # The hot path: no donation, no commits, no callbacks to wait for.
-        try:
-            if entry.serialize:
-                with _cpu_dispatch_lock:
-                    out = entry.jitted(dynamic_fun, donated, kept)
-            else:
-                out = entry.jitted(dynamic_fun, donated, kept)
-        except Exception:
-            _diagnose(table, plan, entry, args, kwargs, leaves)
-            raise
-        return out[1].combine(out[0])
-    if demote:
-        entry, donated, kept = _aliased_entry(
-            w, plan, demote, key, args, kwargs, leaves
-        )
-    if entry.commit is not None:
-        donated, kept = entry.commit(donated, kept, config, args, kwargs)
-    jitted = entry.jitted
+    if compiled is None:
+        layout = cache.layouts.get((treedef, tuple(map(type, leaves))))
+        entry = None if layout is None else layout.entries.get(layout.key(leaves))
+        if entry is None:
+            entry, leaves, dynamic = _compile(
+                wrapper, cache, args, kwargs, leaves, treedef
+            )
+        else:
+            leaves, dynamic = _prepare(wrapper, cache, entry, args, kwargs, leaves)
+        run = entry.jitted
+    else:
+        entry = compiled._entry
+        if (
+            treedef != entry.layout.treedef
+            or entry.layout.static_of(leaves) != entry.static
+        ):
+            raise TypeError(
+                "This function was compiled for arguments of structure "
+                f"{entry.layout.treedef} with static (non-array) leaves "
+                f"{entry.static}, but was called with {treedef} and "
+                f"{entry.layout.static_of(leaves)}. Lower and compile it again for "
+                "these arguments."
+            )
+        leaves, dynamic = _prepare(wrapper, cache, entry, args, kwargs, leaves)
+        run = compiled.compiled
     try:
-        if entry.sync:
-            out = _run_sync(lambda: jitted(dynamic_fun, donated, kept), table.id)
-        elif entry.filter_warning:
+        if entry.wait:
+            out = _callbacks.call_and_wait(lambda: run(*dynamic), cache.jit_id)
+        elif cache.filter_warning:
             with warnings.catch_warnings():
                 warnings.filterwarnings(
                     "ignore", message="Some donated buffers were not usable"
                 )
-                if entry.serialize:
-                    with _cpu_dispatch_lock:
-                        out = jitted(dynamic_fun, donated, kept)
-                else:
-                    out = jitted(dynamic_fun, donated, kept)
-        elif entry.serialize:
-            with _cpu_dispatch_lock:
-                out = jitted(dynamic_fun, donated, kept)
+                out = run(*dynamic)
         else:
-            out = jitted(dynamic_fun, donated, kept)
-    except eqx.EquinoxRuntimeError as e:
-        e.__traceback__ = None
+            out = run(*dynamic)
+    except eqx.EquinoxRuntimeError:
         raise
     except Exception:
-        _diagnose(table, plan, entry, args, kwargs, leaves)
+        _checks.diagnose(
+            cache.names, args, kwargs, leaves, entry.layout.dynamic, entry.targets
+        )
         raise
-    return out[1].combine(out[0])
+    dynamic_out, static_out = out
+    if static_out is None:
+        return dynamic_out
+    return hashable_combine(dynamic_out, static_out.value)
+
+
+def _compile(wrapper, cache, args, kwargs, leaves, treedef, dynamic=is_array):
+    """The slow path of a call (or a `.lower()`): makes the layout and the entry,
+    places the inputs and traces, once per static part, under the cache's lock."""
+    layout_key = (treedef, tuple(map(type, leaves)), dynamic)
+    with cache.lock:
+        layout = cache.layouts.get(
+            layout_key if dynamic is not is_array else layout_key[:2]
+        )
+        if layout is None:
+            layout = _Layout(cache, args, kwargs, leaves, treedef, dynamic)
+        key = layout.key(leaves)
+        entry = layout.entries.get(key)
+        if entry is None:
+            entry = _new_entry(wrapper, cache, layout, args, kwargs, leaves)
+        leaves, dynamic_trees = _prepare(wrapper, cache, entry, args, kwargs, leaves)
+        if entry.wait is None and not jax.config.jax_disable_jit:  # pyright: ignore
+            with warnings.catch_warnings():
+                warnings.filterwarnings(
+                    "ignore", message="Some donated buffers were not usable"
+                )
+                if isinstance(entry.jitted, _ResolveRules):
+                    entry.jitted = entry.jitted.trace(*dynamic_trees)
+                traced = entry.jitted.trace(*dynamic_trees)
+            entry.wait = _callbacks.has_callback(traced.jaxpr.jaxpr)
+            layout.entries[key] = entry
+            cache.layouts[layout_key if dynamic is not is_array else layout_key[:2]] = (
+                layout
+            )
+    return entry, leaves, dynamic_trees
 
 
 #
@@ -948,80 +586,34 @@ def _call(w, args, kwargs):
 #
 
 
-def _is_array_or_struct(x) -> bool:
-    return is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
-
-
 class Compiled(Module):
-    """The result of `filter_jit(f).lower(...).compile()`: call it with arguments of the
-    same structure, shapes and static values as were lowered. Each call makes the
-    checks of a `filter_jit` call before it runs: a deleted input raises, naming its key
-    path, and a donated buffer that is reachable twice is kept (the executable gets a
-    copy of it)."""
+    """The result of `filter_jit(f).lower(...).compile()`. Calling it makes the same
+    call as `filter_jit(f)`, through the same checks, with this executable."""
 
     compiled: jax.stages.Compiled
     _wrapper: Any = field(static=True, repr=False)
-    _statics: tuple = field(static=True, repr=False)
-    _plan: _Plan = field(static=True, repr=False)
+    _entry: _Entry = field(static=True, repr=False)
 
     def __call__(self, /, *args, **kwargs):
-        w = self._wrapper
-        table: _Table = w._table
-        config = table.config
-        plan = self._plan
-        if kwargs or not (config.min_args <= len(args) <= config.max_args):
-            args, kwargs = _bind(config, args, kwargs)
-        leaves, treedef = jtu.tree_flatten((args, kwargs))
-        statics = tuple(x for x in leaves if not is_array(x))
-        if treedef != plan.treedef or statics != self._statics:
-            raise TypeError(
-                "This function was compiled for arguments of structure "
-                f"{plan.treedef} with static (non-array) leaves {self._statics}, but "
-                f"was called with {treedef} and {statics}. Lower and compile it again "
-                "for these arguments."
-            )
-        donated = plan.get_donated(leaves)
-        kept = plan.get_kept(leaves)
-        dynamic_fun = w._dynamic_fun
-        demote = _guard(table, plan, args, kwargs, leaves, donated, kept, dynamic_fun)
-        if demote:
-            # The executable donates these: it gets private copies, and the caller's
-            # buffer is kept, as `filter_jit` keeps it.
-            positions = [plan.donated.index(i) for i in demote]
-            copies = jax.device_put(
-                [donated[p] for p in positions],
-                [donated[p].sharding for p in positions],
-                may_alias=False,
-            )
-            donated = list(donated)
-            for p, x in zip(positions, copies):
-                donated[p] = x
-            donated = tuple(donated)
-        dynamic_out, out_static = self.compiled(dynamic_fun, donated, kept)
-        return out_static.combine(dynamic_out)
+        __tracebackhide__ = True
+        return _call(self._wrapper, args, kwargs, self)
 
     def as_text(self) -> str | None:
         return self.compiled.as_text()
 
     @property
     def input_shardings(self) -> tuple[tuple, dict]:
-        """The shardings of the array arguments, as `(args, kwargs)` in the structure
-        of the (bound) arguments; `None` at non-array leaves."""
-        (_, donated, kept), _ = self.compiled.input_shardings
-        plan = self._plan
-        leaves: list = [None] * plan.treedef.num_leaves
-        for i, sharding in zip(plan.donated, donated):
-            leaves[i] = sharding
-        for i, sharding in zip(plan.kept, kept):
-            leaves[i] = sharding
-        return jtu.tree_unflatten(plan.treedef, leaves)
+        """The shardings of the array arguments, as `(args, kwargs)` in the structure of
+        the bound arguments; `None` at non-array leaves."""
+        (_, kwargs, *args), _ = self.compiled.input_shardings
+        return tuple(args), kwargs
 
     @property
     def output_shardings(self) -> Any:
         """The shardings of the array outputs, in the structure of the output; non-array
         outputs appear as themselves."""
-        dynamic, out_static = self.compiled.output_shardings
-        return out_static.combine(dynamic)
+        dynamic, static = self.compiled.output_shardings
+        return dynamic if static is None else hashable_combine(dynamic, static.value)
 
 
 class Lowered(Module):
@@ -1029,8 +621,7 @@ class Lowered(Module):
 
     lowered: jax.stages.Lowered
     _wrapper: Any = field(static=True, repr=False)
-    _statics: tuple = field(static=True, repr=False)
-    _plan: _Plan = field(static=True, repr=False)
+    _entry: _Entry = field(static=True, repr=False)
 
     def as_text(self) -> str:
         return self.lowered.as_text()
@@ -1039,22 +630,7 @@ class Lowered(Module):
         self, /, compiler_options: dict[str, str | bool] | None = None
     ) -> Compiled:
         compiled = self.lowered.compile(compiler_options=compiler_options)
-        return Compiled(compiled, self._wrapper, self._statics, self._plan)
-
-
-def _lower(w, args, kwargs) -> Lowered:
-    table: _Table = _getattr(w, "_table")
-    config = table.config
-    if kwargs or not (config.min_args <= len(args) <= config.max_args):
-        args, kwargs = _bind(config, args, kwargs)
-    leaves, treedef = jtu.tree_flatten((args, kwargs))
-    plan = _make_plan(table, config, args, kwargs, leaves, treedef, _is_array_or_struct)
-    entry = _make_entry(w, plan, args, kwargs, leaves)
-    lowered = entry.jitted.lower(
-        _getattr(w, "_dynamic_fun"), plan.get_donated(leaves), plan.get_kept(leaves)
-    )
-    statics = tuple(x for x, m in zip(leaves, plan.mask) if not m)
-    return Lowered(lowered, w, statics, plan)
+        return Compiled(compiled, self._wrapper, self._entry)
 
 
 #
@@ -1064,14 +640,13 @@ def _lower(w, args, kwargs) -> Lowered:
 
 class _JitWrapper(Module):
     fn: str  # this attribute exists solely to give a nice repr
-    _dynamic_fun: tuple = field(repr=False)
+    _dynamic_fun: Any = field(repr=False)
     _static_fun: Any = field(static=True, repr=False)
-    _table: _Table = field(static=True, repr=False)
-    _table_id: bytes = field(static=True, repr=False)
+    _cache: _Cache = field(static=True, repr=False)
 
     @property
     def __wrapped__(self):
-        return _hashable_combine(self._dynamic_fun, self._static_fun)
+        return hashable_combine(self._dynamic_fun, self._static_fun)
 
     def __call__(self, /, *args, **kwargs):
         __tracebackhide__ = True
@@ -1084,7 +659,18 @@ class _JitWrapper(Module):
     def lower(self, /, *args, **kwargs) -> Lowered:
         """Lowers the function for the given arguments, ahead of time. Arrays may be
         replaced by `jax.ShapeDtypeStruct`s (optionally carrying a `sharding`)."""
-        return _lower(self, args, kwargs)
+        cache = self._cache
+        args, kwargs = _bind(cache, args, kwargs)
+        leaves, treedef = jtu.tree_flatten((args, kwargs))
+        entry, _, dynamic = _compile(
+            self, cache, args, kwargs, leaves, treedef, _is_array_or_struct
+        )
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message="Some donated buffers were not usable"
+            )
+            lowered = entry.jitted.lower(*dynamic)
+        return Lowered(lowered, self, entry)
 
     def __get__(self, instance, owner):
         del owner
@@ -1140,11 +726,10 @@ def filter_jit(
         array keeps its sharding, an uncommitted one is placed by `jax.jit`.
         Uncommitted JAX arrays with a specified sharding are committed to it before the
         call, so that `x = f(x)` compiles once.
-    - `out_shardings`: a PyTree prefix of the output, in the same language. Each array
-        output is constrained (at the end of the traced function) with the same
-        machinery as [`equinox_shard.filter_shard`][]:
-        `jax.lax.with_sharding_constraint` on Auto axes, `jax.sharding.reshard` on
-        Explicit axes. Non-array outputs are returned as static values, untouched.
+    - `out_shardings`: a PyTree prefix of the output, in the same language, passed to
+        `jax.jit`'s own `out_shardings` (so `.lower()`, `jax.eval_shape` and
+        `Compiled.output_shardings` report it). Non-array outputs are returned as
+        static values, untouched.
     - `donate`: as in `equinox.filter_jit`: `'all'`, `'all-except-first'`, `'warn'`,
         `'warn-except-first'` or `'none'` (the default). An array reachable twice in
         one call (tied weights, or one array in a donated and in a kept argument) is
@@ -1190,15 +775,14 @@ def filter_jit(
             out_shardings=out_shardings,
             donate=donate,
         )
-    config = _make_config(fun, donate, in_shardings, out_shardings)
-    _, name = _fn_names(fun)
-    dynamic_fun, static_fun = _hashable_partition(fun)
-    table = _get_table(fun, config, static_fun)
+    cache = _Cache(fun, donate, in_shardings, out_shardings)
+    dynamic_fun, static_fun = hashable_partition(fun)
+    if not jtu.tree_leaves(dynamic_fun):
+        dynamic_fun = None
     jit_wrapper = _JitWrapper(
-        fn=name,
+        fn=cache.fun_names[1],
         _dynamic_fun=dynamic_fun,
         _static_fun=static_fun,
-        _table=table,
-        _table_id=table.id,
+        _cache=cache,
     )
     return module_update_wrapper(jit_wrapper)

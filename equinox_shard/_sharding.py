@@ -25,29 +25,13 @@ from ._spec import (
 )
 
 
-try:
-    from jax._src.array import ArrayImpl as _ArrayImpl  # pyright: ignore
-except ImportError:  # pragma: no cover - forward compatibility
-    _ArrayImpl = None
-
-
-try:
-    from jax._src.core import trace_state_clean as _trace_state_clean  # pyright: ignore
-except ImportError:  # pragma: no cover - forward compatibility
-
-    def _trace_state_clean() -> bool:
-        try:
-            jax.sharding.get_mesh()
-        except ValueError:
-            return False
+def _in_trace() -> bool:
+    # Inside a trace only the abstract mesh is available: `get_mesh` raises.
+    try:
+        jax.sharding.get_mesh()
+    except ValueError:
         return True
-
-
-def _array_impl_type() -> type:
-    global _ArrayImpl
-    if _ArrayImpl is None:  # pragma: no cover - forward compatibility
-        _ArrayImpl = type(jax.numpy.zeros(()))
-    return _ArrayImpl
+    return False
 
 
 _UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
@@ -181,7 +165,6 @@ def device_put_leaves(
     sharding are left as the same object (unless `may_alias=False`). Every other
     result owns its buffers, unless donated or `may_alias=True`: donating it later
     never deletes the input."""
-    array_impl = _array_impl_type()
     indices = []
     targets = []
     for i, sharding in todo:
@@ -192,11 +175,7 @@ def device_put_leaves(
             # `with_sharding_constraint` (an identity `jit`) does.
             sharding = _without_unconstrained(sharding)
         flag = may_alias if not isinstance(may_alias, list) else may_alias[i]
-        if flag is not False and (
-            leaf._committed
-            if type(leaf) is array_impl
-            else _is_committed_array(leaf)  # e.g. a typed PRNG key array
-        ):
+        if flag is not False and _is_committed_array(leaf):
             if leaf.is_deleted():
                 raise_if_deleted(value, leaves, (i,), value_name)
             current = leaf.sharding
@@ -522,7 +501,7 @@ def filter_shard(x: PyTree[Any], device_or_shardings: Any) -> PyTree[Any]:
     # `jax.disable_jit()` such constants are placed instead, as
     # `with_sharding_constraint` would do nothing.
     traced = _is_traced_tree(leaves) or (
-        not _trace_state_clean() and not jax.config.jax_disable_jit  # pyright: ignore
+        _in_trace() and not jax.config.jax_disable_jit  # pyright: ignore
     )
     todo = resolve_leaves(
         x, leaves, device_or_shardings, "device_or_shardings", "x", abstract_ok=traced

@@ -98,8 +98,8 @@ report(
         "calls": sum(map(len, outputs)),
         "wrong": wrong,
         "traces": {{str(k): n for k, n in traces.items()}},
-        "plans": len(f._table.plans),
-        "entries": sum(map(len, f._table.entries.values())),
+        "plans": len(f._cache.layouts),
+        "entries": sum(map(len, f._cache.entries.values())),
     }}
 )
 """
@@ -203,7 +203,7 @@ def test_growth_fresh_equal_modules():
     growth = _rss_mib() - before
     assert compiles == []
     assert sorted(traces) == ["layer0", "layer1"]
-    assert len(apply._table.plans) == 2
-    entries = apply._table.entries.values()
+    assert len(apply._cache.layouts) == 2
+    entries = apply._cache.entries.values()
     assert sum(map(len, entries)) == 2
     assert growth < _RSS_BOUND_MIB, growth

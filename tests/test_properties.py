@@ -423,13 +423,6 @@ def test_filter_jit_out_shardings_agrees_with_filter_shard(example):
     assert_same_values(snapshot(out), before)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="`out_shardings` on an Explicit mesh, uncommitted input, no `jax.set_mesh`: "
-    "the in-trace `reshard` fails with JAX's 'Length of device assignment 1 is not "
-    "equal to the size of the mesh 8 ... Please enter your `jit` into a mesh context "
-    "via `jax.set_mesh`', where `jax.jit(out_shardings=...)` works",
-)
 def test_out_shardings_explicit_without_mesh():
     sharding = NamedSharding(_mesh("1d", AxisType.Explicit), P("x"))
     x = jnp.arange(8.0)

@@ -175,7 +175,20 @@ def test_under_eval_shape(fn_name, mesh_name):
 #
 
 
-@pytest.mark.parametrize("mesh_name", _MESHES)
+@pytest.mark.parametrize(
+    "mesh_name",
+    [
+        "auto",
+        pytest.param(
+            "explicit",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="as `jax.jit(out_shardings=...)` nested in `jax.jit` on "
+                "Explicit axes (JAX 0.10.2): the outer result comes back P(None)",
+            ),
+        ),
+    ],
+)
 def test_filter_jit_nested_in_jit_constrains_outputs(mesh_name):
     s = NamedSharding(_MESHES[mesh_name](), P("x"))
     r = NamedSharding(s.mesh, P())
