@@ -188,7 +188,7 @@ def _short(error: BaseException) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument(
         "--traceback", action="store_true", help="print each failure's traceback"
