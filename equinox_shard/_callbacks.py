@@ -1,17 +1,30 @@
-"""Waiting for host callbacks, and Equinox's runtime errors (`eqx.error_if`).
+"""Host callbacks in `filter_jit`: waiting for them, and Equinox's runtime errors
+(`eqx.error_if`) in computations that span several devices.
 
-JAX dispatches asynchronously: a call returns before its computation has run. Equinox's
-runtime errors are host callbacks that raise, so a function that contains a callback is
-waited for, and the error it raised is re-raised as `eqx.EquinoxRuntimeError` with
-Equinox's message. Functions without a callback keep asynchronous dispatch.
+JAX dispatches asynchronously: a call returns before its computation has run. Only a
+function that contains a callback is waited for (`call_and_wait`), so that everything
+else keeps asynchronous dispatch.
+
+Equinox raises its runtime errors from a `jax.pure_callback`. Under SPMD the callback
+runs on one device; when it raises, that partition's execution fails and the other
+partitions wait forever in a collective for its result, until XLA aborts the process
+(its rendezvous timeout, ~40 s). So a `filter_jit` entry that contains callbacks runs
+from a rewritten jaxpr in which each callback records its exception and returns zeros
+instead of raising: every partition finishes, and the first recorded exception is
+raised after the execution.
 """
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
+import jax.core
+import jax.extend.core as jc
+import jax.tree_util as jtu
+import numpy as np
 
 
 try:
@@ -33,6 +46,138 @@ def has_callback(jaxpr: Any) -> bool:
     return False
 
 
+class _Record:
+    """What the callbacks of one execution raised: the first exception, and Equinox's
+    `(message, stack)` as its callback left them."""
+
+    __slots__ = ("lock", "error", "info")
+
+    def __init__(self):
+        self.lock = threading.Lock()  # Callbacks may run on several devices at once.
+        self.error: BaseException | None = None
+        self.info: Any = None
+
+
+class _Guarded:
+    """A callback that never raises: see the module's docstring."""
+
+    __slots__ = ("callback", "avals", "record")
+
+    def __init__(self, callback: Callable, avals, record: _Record):
+        self.callback = callback
+        self.avals = avals
+        self.record = record
+
+    def __call__(self, *args):
+        record = self.record
+        # After an error, later callbacks are skipped: Equinox's second one (for TPUs)
+        # calls `input()`.
+        if record.error is None:
+            try:
+                return self.callback(*args)
+            except Exception as e:
+                import equinox._jit as eqx_jit  # Equinox's runtime-error channel.
+
+                info = getattr(eqx_jit, "last_error_info", None)
+                with record.lock:
+                    if record.error is None:
+                        record.error, record.info = e, info
+        return [np.zeros(a.shape, a.dtype) for a in self.avals]
+
+
+def _rewrite(jaxpr: jc.Jaxpr, record: _Record) -> jc.Jaxpr:
+    """`jaxpr` with every callback guarded, walking nested jaxprs (cond branches, jit,
+    scan, while, custom_jvp/vjp, shard_map)."""
+    eqns = []
+    changed = False
+    for eqn in jaxpr.eqns:
+        new = {}
+        for name, value in eqn.params.items():
+            rewritten = _rewrite_param(value, record)
+            if rewritten is not value:
+                new[name] = rewritten
+        if "callback" in eqn.params and "result_avals" in eqn.params:
+            avals = eqn.params["result_avals"]
+            new["callback"] = _Guarded(eqn.params["callback"], avals, record)
+        if new:
+            eqn = eqn.replace(params={**eqn.params, **new})
+            changed = True
+        eqns.append(eqn)
+    return jaxpr.replace(eqns=eqns) if changed else jaxpr
+
+
+def _rewrite_param(value, record: _Record):
+    if isinstance(value, jc.ClosedJaxpr):
+        inner = _rewrite(value.jaxpr, record)
+        return value if inner is value.jaxpr else value.replace(jaxpr=inner)
+    if isinstance(value, jc.Jaxpr):
+        return _rewrite(value, record)
+    if isinstance(value, tuple):
+        items = tuple(_rewrite_param(v, record) for v in value)
+        return value if all(a is b for a, b in zip(items, value)) else items
+    return value
+
+
+def _runs_now() -> bool:
+    """Whether a call made here executes now: not staged into an outer `jax.jit`, not
+    transformed (`vmap`, `grad`), not under `jax.disable_jit`."""
+    if jax.config.jax_disable_jit:  # pyright: ignore
+        return False
+    # The only trace that executes is JAX's top-level one. Its class is private, so it
+    # is named here (and only here); both JAX versions we support call it this.
+    return type(jc.find_top_trace(())).__name__ == "EvalTrace"
+
+
+class GuardedCall:
+    """Runs a jitted function with its callbacks guarded; raises what they raised.
+
+    `closed` is the jaxpr of a call of the jitted function (`jax.make_jaxpr` of it): one
+    `jit` equation that carries its shardings and donation, so binding the rewritten
+    equation runs it just as the jitted function would."""
+
+    def __init__(self, closed: jc.ClosedJaxpr, out_tree):
+        self.record = _Record()
+        self.fun = jc.jaxpr_as_fun(
+            closed.replace(jaxpr=_rewrite(closed.jaxpr, self.record))
+        )
+        self.out_tree = out_tree
+        # One execution at a time: a callback cannot tell which execution it belongs
+        # to, so concurrent calls of this function would share one record.
+        self.lock = threading.Lock()
+
+    def usable(self, args) -> bool:
+        """Whether `self(args)` would run now (otherwise, call the jitted function: an
+        outer `filter_jit` guards the callbacks it traces)."""
+        return _runs_now() and not any(
+            isinstance(x, jax.core.Tracer) for x in jtu.tree_leaves(args)
+        )
+
+    def __call__(self, args) -> tuple[Any, BaseException | None, Any]:
+        """`(out, None, None)`, or `(None, error, info)` if a callback raised."""
+        flat = jtu.tree_leaves(args)
+        with self.lock:
+            record = self.record
+            record.error = record.info = None
+            try:
+                out = self.fun(*flat)
+                # The callbacks have run once the outputs are ready.
+                jax.block_until_ready(out)
+                if not out:
+                    jax.effects_barrier()
+            finally:
+                error, info = record.error, record.info
+                record.error = record.info = None
+        if error is not None:
+            return None, error, info
+        return jtu.tree_unflatten(self.out_tree, out), None, None
+
+
+def guard(jitted, args) -> GuardedCall:
+    """A `GuardedCall` for `jitted(*args)` (which has been traced for these args)."""
+    closed, out_shape = jax.make_jaxpr(jitted, return_shape=True)(*args)
+    return GuardedCall(closed, jtu.tree_structure(out_shape))
+
+
 class _FilterCallback(logging.Filterer):
     def filter(self, record: logging.LogRecord):  # pyright: ignore
         return not (
@@ -41,11 +186,18 @@ class _FilterCallback(logging.Filterer):
         )
 
 
-def _equinox_runtime_error(e: Exception, jit_id: bytes) -> Exception | None:
+def _equinox_runtime_error(
+    e: BaseException, jit_id: bytes, info: Any = None
+) -> Exception | None:
+    """Equinox's error for `e` if it is (XLA's wrapping of) Equinox's internal one.
+    `info`: its `(message, stack)` as a guarded callback recorded them."""
     import equinox._jit as eqx_jit  # Equinox's runtime-error channel.
 
-    info = getattr(eqx_jit, "last_error_info", None)
-    if info is None or "_EquinoxRuntimeError: " not in str(e):
+    if info is None:
+        info = getattr(eqx_jit, "last_error_info", None)
+        if info is None or "_EquinoxRuntimeError: " not in str(e):
+            return None
+    elif type(e).__name__ != "_EquinoxRuntimeError":
         return None
     msg, stack = info
     pieces = []
@@ -59,16 +211,27 @@ def _equinox_runtime_error(e: Exception, jit_id: bytes) -> Exception | None:
     )
 
 
-def call_and_wait(call: Callable[[], Any], jit_id: bytes) -> Any:
-    """Calls `call()` and waits for its outputs; an Equinox runtime error raised by a
-    callback inside is re-raised as `eqx.EquinoxRuntimeError`."""
+def call_and_wait(guarded: GuardedCall, jitted, args: tuple, jit_id: bytes):
+    """Runs a function that contains callbacks and waits for it; raises what they
+    raised (an Equinox runtime error as `eqx.EquinoxRuntimeError`)."""
     __tracebackhide__ = True
+    if guarded.usable(args):
+        out, error, info = guarded(args)
+        if error is None:
+            return out
+        equinox_error = _equinox_runtime_error(error, jit_id, info)
+        if equinox_error is not None:
+            raise equinox_error from None
+        raise _JaxRuntimeError(
+            f"A callback raised {type(error).__name__}: {error}"
+        ) from error
+    # Traced (an outer `jax.jit`, `vmap`, `grad`) or under `jax.disable_jit`.
     callback_logger = logging.getLogger("jax._src.callback")
     log_filter = _FilterCallback()
     callback_logger.addFilter(log_filter)
     try:
-        out = call()
-        jax.block_until_ready(out)
+        out = jitted(*args)
+        jax.block_until_ready(out[0])
         return out
     except (_JaxRuntimeError, ValueError) as e:
         error = _equinox_runtime_error(e, jit_id)

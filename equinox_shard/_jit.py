@@ -528,7 +528,7 @@ def _call(wrapper, args, kwargs, compiled=None):
         run = compiled.compiled
     try:
         if entry.wait:
-            out = _callbacks.call_and_wait(lambda: run(*dynamic), cache.jit_id)
+            out = _callbacks.call_and_wait(entry.wait, run, dynamic, cache.jit_id)
         elif cache.filter_warning:
             with warnings.catch_warnings():
                 warnings.filterwarnings(
@@ -573,7 +573,10 @@ def _compile(wrapper, cache, args, kwargs, leaves, treedef, dynamic=is_array):
                 if isinstance(entry.jitted, _ResolveRules):
                     entry.jitted = entry.jitted.trace(*dynamic_trees)
                 traced = entry.jitted.trace(*dynamic_trees)
-            entry.wait = _callbacks.has_callback(traced.jaxpr.jaxpr)
+                # A function with callbacks is waited for, its callbacks guarded.
+                entry.wait = _callbacks.has_callback(
+                    traced.jaxpr.jaxpr
+                ) and _callbacks.guard(entry.jitted, dynamic_trees)
             layout.entries[key] = entry
             cache.layouts[layout_key if dynamic is not is_array else layout_key[:2]] = (
                 layout

@@ -29,16 +29,22 @@ step itself (`filter_jit` with `in_shardings`/`out_shardings`) is unchanged. Her
 process reads the (small) dataset and takes its rows; a real input pipeline would read
 only its own shard.
 
+It prints only its own progress and checks. The runtime's own logging (gloo's
+connection messages, the distributed service's and XLA's logs) goes to a temporary file
+that is shown only if a process fails; `--verbose` shows it as it comes.
+
 Run `python examples/multiprocess.py --help` for the options.
 """
 
 import argparse
+import contextlib
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -84,6 +90,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=600,
         help="seconds; the launcher stops every process after this, and each process "
         "gives up joining the others after it",
+    )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the runtime's own logging (gloo, the distributed service, XLA)",
     )
     return parser.parse_args(argv)
 
@@ -152,7 +163,43 @@ def local_rows(sharding, rows: int):
     return np.concatenate([np.arange(start, start + size) for start in starts])
 
 
+@contextlib.contextmanager
+def quiet_runtime(verbose: bool) -> Iterator[None]:
+    """Sends everything written to file descriptors 1 and 2 (gloo and XLA write there
+    from C++, and Python's logging and warnings through `sys.stderr`) to a temporary
+    file, whilst `print` still reaches the terminal. If the body raises, the file is
+    shown on the terminal's stderr, before the traceback."""
+    if verbose:
+        yield
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    terminal = os.fdopen(os.dup(1), "w", buffering=1)
+    terminal_err = os.fdopen(os.dup(2), "w", buffering=1)
+    saved_stdout = sys.stdout
+    with tempfile.TemporaryFile("w+") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        sys.stdout = terminal
+        try:
+            yield
+        except BaseException:
+            sys.stderr.flush()
+            log.seek(0)
+            terminal_err.write(log.read())
+            raise  # Its traceback follows, once the descriptors are restored.
+        finally:
+            sys.stdout = saved_stdout
+            os.dup2(terminal.fileno(), 1)
+            os.dup2(terminal_err.fileno(), 2)
+
+
 def run(args: argparse.Namespace) -> int:
+    with quiet_runtime(args.verbose):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     import jax
 
     if args.coordinator is None:

@@ -3,8 +3,15 @@
 Nothing here tests `equinox_shard`: each test states one fact about `jax` or `equinox`
 on the versions in use, so that a change upstream shows up as a failing test with the
 RFC section it invalidates. RFC.md names these tests next to each claim.
+
+Each test asserts the behaviour of the JAX in use. Where a fact differs between the
+releases we test (0.10.2, the oldest supported, and 0.12, the newest), the test branches
+on `jax_at_least` and RFC.md shows both. A test that fails says which RFC section to
+re-check on which JAX: update the section and add a branch here, keeping the old one.
 """
 
+import functools as ft
+import re
 import subprocess
 import sys
 import textwrap
@@ -16,10 +23,43 @@ import jax.numpy as jnp
 import jax.sharding as jshard
 import numpy as np
 import pytest
+from jax._src.sharding import IndivisibleError
 from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from .helpers import auto_mesh, compiled_names, explicit_mesh
+
+
+def jax_at_least(version: str) -> bool:
+    """Whether the JAX in use is `version` or newer (release numbers only)."""
+
+    def parse(text):
+        return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+
+    return parse(jax.__version__) >= parse(version)
+
+
+def rfc(section: str):
+    """Marks a test as the evidence for `section` of RFC.md, so that its failure says
+    which claim a new JAX (or Equinox) has broken."""
+
+    def decorate(test):
+        @ft.wraps(test)
+        def wrapper(*args, **kwargs):
+            try:
+                return test(*args, **kwargs)
+            except (Exception, pytest.fail.Exception) as error:
+                raise AssertionError(
+                    f"JAX {jax.__version__} / Equinox {eqx.__version__} no longer "
+                    f"behaves as RFC.md {section} says ({test.__name__}). Re-check "
+                    f"RFC.md {section} on this version, then add a branch on "
+                    f"`jax_at_least` here, keeping the old behaviour's. Original "
+                    f"failure: {type(error).__name__}: {error}"
+                ) from error
+
+        return wrapper
+
+    return decorate
 
 
 def _buffers(x):
@@ -37,6 +77,7 @@ def _uncommitted(n=64):
 #
 
 
+@rfc("§1")
 def test_make_mesh_defaults_to_explicit():
     mesh = jax.make_mesh((8,), ("x",))
     assert mesh.axis_types == (jshard.AxisType.Explicit,)
@@ -45,6 +86,7 @@ def test_make_mesh_defaults_to_explicit():
     )
 
 
+@rfc("§1")
 def test_eager_wsc_compiles_identity_jit():
     s = NamedSharding(auto_mesh(), P("x"))
     x = _uncommitted(40)
@@ -62,6 +104,7 @@ def test_eager_wsc_compiles_identity_jit():
     assert third == []
 
 
+@rfc("§1")
 def test_eager_wsc_copies():
     s = NamedSharding(auto_mesh(), P("x"))
     y = jax.device_put(_uncommitted(), s)
@@ -72,6 +115,7 @@ def test_eager_wsc_copies():
     assert np.array_equal(z, y)
 
 
+@rfc("§1")
 def test_device_put_returns_same_object_when_placed():
     mesh = auto_mesh()
     s = NamedSharding(mesh, P("x"))
@@ -86,6 +130,7 @@ def test_device_put_returns_same_object_when_placed():
     assert r2 is not r and _buffers(r2) == _buffers(r)
 
 
+@rfc("§1")
 def test_device_put_compiles_only_to_split_a_single_device_array():
     mesh = auto_mesh()
     s = NamedSharding(mesh, P("x"))
@@ -106,6 +151,7 @@ def test_device_put_compiles_only_to_split_a_single_device_array():
     assert "jit(_multi_slice)" not in names
 
 
+@rfc("§1")
 def test_eager_wsc_noop_under_disable_jit():
     s = NamedSharding(auto_mesh(), P("x"))
     x = _uncommitted()
@@ -118,6 +164,7 @@ def test_eager_wsc_noop_under_disable_jit():
     assert isinstance(x.sharding, SingleDeviceSharding)
 
 
+@rfc("§1")
 def test_device_put_and_reshard_apply_under_disable_jit():
     s = NamedSharding(auto_mesh(), P("x"))
     e = NamedSharding(explicit_mesh(), P("x"))
@@ -128,6 +175,7 @@ def test_device_put_and_reshard_apply_under_disable_jit():
     assert z.committed and z.sharding == e
 
 
+@rfc("§1")
 def test_eager_wsc_raises_on_explicit_axes():
     e = NamedSharding(explicit_mesh(), P("x"))
     with pytest.raises(ValueError, match="can only refer to Auto axes"):
@@ -136,6 +184,7 @@ def test_eager_wsc_raises_on_explicit_axes():
         jax.jit(lambda a: jax.lax.with_sharding_constraint(a, e))(_uncommitted())
 
 
+@rfc("§1")
 def test_wsc_is_an_assert_under_explicit_set_mesh():
     mesh = explicit_mesh()
     y = jax.device_put(_uncommitted(), NamedSharding(mesh, P("x")))
@@ -145,12 +194,14 @@ def test_wsc_is_an_assert_under_explicit_set_mesh():
             jax.lax.with_sharding_constraint(y, P())
 
 
+@rfc("§1")
 def test_reshard_rejects_auto_axes():
     s = NamedSharding(auto_mesh(), P("x"))
     with pytest.raises(ValueError, match="cannot contain axis names that are of type"):
         jax.sharding.reshard(_uncommitted(), s)
 
 
+@rfc("§1")
 def test_eager_wsc_bare_pspec_uncommitted_raises():
     mesh = auto_mesh()
     x = _uncommitted()  # Created outside `set_mesh`; see the next test.
@@ -165,6 +216,7 @@ def test_eager_wsc_bare_pspec_uncommitted_raises():
 
 
 @pytest.mark.parametrize("make_mesh", [auto_mesh, explicit_mesh])
+@rfc("§1")
 def test_set_mesh_commits_new_arrays(make_mesh):
     """Under `jax.set_mesh`, arrays created eagerly are committed, replicated over the
     mesh: "uncommitted" inputs are what you get *outside* a mesh context."""
@@ -177,6 +229,7 @@ def test_set_mesh_commits_new_arrays(make_mesh):
         assert a.sharding.is_equivalent_to(NamedSharding(mesh, P()), 1)
 
 
+@rfc("§1")
 def test_bare_pspec_without_mesh_raises():
     with pytest.raises(ValueError, match="set a mesh"):
         jax.device_put(_uncommitted(), P("x"))
@@ -184,6 +237,7 @@ def test_bare_pspec_without_mesh_raises():
         jax.jit(lambda a: a, in_shardings=P("x"))(_uncommitted())
 
 
+@rfc("§1")
 def test_placed_arrays_are_committed_and_arrive_sharded():
     """Why today's eager `eqx.filter_shard` "works": it returns committed arrays,
     and `jax.jit` with unspecified `in_shardings` compiles for a committed argument's
@@ -198,6 +252,7 @@ def test_placed_arrays_are_committed_and_arrive_sharded():
     assert not out.committed and isinstance(out.sharding, SingleDeviceSharding)
 
 
+@rfc("§1")
 def test_eqx_filter_shard_today():
     """Today's `eqx.filter_shard`: a copy eagerly, nothing under `disable_jit`, an
     error on Explicit axes and on a bare PartitionSpec for an uncommitted array."""
@@ -216,6 +271,7 @@ def test_eqx_filter_shard_today():
             eqx.filter_shard(x, P("x"))
 
 
+@rfc("§1")
 def test_eqx_filter_jit_rejects_shardings():
     with pytest.raises(ValueError, match="in_shardings"):
         eqx.filter_jit(lambda a: a, in_shardings=None)  # pyright: ignore[reportCallIssue]
@@ -228,6 +284,7 @@ def test_eqx_filter_jit_rejects_shardings():
 #
 
 
+@rfc("§2")
 def test_device_put_on_tracer_does_not_constrain_auto_axes():
     s = NamedSharding(auto_mesh(), P("x"))
     x = _uncommitted()
@@ -242,6 +299,7 @@ def test_device_put_on_tracer_does_not_constrain_auto_axes():
     assert np.array_equal(out_put, out_constrained)
 
 
+@rfc("§2")
 def test_device_put_on_tracer_changes_type_on_explicit_axes():
     e = NamedSharding(explicit_mesh(), P("x"))
     x = jax.device_put(_uncommitted(), NamedSharding(explicit_mesh(), P()))
@@ -250,6 +308,7 @@ def test_device_put_on_tracer_changes_type_on_explicit_axes():
     assert jax.typeof(out).sharding.spec == P("x")
 
 
+@rfc("§2")
 def test_device_put_under_vmap_applies_spec_to_batch_axis():
     """`device_put`'s batching rule passes the sharding through unchanged, so under
     `jax.vmap` the spec lands on the batched value, whose leading axis is the batch."""
@@ -261,6 +320,7 @@ def test_device_put_under_vmap_applies_spec_to_batch_axis():
         jax.vmap(lambda a: jax.device_put(a, e))(jnp.zeros((3, 64)))
 
 
+@rfc("§2")
 def test_wsc_under_vmap_leaves_batch_axis_unconstrained():
     mesh = auto_mesh((2, 4), ("b", "m"))
     s = NamedSharding(mesh, P("m"))
@@ -275,6 +335,7 @@ def test_wsc_under_vmap_leaves_batch_axis_unconstrained():
     assert named.sharding.is_equivalent_to(NamedSharding(mesh, P("b", "m")), 2)
 
 
+@rfc("§2")
 def test_wsc_under_grad_constrains_cotangent():
     s = NamedSharding(auto_mesh(), P("x"))
     x = jax.device_put(_uncommitted(), NamedSharding(auto_mesh(), P()))
@@ -283,6 +344,7 @@ def test_wsc_under_grad_constrains_cotangent():
     assert g(x).sharding.is_equivalent_to(s, 1)
 
 
+@rfc("§2")
 def test_eval_shape_sharding_auto_vs_explicit():
     a = NamedSharding(auto_mesh(), P("x"))
     e = NamedSharding(explicit_mesh(), P("x"))
@@ -305,6 +367,7 @@ def _body(a):
 
 
 @pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+@rfc("§3")
 def test_out_shardings_vs_constraint_same_output(axis_type):
     mesh = auto_mesh() if axis_type == "auto" else explicit_mesh()
     target = NamedSharding(mesh, P(None, "x"))
@@ -333,6 +396,7 @@ def test_out_shardings_vs_constraint_same_output(axis_type):
     np.testing.assert_allclose(y_out, _body(np.asarray(x)), rtol=1e-5)
 
 
+@rfc("§3")
 def test_out_shardings_vs_constraint_nested():
     """Nested in an outer `jax.jit`, both still constrain the inner result."""
     mesh = auto_mesh()
@@ -347,6 +411,7 @@ def test_out_shardings_vs_constraint_nested():
         assert out.sharding.is_equivalent_to(target, 2)
 
 
+@rfc("§3")
 def test_out_shardings_vs_constraint_memory_kind():
     """Where they differ: `with_sharding_constraint` ignores a memory kind,
     `out_shardings` (and `device_put` inside jit) honour it."""
@@ -361,17 +426,32 @@ def test_out_shardings_vs_constraint_memory_kind():
     assert by_wsc.sharding.memory_kind == "device"
 
 
+@rfc("§3")
 def test_out_shardings_vs_constraint_indivisible():
-    """Where they differ: an indivisible constraint is accepted (and dropped) inside
-    jit, whereas `out_shardings` raises."""
+    """Where they differ: `out_shardings` raises on a dimension that the mesh axis does
+    not divide. A constraint is accepted and dropped inside jit on JAX 0.10.2; on JAX
+    0.12 only when the size shares no factor with the axis: otherwise the compiler
+    splits it as far as it divides, and JAX fails to name the result."""
     s = NamedSharding(auto_mesh(), P("x"))
-    x = _uncommitted(10)
-    out = jax.jit(lambda a: jax.lax.with_sharding_constraint(a * 2, s))(x)
-    assert not out.sharding.is_equivalent_to(s, 1)
-    with pytest.raises(ValueError, match="divide"):
-        jax.jit(lambda a: a * 2, out_shardings=s)(x)
+
+    def constrained(a):
+        return jax.lax.with_sharding_constraint(a * 2, s)
+
+    coprime = jax.jit(constrained)(_uncommitted(7))
+    assert coprime.sharding.is_fully_replicated
+    if jax_at_least("0.12"):
+        # 10 = 2 x 5 over 8 devices: tiled 2 ways, replicated 4 ways.
+        with pytest.raises(IndivisibleError, match="not divisible by axis_size=8"):
+            jax.jit(constrained)(_uncommitted(10))
+    else:
+        out = jax.jit(constrained)(_uncommitted(10))
+        assert out.sharding.is_fully_replicated
+    for n in (7, 10):
+        with pytest.raises(ValueError, match="divide"):
+            jax.jit(lambda a: a * 2, out_shardings=s)(_uncommitted(n))
 
 
+@rfc("§3")
 def test_out_shardings_vs_constraint_donation_warning():
     """Where they differ: only `out_shardings` lets JAX see, before compiling, that a
     donated input cannot be reused, and warn. Neither deletes the input."""
@@ -391,6 +471,7 @@ def test_out_shardings_vs_constraint_donation_warning():
     assert out.sharding.is_equivalent_to(r, 1)
 
 
+@rfc("§3")
 def test_jit_shardings_ignored_under_disable_jit():
     s = NamedSharding(auto_mesh(), P("x"))
     seen = []
@@ -408,6 +489,7 @@ def test_jit_shardings_ignored_under_disable_jit():
     assert type(scalar) is float
 
 
+@rfc("§3")
 def test_out_shardings_rejects_unconstrained():
     mesh = auto_mesh((2, 4), ("a", "b"))
     spec = NamedSharding(mesh, P("a", P.UNCONSTRAINED))
@@ -423,6 +505,7 @@ def test_out_shardings_rejects_unconstrained():
 #
 
 
+@rfc("§4")
 def test_jit_unspecified_follows_committed_inputs():
     """With `in_shardings` unspecified, `jax.jit` accepts any committed sharding and
     compiles once per distinct input sharding; an uncommitted input is placed by
@@ -448,6 +531,7 @@ def test_jit_unspecified_follows_committed_inputs():
     assert jf._cache_size() == 2  # pyright: ignore
 
 
+@rfc("§4")
 def test_jit_in_shardings_committed_mismatch_raises():
     mesh = auto_mesh()
     y = jax.device_put(_uncommitted(), NamedSharding(mesh, P("x")))
@@ -458,6 +542,7 @@ def test_jit_in_shardings_committed_mismatch_raises():
     assert f(_uncommitted()).sharding.is_equivalent_to(NamedSharding(mesh, P()), 1)
 
 
+@rfc("§4")
 def test_jit_in_shardings_feedback_loop_traces_twice():
     s = NamedSharding(auto_mesh(), P("x"))
     traces = []
@@ -484,6 +569,7 @@ def test_jit_in_shardings_feedback_loop_traces_twice():
     assert len(traces) == 1
 
 
+@rfc("§4")
 def test_jit_in_shardings_rejects_kwargs_and_devices():
     s = NamedSharding(auto_mesh(), P())
     f = jax.jit(lambda a, b=1.0: a * b, in_shardings=s)
@@ -493,6 +579,7 @@ def test_jit_in_shardings_rejects_kwargs_and_devices():
         jax.jit(lambda a: a, in_shardings=jax.devices()[1])(_uncommitted())
 
 
+@rfc("§4")
 def test_layout_auto_is_memory_layout_not_sharding():
     """`Layout.AUTO` lets the compiler choose the *memory layout*; the sharding half of
     a `Format` must be a concrete `Sharding` (or `None`), and a committed `jax.Array`
@@ -512,6 +599,7 @@ def test_layout_auto_is_memory_layout_not_sharding():
         f(jax.device_put(jnp.ones((8, 8)), s))
 
 
+@rfc("§4")
 def test_lower_without_sharding_compiles_for_one_device():
     """Unspecified `in_shardings` plus a `ShapeDtypeStruct` without a sharding: the
     compiler does not choose a multi-device input sharding."""
@@ -525,6 +613,7 @@ def test_lower_without_sharding_compiles_for_one_device():
 #
 
 
+@rfc("§5")
 def test_none_in_jit_is_unspecified():
     mesh = auto_mesh()
     s = NamedSharding(mesh, P("x"))
@@ -534,6 +623,7 @@ def test_none_in_jit_is_unspecified():
         assert f(y).sharding.is_equivalent_to(s, 1)
 
 
+@rfc("§5")
 def test_none_in_wsc_is_replicated_or_error():
     mesh = auto_mesh()
     y = jax.device_put(_uncommitted(), NamedSharding(mesh, P("x")))
@@ -544,6 +634,7 @@ def test_none_in_wsc_is_replicated_or_error():
     assert out.sharding.is_fully_replicated
 
 
+@rfc("§5")
 def test_none_in_device_put_leaves_untouched():
     s = NamedSharding(auto_mesh(), P("x"))
     x = _uncommitted()
@@ -557,6 +648,7 @@ def test_none_in_device_put_leaves_untouched():
 #
 
 
+@rfc("§6")
 def test_donation_deletes_committed_matching_input():
     s = NamedSharding(auto_mesh(), P("x"))
     y = jax.device_put(_uncommitted(), s)
@@ -586,6 +678,7 @@ _ALIASED_DONATION = textwrap.dedent(
 
 
 @pytest.mark.slow
+@rfc("§6")
 def test_donating_aliased_multidevice_buffer_crashes():
     """`jax.jit(f, donate_argnums=0)(a, a)` with `a` sharded over several devices
     kills the process (SIGSEGV on JAX 0.10.2 CPU). Run in a subprocess."""
@@ -621,6 +714,7 @@ _DONATE_TO_SINGLE_DEVICE_SHARDING = textwrap.dedent(
 
 @pytest.mark.slow
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU behaviour")
+@rfc("§6")
 def test_device_put_donate_to_single_device_sharding_crashes():
     """`jax.device_put(x, SingleDeviceSharding(d), donate=True)` for an `x` on another
     single device frees `x`'s buffer without marking `x` deleted: the next use of `x`
@@ -640,6 +734,7 @@ def test_device_put_donate_to_single_device_sharding_crashes():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU behaviour")
+@rfc("§6")
 def test_device_put_donate_is_best_effort_on_cpu():
     mesh = auto_mesh()
     x = jax.device_put(_uncommitted(), NamedSharding(mesh, P()))

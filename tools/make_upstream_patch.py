@@ -71,6 +71,7 @@ MODULES = {"_sharding": "_sharding", "_spec": "_sharding_spec", "_jit": "_sharde
 EXCLUDED_TESTS = {
     "test_benchmarks.py": "runs benchmarks/, which is not Equinox's",
     "test_example.py": "runs examples/train_digits.py, which is not Equinox's",
+    "test_readme.py": "runs README.md's example, which is not Equinox's",
 }
 # Pytest markers of ours that Equinox's test suite does not register.
 DESELECT_MARKERS = "not benchmark"

@@ -17,4 +17,7 @@ for target, name in [(replicated, "replicated"), (jax.devices()[0], "same device
     x = jnp.arange(8.0)  # on device 0, uncommitted
     y = jax.device_put(x, target, may_alias=False)  # documented: always a copy
     donate(y).block_until_ready()
-    print(f"jax {jax.__version__}, {name}: x deleted after donating its copy:", x.is_deleted())
+    print(
+        f"jax {jax.__version__}, {name}: x deleted after donating its copy:",
+        x.is_deleted(),
+    )

@@ -1,0 +1,305 @@
+"""`eqx.error_if` (a raising `jax.pure_callback`) inside a `filter_jit` that spans
+several devices: it raises `eqx.EquinoxRuntimeError` promptly and the process lives on.
+
+Before the fix, the partition running the callback failed and the others waited in a
+collective until XLA aborted the process (~40 s, exit 134), so each firing case runs in
+a child process (`run_isolated`) with a deadline.
+"""
+
+import equinox as eqx
+import equinox_shard as eqxs
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from .helpers import auto_mesh
+from .isolated import run_isolated
+
+
+# Runs `body` (which defines `f` and an input `x`), then times the firing call and
+# makes a later call; reports what happened.
+_SETUP = """
+import time
+import equinox as eqx
+import equinox_shard as eqxs
+import jax.numpy as jnp
+import jax.random as jr
+from jax import lax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+def fire(call):
+    start = time.monotonic()
+    try:
+        call()
+    except Exception as e:
+        return {"type": type(e).__name__, "msg": str(e),
+                "seconds": time.monotonic() - start}
+    return {"type": None, "msg": "", "seconds": time.monotonic() - start}
+"""
+
+_DEADLINE = 120
+_PROMPT = 10.0  # seconds: the error must arrive well before XLA's 40 s abort.
+
+
+def _check_fired(res, message="positive!", kind="EquinoxRuntimeError"):
+    assert res.returncode == 0, res
+    assert res.result is not None, res
+    fired = res.result["fired"]
+    assert fired["type"] == kind, res
+    assert message in fired["msg"], res
+    assert fired["seconds"] < _PROMPT, res
+    return res.result
+
+
+def _mesh_code(kind):
+    return f'mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.{kind},))\n'
+
+
+def _simple(kind, set_mesh):
+    code = _SETUP + _mesh_code(kind)
+    if set_mesh:
+        code += "jax.set_mesh(mesh)\n"
+    return (
+        code
+        + """
+@eqxs.filter_jit
+def f(x):
+    return eqx.error_if(x, x > 0, "positive!")
+
+x = eqxs.filter_device_put(jnp.ones((8,)), NamedSharding(mesh, P("d")))
+fired = fire(lambda: f(x))
+ok = f(-x)
+report({"fired": fired, "later": ok.tolist(), "n": len(ok.sharding.device_set)})
+"""
+    )
+
+
+def test_fires_multi_device_auto():
+    res = _check_fired(run_isolated(_simple("Auto", False), timeout=_DEADLINE))
+    assert res["later"] == [-1.0] * 8
+    assert res["n"] == 8
+
+
+def test_fires_multi_device_explicit():
+    res = _check_fired(run_isolated(_simple("Explicit", True), timeout=_DEADLINE))
+    assert res["later"] == [-1.0] * 8
+    assert res["n"] == 8
+
+
+def test_fires_with_in_shardings_and_donation():
+    code = (
+        _SETUP
+        + _mesh_code("Auto")
+        + """
+s = NamedSharding(mesh, P("d"))
+
+@eqxs.filter_jit(in_shardings=s, out_shardings=s, donate="all")
+def f(x):
+    return eqx.error_if(x * 2, x > 0, "positive!")
+
+fired = fire(lambda: f(jnp.ones((8,))))
+ok = f(-jnp.ones((8,)))
+report({"fired": fired, "later": ok.tolist(), "n": len(ok.sharding.device_set)})
+"""
+    )
+    res = _check_fired(run_isolated(code, timeout=_DEADLINE))
+    assert res["later"] == [-2.0] * 8
+    assert res["n"] == 8
+
+
+def test_fires_in_mlp_forward():
+    code = (
+        _SETUP
+        + _mesh_code("Auto")
+        + """
+mlp = eqx.nn.MLP(4, 3, 16, 2, key=jr.key(0))
+mlp = eqxs.filter_device_put(mlp, NamedSharding(mesh, P()))
+
+@eqxs.filter_jit
+def forward(model, xs):
+    out = jax.vmap(model)(xs)
+    return eqx.error_if(out, ~jnp.isfinite(out), "non-finite output!")
+
+xs = eqxs.filter_device_put(jnp.ones((16, 4)), NamedSharding(mesh, P("d")))
+bad = xs.at[3, 0].set(jnp.nan)
+fired = fire(lambda: forward(mlp, bad))
+ok = forward(mlp, xs)
+report({"fired": fired, "later": bool(jnp.all(jnp.isfinite(ok)))})
+"""
+    )
+    res = _check_fired(run_isolated(code, timeout=_DEADLINE), "non-finite output!")
+    assert res["later"]
+
+
+def test_fires_in_scan_and_vmap_and_nested():
+    code = (
+        _SETUP
+        + _mesh_code("Auto")
+        + """
+@eqxs.filter_jit
+def scanned(x):
+    def body(c, row):
+        c = eqx.error_if(c + row, c + row > 2, "too big in scan!")
+        return c, c
+    return lax.scan(body, jnp.zeros(8), x)
+
+@eqxs.filter_jit
+def vmapped(x):
+    return jax.vmap(lambda r: eqx.error_if(r, r > 0, "positive in vmap!"))(x)
+
+@eqxs.filter_jit
+def inner(x):
+    return eqx.error_if(x, x > 0, "positive in inner!")
+
+@eqxs.filter_jit
+def outer(x):
+    return inner(x * 2) + 1
+
+x = eqxs.filter_device_put(jnp.ones((4, 8)), NamedSharding(mesh, P(None, "d")))
+y = eqxs.filter_device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("d")))
+report({
+    "scan": fire(lambda: scanned(x)),
+    "vmap": fire(lambda: vmapped(y)),
+    "nested": fire(lambda: outer(y)),
+    "later": [float(scanned(x / 4)[0][0]), float(vmapped(-y).sum()),
+              float(outer(-y).sum())],
+})
+"""
+    )
+    res = run_isolated(code, timeout=_DEADLINE)
+    assert res.returncode == 0, res
+    assert res.result is not None, res
+    for name, message in [
+        ("scan", "too big in scan!"),
+        ("vmap", "positive in vmap!"),
+        ("nested", "positive in inner!"),
+    ]:
+        fired = res.result[name]
+        assert fired["type"] == "EquinoxRuntimeError", res
+        assert message in fired["msg"], res
+        assert fired["seconds"] < _PROMPT, res
+    assert res.result["later"] == [1.0, -32.0, -32.0]
+
+
+def test_message_and_stack_as_single_device():
+    # The message is Equinox's, with the stack inside JIT, as on one device.
+    code = (
+        _SETUP
+        + _mesh_code("Auto")
+        + """
+@eqxs.filter_jit
+def f(x):
+    return eqx.error_if(x, x > 0, "positive!")
+
+one = fire(lambda: f(jax.device_put(jnp.ones(8), jax.devices()[0])))
+many = fire(lambda: f(eqxs.filter_device_put(jnp.ones(8), NamedSharding(mesh, P("d")))))
+report({"fired": many, "one": one})
+"""
+    )
+    res = _check_fired(run_isolated(code, timeout=_DEADLINE))
+    one, many = res["one"], res["fired"]
+    assert one["type"] == "EquinoxRuntimeError"
+    assert many["msg"] == one["msg"]
+    assert "Below is the stack inside of JIT" in many["msg"]
+    assert ", in f\n" in many["msg"]  # The frame of `f` that called `error_if`.
+
+
+def test_other_callback_raising():
+    # A user's raising `pure_callback`: a `JaxRuntimeError` naming the exception.
+    code = (
+        _SETUP
+        + _mesh_code("Auto")
+        + """
+import numpy as np
+
+def check(v):
+    if np.any(v > 0):
+        raise ValueError("user callback says no")
+    return v
+
+@eqxs.filter_jit
+def f(x):
+    return jax.pure_callback(check, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+x = eqxs.filter_device_put(jnp.ones((8,)), NamedSharding(mesh, P("d")))
+fired = fire(lambda: f(x))
+report({"fired": fired, "later": f(-x).tolist()})
+"""
+    )
+    res = _check_fired(
+        run_isolated(code, timeout=_DEADLINE),
+        "ValueError: user callback says no",
+        "JaxRuntimeError",
+    )
+    assert res["later"] == [-1.0] * 8
+
+
+def test_concurrent_calls():
+    # Each thread gets its own call's outcome.
+    code = (
+        _SETUP
+        + _mesh_code("Auto")
+        + """
+from concurrent.futures import ThreadPoolExecutor
+
+@eqxs.filter_jit
+def f(x):
+    return eqx.error_if(x, x > 0, "positive!")
+
+s = NamedSharding(mesh, P("d"))
+xs = [eqxs.filter_device_put(jnp.full((8,), (-1.0) ** i), s) for i in range(8)]
+start = time.monotonic()
+with ThreadPoolExecutor(4) as pool:
+    outs = list(pool.map(lambda x: fire(lambda: f(x)), xs))
+report({"types": [o["type"] for o in outs], "seconds": time.monotonic() - start})
+"""
+    )
+    res = run_isolated(code, timeout=_DEADLINE)
+    assert res.returncode == 0, res
+    assert res.result["types"] == ["EquinoxRuntimeError", None] * 4, res
+    assert res.result["seconds"] < _PROMPT, res
+
+
+#
+# Not firing: in process (nothing can hang).
+#
+
+
+def test_not_firing_values_match_unsharded(getkey):
+    mesh = auto_mesh()
+    mlp = eqx.nn.MLP(4, 3, 16, 2, key=getkey())
+    xs = jr.normal(getkey(), (16, 4))
+
+    def forward(model, xs):
+        out = jax.vmap(model)(xs)
+        return eqx.error_if(out, ~jnp.isfinite(out), "non-finite output!")
+
+    expected = forward(mlp, xs)
+    sharded_forward = eqxs.filter_jit(forward)
+    for _ in range(2):
+        out = sharded_forward(
+            eqxs.filter_device_put(mlp, NamedSharding(mesh, P())),
+            eqxs.filter_device_put(xs, NamedSharding(mesh, P("x"))),
+        )
+        assert len(out.sharding.device_set) == 8
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_under_transforms_and_disable_jit():
+    # Called under `jax.jit`, `jax.vmap` or `jax.grad`, the function is traced, not run
+    # by us: it keeps its values (the firing case is the outer transform's to handle).
+    mesh = auto_mesh()
+
+    @eqxs.filter_jit
+    def f(x):
+        return eqx.error_if(x * 3, x > 0, "positive!")
+
+    x = eqxs.filter_device_put(-jnp.ones((8,)), NamedSharding(mesh, P("x")))
+    assert f(x).tolist() == [-3.0] * 8
+    assert jax.jit(f)(x).tolist() == [-3.0] * 8
+    assert jax.vmap(f)(x.reshape(8, 1)).ravel().tolist() == [-3.0] * 8
+    assert jax.grad(lambda x: f(x).sum())(x).tolist() == [3.0] * 8
+    with jax.disable_jit():
+        assert f(x).tolist() == [-3.0] * 8
