@@ -267,7 +267,15 @@ def _in_specs(cache: _Cache, args: tuple, leaves: list) -> list:
 class _Entry:
     """One compiled function: a `jax.jit` for one static part of the arguments."""
 
-    __slots__ = ("layout", "static", "jitted", "targets", "get_targets", "wait")
+    __slots__ = (
+        "layout",
+        "static",
+        "jitted",
+        "targets",
+        "get_targets",
+        "wait",
+        "serialize",
+    )
 
 
 #
@@ -376,6 +384,10 @@ def _new_entry(wrapper, cache: _Cache, layout: _Layout, args, kwargs, leaves) ->
     entry.targets = targets
     entry.get_targets = _getter(tuple(i for i, _ in targets))
     entry.wait = None
+    entry.serialize = _serialize_dispatch(
+        [s for _, s in targets]
+        + [getattr(leaves[i], "sharding", None) for i in layout.dynamic]
+    )
     jit_kwargs: dict = {}
     if cache.in_shardings is not _unset:
         shardings: list = [None] * len(leaves)
@@ -495,6 +507,21 @@ def _prepare(wrapper, cache: _Cache, entry: _Entry, args, kwargs, leaves):
     return leaves, (dynamic_fun, kwargs, *args)
 
 
+# JAX 0.10.2, CPU backend: several threads dispatching multi-device executables at once
+# deadlock inside XLA (plain `jax.jit` too). Reproduction:
+# tests/test_concurrency.py::test_threads_sharded (8 threads x 1000 calls: killed at its
+# 90 s deadline on 0.10.2 without this lock; passes in 8 s on JAX 0.12.0.1 either way).
+# Dispatch is asynchronous, so the lock serialises only the launch.
+_cpu_dispatch_lock = threading.Lock()
+
+
+def _serialize_dispatch(shardings: list) -> bool:
+    return jax.default_backend() == "cpu" and any(
+        isinstance(s, jax.sharding.Sharding) and len(s.device_set) > 1
+        for s in shardings
+    )
+
+
 def _call(wrapper, args, kwargs, compiled=None):
     __tracebackhide__ = True
     cache: _Cache = wrapper._cache
@@ -534,6 +561,9 @@ def _call(wrapper, args, kwargs, compiled=None):
                 warnings.filterwarnings(
                     "ignore", message="Some donated buffers were not usable"
                 )
+                out = run(*dynamic)
+        elif entry.serialize:
+            with _cpu_dispatch_lock:
                 out = run(*dynamic)
         else:
             out = run(*dynamic)
