@@ -152,8 +152,6 @@ class _Cache:
         self.layouts: dict = {}
         self.entries: dict = {}
         self.lock = threading.Lock()
-        # Identifies this decoration's frames in `eqx.error_if`'s stacks.
-        self.jit_id = os.urandom(16)
         _live_caches.add(self)
 
     def clear(self):
@@ -166,6 +164,29 @@ class _Cache:
 # cache-clearing functions that Equinox's own caches register with).
 _live_caches: weakref.WeakSet = weakref.WeakSet()
 equinox._caches.cache_clears.append(lambda: [c.clear() for c in list(_live_caches)])
+
+
+# Decorations of equal functions with equal configuration share one `_Cache` (as in
+# `eqx.filter_jit`), for as long as one of their wrappers is alive.
+_shared_caches: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _get_cache(fun, donate, in_shardings, out_shardings) -> _Cache:
+    def spec_key(specs):
+        if specs is _unset:
+            return None
+        leaves, treedef = jtu.tree_flatten(specs, is_leaf=is_spec_leaf)
+        return tuple(leaves), treedef
+
+    try:
+        key = (fun, donate, spec_key(in_shardings), spec_key(out_shardings))
+        cache = _shared_caches.get(key)
+    except TypeError:  # unhashable: not shared
+        return _Cache(fun, donate, in_shardings, out_shardings)
+    if cache is None:
+        cache = _Cache(fun, donate, in_shardings, out_shardings)
+        _shared_caches[key] = cache
+    return cache
 
 
 def _unique(name: str, taken: set) -> str:
@@ -525,7 +546,8 @@ def _serialize_dispatch(shardings: list) -> bool:
 def _call(wrapper, args, kwargs, compiled=None):
     __tracebackhide__ = True
     cache: _Cache = wrapper._cache
-    __equinox_jit_id__ = cache.jit_id  # noqa: F841 - read by `eqx.error_if`'s stacks.
+    # Read by `eqx.error_if`'s stacks: one per decoration.
+    __equinox_jit_id__ = wrapper._jit_id
     args, kwargs = _bind(cache, args, kwargs)
     leaves, treedef = jtu.tree_flatten((args, kwargs))
     if compiled is None:
@@ -555,7 +577,7 @@ def _call(wrapper, args, kwargs, compiled=None):
         run = compiled.compiled
     try:
         if entry.wait:
-            out = _callbacks.call_and_wait(entry.wait, run, dynamic, cache.jit_id)
+            out = _callbacks.call_and_wait(entry.wait, run, dynamic, __equinox_jit_id__)
         elif cache.filter_warning:
             with warnings.catch_warnings():
                 warnings.filterwarnings(
@@ -676,6 +698,7 @@ class _JitWrapper(Module):
     _dynamic_fun: Any = field(repr=False)
     _static_fun: Any = field(static=True, repr=False)
     _cache: _Cache = field(static=True, repr=False)
+    _jit_id: bytes = field(static=True, repr=False)
 
     @property
     def __wrapped__(self):
@@ -808,7 +831,7 @@ def filter_jit(
             out_shardings=out_shardings,
             donate=donate,
         )
-    cache = _Cache(fun, donate, in_shardings, out_shardings)
+    cache = _get_cache(fun, donate, in_shardings, out_shardings)
     dynamic_fun, static_fun = hashable_partition(fun)
     if not jtu.tree_leaves(dynamic_fun):
         dynamic_fun = None
@@ -817,5 +840,6 @@ def filter_jit(
         _dynamic_fun=dynamic_fun,
         _static_fun=static_fun,
         _cache=cache,
+        _jit_id=os.urandom(16),
     )
     return module_update_wrapper(jit_wrapper)
