@@ -625,13 +625,21 @@ def _make_entry(w, plan: _Plan, args, kwargs, leaves) -> _Entry:
 def _check_sync(entry: _Entry, dynamic_fun, donated, kept) -> None:
     """Equinox's runtime errors (`eqx.error_if`) are `pure_callback`s that raise. Only
     functions that contain a callback are waited for, so that everything else keeps
-    JAX's asynchronous dispatch."""
+    JAX's asynchronous dispatch. Those run with their callbacks guarded (see
+    `_callbacks`): a raising callback would otherwise hang, then abort, a computation
+    that spans several devices."""
+    from . import _callbacks  # Here, not at the top: only functions with callbacks.
+
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message="Some donated buffers were not usable"
         )
         traced = entry.jitted.trace(dynamic_fun, donated, kept)
-    entry.sync = _walk_callbacks(traced.jaxpr.jaxpr)
+        if _walk_callbacks(traced.jaxpr.jaxpr):
+            args = (dynamic_fun, donated, kept)
+            entry.sync = _callbacks.guard(entry.jitted, args)
+        else:
+            entry.sync = False
 
 
 #
@@ -774,6 +782,16 @@ def _aliased_entry(w, plan: _Plan, demote: tuple, key, args, kwargs, leaves):
                 sub.kept = tuple(sorted(plan.kept + demote))
                 entry = _make_entry(w, sub, args, kwargs, leaves)
                 entry.fast = False
+                if not jax.config.jax_disable_jit:  # pyright: ignore
+                    # Like any entry: wait for (and guard) its callbacks.
+                    donated = tuple(leaves[i] for i in entry.donated)
+                    kept = tuple(leaves[i] for i in entry.kept)
+                    if entry.commit is not None:
+                        config = table.config
+                        donated, kept = entry.commit(
+                            donated, kept, config, args, kwargs
+                        )
+                    _check_sync(entry, _getattr(w, "_dynamic_fun"), donated, kept)
                 plan.entries[alias_key] = entry
     donated = tuple(leaves[i] for i in entry.donated)
     kept = tuple(leaves[i] for i in entry.kept)
@@ -794,11 +812,18 @@ class _FilterCallback(logging.Filterer):
         )
 
 
-def _equinox_runtime_error(e: Exception, jit_id: bytes) -> Exception | None:
+def _equinox_runtime_error(
+    e: BaseException, jit_id: bytes, info: Any = None
+) -> Exception | None:
+    """Equinox's error for `e` if it is (XLA's wrapping of) Equinox's internal one.
+    `info`: its `(message, stack)` as a guarded callback recorded them."""
     import equinox._jit as eqx_jit  # Equinox's runtime-error channel.
 
-    info = getattr(eqx_jit, "last_error_info", None)
-    if info is None or "_EquinoxRuntimeError: " not in str(e):
+    if info is None:
+        info = getattr(eqx_jit, "last_error_info", None)
+        if info is None or "_EquinoxRuntimeError: " not in str(e):
+            return None
+    elif type(e).__name__ != "_EquinoxRuntimeError":
         return None
     msg, stack = info
     pieces = []
@@ -812,13 +837,26 @@ def _equinox_runtime_error(e: Exception, jit_id: bytes) -> Exception | None:
     )
 
 
-def _run_sync(call, jit_id: bytes):
+def _run_sync(guarded, jitted, args: tuple, jit_id: bytes):
+    """Runs a function that contains callbacks and waits for it; raises what they
+    raised. `guarded`: a `_callbacks.GuardedCall` for `jitted`."""
     __tracebackhide__ = True
+    if guarded.usable(args):
+        out, error, info = guarded(args)
+        if error is None:
+            return out
+        equinox_error = _equinox_runtime_error(error, jit_id, info)
+        if equinox_error is not None:
+            raise equinox_error from None
+        raise _JaxRuntimeError(
+            f"A callback raised {type(error).__name__}: {error}"
+        ) from error
+    # Traced (an outer `jax.jit`, `vmap`, `grad`) or under `jax.disable_jit`.
     callback_logger = logging.getLogger("jax._src.callback")
     log_filter = _FilterCallback()
     callback_logger.addFilter(log_filter)
     try:
-        out = call()
+        out = jitted(*args)
         jax.block_until_ready(out[0])
         return out
     except (_JaxRuntimeError, ValueError) as e:
@@ -918,7 +956,7 @@ def _call(w, args, kwargs):
     jitted = entry.jitted
     try:
         if entry.sync:
-            out = _run_sync(lambda: jitted(dynamic_fun, donated, kept), table.id)
+            out = _run_sync(entry.sync, jitted, (dynamic_fun, donated, kept), table.id)
         elif entry.filter_warning:
             with warnings.catch_warnings():
                 warnings.filterwarnings(
@@ -987,7 +1025,12 @@ class Compiled(Module):
         if demote:
             # The executable donates these: it gets private copies, and the caller's
             # buffer is kept, as `filter_jit` keeps it.
-            positions = [plan.donated.index(i) for i in demote]
+            # (NumPy inputs are copied onto the device by every call anyway.)
+            positions = [
+                p
+                for p in map(plan.donated.index, demote)
+                if isinstance(donated[p], jax.Array)
+            ]
             copies = jax.device_put(
                 [donated[p] for p in positions],
                 [donated[p].sharding for p in positions],
