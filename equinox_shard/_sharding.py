@@ -131,17 +131,24 @@ def raise_if_deleted(value: Any, leaves: list, indices, value_name: str) -> None
 
 
 def _shares_source_buffer(leaf: Any, sharding: Sharding) -> bool:
-    """Whether `jax.device_put(leaf, sharding, may_alias=False)` would still hand back
-    `leaf`'s own buffer as one of the shards: JAX reuses a single-device array's buffer
-    for the shard on that device of a fully replicated sharding, whatever `may_alias`
-    says (upstream/jax-reports/device-put-may-alias-replicated)."""
-    if not isinstance(leaf, jax.Array) or len(sharding.device_set) == 1:
+    """Whether `jax.device_put(leaf, sharding, may_alias=False)` may still hand back one
+    of `leaf`'s own buffers as a shard of the result. JAX reuses a buffer wherever the
+    result's shard on a device is exactly `leaf`'s shard on that device (a
+    single-device array onto a replicated sharding; a replicated array onto one of its
+    devices), whatever `may_alias` says: upstream/jax-reports/
+    device-put-may-alias-replicated."""
+    if not isinstance(leaf, jax.Array):
         return False
-    source = leaf.sharding.device_set
-    return (
-        len(source) == 1
-        and sharding.is_fully_replicated
-        and not source.isdisjoint(sharding.device_set)
+    source = leaf.sharding
+    if source.device_set.isdisjoint(sharding.device_set):
+        return False
+    if len(source.device_set) == 1:
+        # Onto its own device alone, JAX does copy.
+        return len(sharding.device_set) > 1 and sharding.is_fully_replicated
+    source_map = source.devices_indices_map(leaf.shape)
+    return any(
+        source_map.get(device) == index
+        for device, index in sharding.devices_indices_map(leaf.shape).items()
     )
 
 

@@ -276,3 +276,42 @@ def test_filter_shard_in_trace_moves_between_memory_kinds(axis_type):
     back = to_host(on_device)
     assert back.sharding.memory_kind == "pinned_host"
     assert_same_values(back, jnp.ones(8))
+
+
+def _parts_alive(x):
+    """Every device's part of `x` is alive (`x.is_deleted()` alone can miss one)."""
+    assert not x.is_deleted()
+    for shard in x.addressable_shards:
+        assert not shard.data.is_deleted(), shard.device
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+@pytest.mark.parametrize(
+    "source, target",
+    [
+        ("replicated", "device 7"),  # the shard on device 7 *is* the target
+        ("replicated", "device 0"),
+        ("replicated", "other mesh"),  # same devices, every shard the same
+        ("device 3", "replicated"),  # committed to one device
+    ],
+)
+def test_placed_copy_shares_no_buffer_with_a_placed_source(source, target, axis_type):
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(axis_type,))
+    other = jax.make_mesh((4, 2), ("a", "b"), axis_types=(axis_type,) * 2)
+    shardings = {
+        "replicated": NamedSharding(mesh, P()),
+        "other mesh": NamedSharding(other, P()),
+        "device 0": jax.devices()[0],
+        "device 3": jax.devices()[3],
+        "device 7": jax.devices()[7],
+    }
+    for shape in [(), (8, 4)]:
+        x = jax.device_put(jnp.ones(shape), shardings[source])
+        expected = snapshot(x)
+        first = eqxs.filter_device_put(x, shardings[target])
+        second = eqxs.filter_device_put(x, shardings[target])
+        eqxs.filter_jit(_double, donate="all")(first)
+        _parts_alive(x)
+        _parts_alive(second)
+        assert_same_values(x, expected)
+        assert_same_values(second, expected)

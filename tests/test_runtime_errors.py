@@ -109,6 +109,27 @@ report({"fired": fired, "later": ok.tolist(), "n": len(ok.sharding.device_set)})
     assert res["n"] == 8
 
 
+def test_fires_with_one_buffer_donated_twice():
+    # The buffer is kept rather than donated (a separate compiled entry): that entry
+    # guards its callbacks too.
+    code = (
+        _SETUP
+        + _mesh_code("Auto")
+        + """
+f = eqxs.filter_jit(lambda a, b: eqx.error_if(a + b, a > 0, "positive!"),
+                    donate="all")
+x = eqxs.filter_device_put(jnp.ones((8,)), NamedSharding(mesh, P("d")))
+fired = fire(lambda: f(x, x))
+y = -x
+ok = f(y, y)
+report({"fired": fired, "later": ok.tolist(), "alive": not x.is_deleted()})
+"""
+    )
+    res = _check_fired(run_isolated(code, timeout=_DEADLINE))
+    assert res["later"] == [-2.0] * 8
+    assert res["alive"]
+
+
 def test_fires_in_mlp_forward():
     code = (
         _SETUP

@@ -13,11 +13,18 @@ mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
 replicated = NamedSharding(mesh, P())
 donate = jax.jit(lambda a: a + 1, donate_argnums=0)
 
-for target, name in [(replicated, "replicated"), (jax.devices()[0], "same device")]:
-    x = jnp.arange(8.0)  # on device 0, uncommitted
+cases = [
+    ("one device -> replicated", lambda: jnp.arange(8.0), replicated),
+    ("one device -> same device", lambda: jnp.arange(8.0), jax.devices()[0]),
+    (
+        "replicated -> device 7",
+        lambda: jax.device_put(jnp.arange(8.0), replicated, may_alias=False),
+        jax.devices()[7],
+    ),
+]
+for name, make, target in cases:
+    x = make()
     y = jax.device_put(x, target, may_alias=False)  # documented: always a copy
     donate(y).block_until_ready()
-    print(
-        f"jax {jax.__version__}, {name}: x deleted after donating its copy:",
-        x.is_deleted(),
-    )
+    lost = x.is_deleted() or any(s.data.is_deleted() for s in x.addressable_shards)
+    print(f"jax {jax.__version__}, {name}: x lost a buffer to its donated copy: {lost}")
