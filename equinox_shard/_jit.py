@@ -1,3 +1,4 @@
+import collections as co
 import functools as ft
 import inspect
 import operator
@@ -160,32 +161,54 @@ class _Cache:
             self.entries = {}
 
 
-# Every live `_Cache`, so that `eqx.clear_caches()` clears them (through the list of
-# cache-clearing functions that Equinox's own caches register with).
+# Every live `_Cache`, so that `eqx.clear_caches()` clears them. Equinox has no public
+# way to register a cache with `clear_caches`; its own caches append to this list.
 _live_caches: weakref.WeakSet = weakref.WeakSet()
-equinox._caches.cache_clears.append(lambda: [c.clear() for c in list(_live_caches)])
 
 
-# Decorations of equal functions with equal configuration share one `_Cache` (as in
-# `eqx.filter_jit`), for as long as one of their wrappers is alive.
+def _clear_caches() -> None:
+    with _caches_lock:
+        _recent_caches.clear()
+    for cache in list(_live_caches):
+        cache.clear()
+
+
+equinox._caches.cache_clears.append(_clear_caches)
+
+
+# Decorations of equal functions (equal static parts: a fresh `functools.partial`, a
+# fresh bound method, `eqx.filter_grad(f)` made again) with equal configuration share
+# one `_Cache`, as in `eqx.filter_jit`: while one of their wrappers is alive, and for the
+# `_RECENT` most recently used configurations after that. So nothing grows without
+# bound when wrappers are made in a loop (tests/test_jit_core.py::
+# test_fresh_partials_release_compiled_state).
+_RECENT = 8
 _shared_caches: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_recent_caches: co.OrderedDict = co.OrderedDict()
+_caches_lock = threading.Lock()
 
 
-def _get_cache(fun, donate, in_shardings, out_shardings) -> _Cache:
+def _get_cache(fun, static_fun, donate, in_shardings, out_shardings) -> _Cache:
     def spec_key(specs):
         if specs is _unset:
             return None
         leaves, treedef = jtu.tree_flatten(specs, is_leaf=is_spec_leaf)
         return tuple(leaves), treedef
 
+    key = (static_fun, donate, spec_key(in_shardings), spec_key(out_shardings))
     try:
-        key = (fun, donate, spec_key(in_shardings), spec_key(out_shardings))
-        cache = _shared_caches.get(key)
+        hash(key)
     except TypeError:  # unhashable: not shared
         return _Cache(fun, donate, in_shardings, out_shardings)
-    if cache is None:
-        cache = _Cache(fun, donate, in_shardings, out_shardings)
-        _shared_caches[key] = cache
+    with _caches_lock:
+        cache = _shared_caches.get(key)
+        if cache is None:
+            cache = _Cache(fun, donate, in_shardings, out_shardings)
+            _shared_caches[key] = cache
+        _recent_caches[key] = cache
+        _recent_caches.move_to_end(key)
+        while len(_recent_caches) > _RECENT:
+            _recent_caches.popitem(last=False)
     return cache
 
 
@@ -831,8 +854,8 @@ def filter_jit(
             out_shardings=out_shardings,
             donate=donate,
         )
-    cache = _get_cache(fun, donate, in_shardings, out_shardings)
     dynamic_fun, static_fun = hashable_partition(fun)
+    cache = _get_cache(fun, static_fun, donate, in_shardings, out_shardings)
     if not jtu.tree_leaves(dynamic_fun):
         dynamic_fun = None
     jit_wrapper = _JitWrapper(

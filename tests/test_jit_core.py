@@ -146,3 +146,44 @@ def test_fresh_partials_release_compiled_state():
     gc.collect()
     growth = _rss_mib() - before
     assert growth < 150, growth
+
+
+def test_equal_decorations_share_after_the_first_is_gone():
+    # As `eqx.filter_jit`: a fresh but equal wrapper (a bound method, a re-created
+    # `filter_grad`, an equal Module) does not retrace, even once the first is gone.
+    traces = []
+
+    def f(x, k):
+        traces.append(None)
+        return x * k
+
+    x = jnp.arange(4.0)
+    eqxs.filter_jit(eqx.Partial(f, k=2.0))(x)
+    gc.collect()
+    eqxs.filter_jit(eqx.Partial(f, k=2.0))(x)
+    assert len(traces) == 1
+
+    def g(x):
+        return jnp.sum(f(x, 3.0))
+
+    eqxs.filter_jit(eqx.filter_grad(g))(x)
+    gc.collect()
+    eqxs.filter_jit(eqx.filter_grad(g))(x)
+    assert len(traces) == 2
+
+
+def test_clear_caches_clears_ours():
+    traces = []
+
+    @eqxs.filter_jit
+    def f(x):
+        traces.append(None)
+        return x + 1
+
+    x = jnp.arange(4.0)
+    f(x)
+    f(x)
+    assert len(traces) == 1
+    eqx.clear_caches()
+    f(x)
+    assert len(traces) == 2
