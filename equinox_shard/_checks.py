@@ -18,14 +18,14 @@ from ._spec import check
 
 
 def arg_path(names: Sequence[str], args: tuple, kwargs: dict, index: int) -> str:
-    """The key path of leaf `index` of `(args, kwargs)`, rooted at the parameter name."""
+    """The key path of leaf `index` of `(args, kwargs)`, from the parameter name."""
     path, _ = jtu.tree_flatten_with_path((args, kwargs))[0][index]
     group, key, *rest = path
     if group.idx == 0:  # pyright: ignore
-        position = key.idx  # pyright: ignore
+        position: int = key.idx  # pyright: ignore
         name = names[position] if position < len(names) else f"args[{position}]"
     else:
-        name = key.key  # pyright: ignore
+        name = str(key.key)  # pyright: ignore
     return name + jtu.keystr(tuple(rest))
 
 

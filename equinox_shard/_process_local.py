@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
 from . import _sharding
-from ._multiprocess import processes_of, to_host, check_identical, is_host_local
+from ._multiprocess import check_identical, is_host_local, processes_of, to_host
 from ._spec import check, leaf_path
 
 

@@ -1,0 +1,269 @@
+"""The caches of `filter_jit`: one `Cache` per decorated function and configuration
+(shared by equal decorations), holding a `Layout` per argument structure and an
+`Entry` (one `jax.jit`) per static part of the arguments."""
+
+import collections as co
+import functools as ft
+import inspect
+import operator
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import equinox._caches
+import jax
+import jax.tree_util as jtu
+from equinox import Module
+
+from ._spec import broadcast_specs, context_mesh, flatten_specs, is_rule, is_spec_leaf
+
+
+class _Unset:
+    def __repr__(self):
+        return "<unset>"
+
+
+unset: Any = _Unset()
+
+
+# mode -> (donate_first, donate_rest, filter_warning)
+DONATE_MODES = {
+    "all": (True, True, True),
+    "all-except-first": (False, True, True),
+    "warn": (True, True, False),
+    "warn-except-first": (False, True, False),
+    "none": (False, False, False),
+}
+
+
+class Cache:
+    """The configuration of one `filter_jit` decoration and its compiled functions:
+    `layouts[(treedef, leaf types)]` -> `Layout`, whose `entries[static key]` ->
+    `Entry`."""
+
+    def __init__(self, fun, donate, in_shardings, out_shardings):
+        try:
+            self.donate_first, self.donate_rest, self.filter_warning = DONATE_MODES[
+                donate
+            ]
+        except (KeyError, TypeError):
+            raise ValueError(
+                "`filter_jit(..., donate=...)` must be one of 'all', "
+                "'all-except-first', 'warn', 'warn-except-first', or 'none'; got "
+                f"{donate!r}."
+            ) from None
+        self.signature = signature = inspect.signature(fun)
+        params = list(signature.parameters.values())
+        positional = [
+            p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        var = [p.name for p in params if p.kind is p.VAR_POSITIONAL]
+        var_keyword = [p.name for p in params if p.kind is p.VAR_KEYWORD]
+        self.names = tuple(p.name for p in positional)
+        self.var_name = var[0] if var else None
+        taken = {p.name for p in params}
+        self.fun_name = _unique("fun", taken)
+        self.kwargs_name = var_keyword[0] if var_keyword else _unique("kwargs", taken)
+        self.min_args = sum(p.default is p.empty for p in positional)
+        self.max_args = float("inf") if var else len(positional)
+        self.in_shardings = in_shardings
+        self.in_leaves = None
+        if in_shardings is not unset:
+            self.in_leaves, treedef = flatten_specs(in_shardings, "in_shardings")
+            if treedef.num_nodes == 1 and treedef.num_leaves == 1:
+                self.in_kind = "broadcast"
+            elif type(in_shardings) in (tuple, list):
+                self.in_kind = "positional"
+                if not var and len(in_shardings) != len(positional):
+                    raise ValueError(
+                        "`in_shardings` must be a single specification (applied to "
+                        "every argument) or a tuple with one entry per positional "
+                        f"parameter of `{fn_names(fun)[1]}`, which has "
+                        f"{len(positional)} ({', '.join(self.names) or 'none'}); got "
+                        f"{len(in_shardings)} entries."
+                    )
+            else:
+                raise TypeError(
+                    "`in_shardings` must be a single specification (applied to every "
+                    "argument) or a tuple with one entry per positional parameter; "
+                    f"got a {type(in_shardings).__name__}. To give one argument a "
+                    "PyTree of shardings, wrap it in a tuple: `in_shardings=(spec,)`."
+                )
+        self.out_shardings = out_shardings
+        out_leaves = []
+        if out_shardings is not unset:
+            out_leaves, _ = flatten_specs(out_shardings, "out_shardings")
+        self.out_rules = any(map(is_rule, out_leaves))
+        self.out_mesh = any(isinstance(x, jax.P) for x in out_leaves)
+        self.fun_names = fn_names(fun)
+        self.layouts: dict = {}
+        self.entries: dict = {}
+        self.lock = threading.Lock()
+        _live_caches.add(self)
+
+    def clear(self):
+        with self.lock:
+            self.layouts = {}
+            self.entries = {}
+
+
+# Every live `Cache`, so that `eqx.clear_caches()` clears them. Equinox has no public
+# way to register a cache with `clear_caches`; its own caches append to this list.
+_live_caches: weakref.WeakSet = weakref.WeakSet()
+
+
+def _clear_caches() -> None:
+    with _caches_lock:
+        _recent_caches.clear()
+    for cache in list(_live_caches):
+        cache.clear()
+
+
+equinox._caches.cache_clears.append(_clear_caches)
+
+
+# Decorations of equal functions (equal static parts: a fresh `functools.partial`, a
+# fresh bound method, `eqx.filter_grad(f)` made again) with equal configuration share
+# one `Cache`, as in `eqx.filter_jit`: while one of their wrappers is alive, and for the
+# `_RECENT` most recently used configurations after that. So nothing grows without
+# bound when wrappers are made in a loop (tests/test_jit_core.py::
+# test_fresh_partials_release_compiled_state).
+_RECENT = 8
+_shared_caches: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_recent_caches: co.OrderedDict = co.OrderedDict()
+_caches_lock = threading.Lock()
+
+
+def get_cache(fun, static_fun, donate, in_shardings, out_shardings) -> Cache:
+    def spec_key(specs):
+        if specs is unset:
+            return None
+        leaves, treedef = jtu.tree_flatten(specs, is_leaf=is_spec_leaf)
+        return tuple(leaves), treedef
+
+    key = (static_fun, donate, spec_key(in_shardings), spec_key(out_shardings))
+    try:
+        hash(key)
+    except TypeError:  # unhashable: not shared
+        return Cache(fun, donate, in_shardings, out_shardings)
+    with _caches_lock:
+        cache = _shared_caches.get(key)
+        if cache is None:
+            cache = Cache(fun, donate, in_shardings, out_shardings)
+            _shared_caches[key] = cache
+        _recent_caches[key] = cache
+        _recent_caches.move_to_end(key)
+        while len(_recent_caches) > _RECENT:
+            _recent_caches.popitem(last=False)
+    return cache
+
+
+def _unique(name: str, taken: set) -> str:
+    while name in taken:
+        name = name + "_"
+    return name
+
+
+def fn_names(fun) -> tuple[str, str]:
+    while True:
+        if isinstance(fun, ft.partial):
+            fun = fun.func
+        elif hasattr(fun, "__wrapped__") and not isinstance(fun, Module):
+            fun = fun.__wrapped__
+        else:
+            break
+    try:
+        return fun.__name__, fun.__qualname__
+    except AttributeError:
+        return type(fun).__name__, type(fun).__qualname__
+
+
+class Layout:
+    """What depends only on the structure and leaf types of the bound arguments: which
+    leaves are traced and donated, and the `in_shardings` leaf above each leaf."""
+
+    def __init__(self, cache: Cache, args, kwargs, leaves, treedef, dynamic):
+        mask = tuple(map(dynamic, leaves))
+        self.treedef = treedef
+        self.dynamic = tuple(i for i, m in enumerate(mask) if m)
+        self.dynamic_leaves = getter(self.dynamic)
+        static = tuple(i for i, m in enumerate(mask) if not m)
+        self.static_of = getter(static)
+        # `dynamic_of(leaves + [None])`: the leaves with `None` at static positions.
+        n = len(leaves)
+        self.dynamic_of = (
+            None
+            if not static
+            else getter(tuple(i if m else n for i, m in enumerate(mask)))
+        )
+        n_first = len(jtu.tree_leaves(args[0])) if args else 0
+        self.donated = tuple(
+            i
+            for i in self.dynamic
+            if (cache.donate_first if i < n_first else cache.donate_rest)
+        )
+        self.specs = _in_specs(cache, args, leaves)
+        self.rules = tuple(i for i in self.dynamic if is_rule(self.specs[i]))
+        self.needs_mesh = cache.out_mesh or any(
+            isinstance(s, jax.P) for s in self.specs
+        )
+        # Shared by every layout with the same traced leaves (e.g. NumPy or JAX).
+        self.entries = cache.entries.setdefault((treedef, mask), {})
+
+    def key(self, leaves: list) -> Any:
+        key = self.static_of(leaves)
+        if self.rules or self.needs_mesh:
+            avals = tuple((leaves[i].shape, leaves[i].dtype) for i in self.rules)
+            mesh = context_mesh(abstract_ok=True) if self.needs_mesh else None
+            key = (key, avals, mesh)
+        return key
+
+
+def getter(indices: tuple[int, ...]) -> Callable[[Any], tuple]:
+    # `operator.itemgetter` gathers at C speed; it returns a bare item for one index.
+    if len(indices) == 0:
+        return lambda leaves: ()
+    if len(indices) == 1:
+        (i,) = indices
+        return lambda leaves: (leaves[i],)
+    return operator.itemgetter(*indices)
+
+
+def _in_specs(cache: Cache, args: tuple, leaves: list) -> list:
+    """One `in_shardings` leaf per leaf of the bound `(args, kwargs)`."""
+    if cache.in_shardings is unset:
+        return [None] * len(leaves)
+    if cache.in_kind == "broadcast":
+        return cache.in_leaves * len(leaves)  # pyright: ignore
+    if cache.var_name is not None and len(cache.in_shardings) != len(args):
+        raise ValueError(
+            f"`in_shardings` has {len(cache.in_shardings)} entries but the call has "
+            f"{len(args)} positional arguments."
+        )
+    out = []
+    for position, (spec, arg) in enumerate(zip(cache.in_shardings, args)):
+        name = f"in_shardings[{position}]"
+        spec_leaves, spec_def = flatten_specs(spec, name)
+        n = len(jtu.tree_leaves(arg))
+        arg_name = (
+            cache.names[position]
+            if position < len(cache.names)
+            else f"args[{position}]"
+        )
+        out.extend(broadcast_specs(spec_leaves, spec_def, spec, arg, n, name, arg_name))
+    return out + [None] * (len(leaves) - len(out))  # keyword arguments
+
+
+class Entry:
+    """One compiled function: a `jax.jit` for one static part of the arguments."""
+
+    __slots__ = (
+        "layout",
+        "static",
+        "jitted",
+        "targets",
+        "get_targets",
+        "wait",
+        "serialize",
+    )

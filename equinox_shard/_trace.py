@@ -1,0 +1,216 @@
+"""The function that `filter_jit` gives to `jax.jit`, and the `jax.jit` itself: the
+dynamic trees keep the user's structure (`None` at non-array leaves), so that
+`in_shardings` and `out_shardings` are prefixes that `jax.jit` applies, and JAX's errors
+name the user's arguments."""
+
+import functools as ft
+import inspect
+import threading
+from typing import Any
+
+import equinox.internal as eqxi
+import jax
+import jax.tree_util as jtu
+from equinox import is_array
+
+from . import _checks
+from ._cache import Cache, Entry, getter, Layout, unset
+from ._sharding import device_put_leaves, resolve_leaves
+from ._spec import check, is_rule, is_spec_leaf, resolve
+
+
+def hashable_partition(tree: Any) -> tuple[Any, tuple[tuple, Any]]:
+    """Splits `tree` into a PyTree of the same structure holding its arrays (`None` at
+    every other leaf), and a hashable `(leaves, treedef)` holding everything else."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    dynamic = [x if is_array(x) else None for x in leaves]
+    static = tuple(None if is_array(x) else x for x in leaves)
+    return treedef.unflatten(dynamic), (static, treedef)
+
+
+def hashable_combine(dynamic: Any, static: tuple[tuple, Any]) -> Any:
+    """The inverse of `hashable_partition`."""
+    static_leaves, treedef = static
+    if dynamic is None:
+        return treedef.unflatten(static_leaves)
+    dynamic_leaves = treedef.flatten_up_to(dynamic)
+    leaves = [d if s is None else s for d, s in zip(dynamic_leaves, static_leaves)]
+    return treedef.unflatten(leaves)
+
+
+#
+# The traced function: rebuilds the call from the dynamic trees and the static part,
+# and returns the output's arrays in the output's own structure.
+#
+
+
+def _traced_function(
+    cache: Cache, static_fun, layout: Layout, leaves, targets, out_specs, found
+):
+    static_leaves = tuple(
+        None if i in set(layout.dynamic) else x for i, x in enumerate(leaves)
+    )
+    treedef = layout.treedef
+
+    def fun_wrapped(dynamic_fun, dynamic_kwargs, *dynamic_args):
+        fun = hashable_combine(dynamic_fun, static_fun)
+        dynamic = treedef.flatten_up_to((dynamic_args, dynamic_kwargs))
+        flat = [d if s is None else s for d, s in zip(dynamic, static_leaves)]
+        if targets and jax.config.jax_disable_jit:  # pyright: ignore
+            # `jax.jit` ignores `in_shardings` under `disable_jit`; we place anyway.
+            device_put_leaves(treedef.unflatten(flat), flat, targets, "args")
+        args, kwargs = treedef.unflatten(flat)
+        out = fun(*args, **kwargs)
+        if out_specs is not unset:
+            out = _out_shardings(out, out_specs, found)
+        dynamic_out, static_out = hashable_partition(out)
+        if all(x is None for x in static_out[0]):
+            return dynamic_out, None
+        return dynamic_out, eqxi.Static(static_out)
+
+    fun_wrapped.__name__, fun_wrapped.__qualname__ = cache.fun_names
+    # JAX names arguments by this signature in its errors: `model.layers[0].weight`.
+    n_args = len(treedef.children()[0].children()) if treedef.children() else 0
+    positional = inspect.Parameter.POSITIONAL_ONLY
+    params = [
+        inspect.Parameter(cache.fun_name, positional),
+        inspect.Parameter(cache.kwargs_name, positional),
+    ] + [inspect.Parameter(name, positional) for name in cache.names[:n_args]]
+    if n_args > len(cache.names):
+        params.append(
+            inspect.Parameter(
+                cache.var_name or "args", inspect.Parameter.VAR_POSITIONAL
+            )
+        )
+    fun_wrapped.__signature__ = inspect.Signature(params)  # pyright: ignore
+    return fun_wrapped
+
+
+def _out_shardings(out, out_specs, found: list | None):
+    """At trace time: checks `out_shardings` against the output, naming `out[...]`, and
+    (for callable spec leaves) records the resolved shardings in `found`. Under
+    `jax.disable_jit()` places the output instead, as `jax.jit` would have."""
+    out_leaves, out_def = jtu.tree_flatten(out)
+    todo = resolve_leaves(
+        out, out_leaves, out_specs, "out_shardings", "out", abstract_ok=True
+    )
+    for i, sharding in todo:
+        check(
+            jax.numpy.shape(out_leaves[i]),
+            sharding,
+            lambda i=i: f"out{jtu.keystr(jtu.tree_flatten_with_path(out)[0][i][0])}",
+        )
+    if found is not None:
+        by_index = dict(todo)
+        found.append(
+            out_def.unflatten([by_index.get(i) for i in range(len(out_leaves))])
+        )
+    if jax.config.jax_disable_jit and todo:  # pyright: ignore
+        device_put_leaves(out, out_leaves, todo, "out")
+        return out_def.unflatten(out_leaves)
+    return out
+
+
+def _static_out_shardings(out_specs):
+    """`out_shardings` with every spec leaf that needs no output resolved to a
+    `Sharding`: a `jax.Device`, or a bare `PartitionSpec` against the context mesh."""
+
+    def resolve_leaf(spec):
+        if spec is None or is_rule(spec):
+            return spec
+        return resolve(spec, None, lambda: "out_shardings", abstract_ok=False)
+
+    return jtu.tree_map(resolve_leaf, out_specs, is_leaf=is_spec_leaf)
+
+
+def new_entry(wrapper, cache: Cache, layout: Layout, args, kwargs, leaves) -> Entry:
+    """Resolves `in_shardings` for this call, checks committed inputs against them
+    (before anything is traced), and builds the `jax.jit`."""
+    names = cache.names
+    targets = []
+    for i in layout.dynamic:
+        spec = layout.specs[i]
+        if spec is None:
+            continue
+        where = lambda i=i: _checks.arg_path(names, args, kwargs, i)
+        sharding = resolve(spec, leaves[i], where, abstract_ok=True)
+        if sharding is not None:
+            check(jax.numpy.shape(leaves[i]), sharding, where)
+            targets.append((i, sharding))
+    _checks.raise_if_committed_elsewhere(names, args, kwargs, leaves, targets)
+    entry = Entry()
+    entry.layout = layout
+    entry.static = layout.static_of(leaves)
+    entry.targets = targets
+    entry.get_targets = getter(tuple(i for i, _ in targets))
+    entry.wait = None
+    entry.serialize = serialize_dispatch(
+        [s for _, s in targets]
+        + [getattr(leaves[i], "sharding", None) for i in layout.dynamic]
+    )
+    jit_kwargs: dict = {}
+    if cache.in_shardings is not unset:
+        shardings: list = [None] * len(leaves)
+        for i, sharding in targets:
+            shardings[i] = sharding
+        args_shardings, kwargs_shardings = layout.treedef.unflatten(shardings)
+        jit_kwargs["in_shardings"] = (None, kwargs_shardings, *args_shardings)
+    n_args = len(args)
+    donate = [0, 1] if cache.donate_rest else []
+    if n_args and cache.donate_first:
+        donate.append(2)
+    if cache.donate_rest:
+        donate.extend(range(3, 2 + n_args))
+    jit_kwargs["donate_argnums"] = tuple(donate)
+    out_specs = cache.out_shardings
+    if out_specs is not unset:
+        out_specs = _static_out_shardings(out_specs)
+        if not cache.out_rules:
+            jit_kwargs["out_shardings"] = (out_specs, None)
+    static_fun = wrapper._static_fun
+    make = ft.partial(_traced_function, cache, static_fun, layout, leaves, targets)
+    entry.jitted = jax.jit(make(out_specs, None), **jit_kwargs)
+    if cache.out_rules:
+        entry.jitted = ResolveRules(make, out_specs, jit_kwargs)
+    return entry
+
+
+class ResolveRules:
+    """`out_shardings` with callable leaves need the output's shapes. The first call
+    traces the function once (resolving the callables on its outputs), then builds the
+    `jax.jit` that applies them around that trace: JAX reuses the inner trace, so the
+    user's function is traced once."""
+
+    def __init__(self, make, out_specs, jit_kwargs):
+        self.make = make
+        self.out_specs = out_specs
+        self.jit_kwargs = jit_kwargs
+
+    def trace(self, *args):
+        found: list = []
+        fun_wrapped = self.make(self.out_specs, found)
+        inner = jax.jit(fun_wrapped)
+        inner.trace(*args)
+
+        def outer(*args):
+            return inner(*args)
+
+        ft.update_wrapper(outer, fun_wrapped)
+        del outer.__wrapped__
+        out_shardings = (found[0], None)
+        return jax.jit(outer, **self.jit_kwargs, out_shardings=out_shardings)
+
+
+# JAX 0.10.2, CPU backend: several threads dispatching multi-device executables at once
+# deadlock inside XLA (plain `jax.jit` too). Reproduction:
+# tests/test_concurrency.py::test_threads_sharded (8 threads x 1000 calls: killed at its
+# 90 s deadline on 0.10.2 without this lock; passes in 8 s on JAX 0.12.0.1 either way).
+# Dispatch is asynchronous, so the lock serialises only the launch.
+cpu_dispatch_lock = threading.Lock()
+
+
+def serialize_dispatch(shardings: list) -> bool:
+    return jax.default_backend() == "cpu" and any(
+        isinstance(s, jax.sharding.Sharding) and len(s.device_set) > 1
+        for s in shardings
+    )
