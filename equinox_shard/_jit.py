@@ -18,6 +18,7 @@ from equinox import field, is_array, Module, module_update_wrapper, Partial
 from . import _callbacks, _checks, _commit
 from ._cache import Cache, Entry, get_cache, Layout, unset
 from ._trace import (
+    combine_out,
     cpu_dispatch_lock,
     hashable_combine,
     hashable_partition,
@@ -164,7 +165,7 @@ def _call(wrapper, args, kwargs, compiled=None):
     dynamic_out, static_out = out
     if static_out is None:
         return dynamic_out
-    return hashable_combine(dynamic_out, static_out.value)
+    return combine_out(dynamic_out, static_out.value)
 
 
 def _compile(wrapper, cache, args, kwargs, leaves, treedef, dynamic=is_array):
@@ -233,7 +234,7 @@ class Compiled(Module):
         """The shardings of the array outputs, in the structure of the output; non-array
         outputs appear as themselves."""
         dynamic, static = self.compiled.output_shardings
-        return dynamic if static is None else hashable_combine(dynamic, static.value)
+        return dynamic if static is None else combine_out(dynamic, static.value)
 
 
 class Lowered(Module):

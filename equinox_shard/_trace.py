@@ -44,6 +44,15 @@ def hashable_combine(dynamic: Any, static: tuple[tuple, Any]) -> Any:
 #
 
 
+def combine_out(dynamic: Any, static: tuple[tuple, Any, bool]) -> Any:
+    """The output of a call, from the traced function's `(dynamic, Static(static))`."""
+    static_leaves, treedef, flat = static
+    if not flat:
+        dynamic = treedef.flatten_up_to(dynamic)
+    leaves = [d if s is None else s for d, s in zip(dynamic, static_leaves)]
+    return treedef.unflatten(leaves)
+
+
 def _traced_function(
     cache: Cache, static_fun, layout: Layout, leaves, targets, out_specs, found
 ):
@@ -63,10 +72,16 @@ def _traced_function(
         out = fun(*args, **kwargs)
         if out_specs is not unset:
             out = _out_shardings(out, out_specs, found)
-        dynamic_out, static_out = hashable_partition(out)
-        if all(x is None for x in static_out[0]):
-            return dynamic_out, None
-        return dynamic_out, eqxi.Static(static_out)
+        leaves, out_def = jtu.tree_flatten(out)
+        static = tuple(None if is_array(x) else x for x in leaves)
+        if all(x is None for x in static):
+            return out, None
+        dynamic = [x if is_array(x) else None for x in leaves]
+        if out_specs is unset:
+            # Flat: then neither `jax.jit` nor `combine_out` walks the output's Modules.
+            return dynamic, eqxi.Static((static, out_def, True))
+        # In the output's structure, of which `out_shardings` is a prefix.
+        return out_def.unflatten(dynamic), eqxi.Static((static, out_def, False))
 
     fun_wrapped.__name__, fun_wrapped.__qualname__ = cache.fun_names
     # JAX names arguments by this signature in its errors: `model.layers[0].weight`.
