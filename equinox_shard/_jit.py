@@ -294,6 +294,23 @@ class _JitWrapper(Module):
             lowered = entry.jitted.lower(*dynamic)
         return Lowered(lowered, self, entry)
 
+    def eval_shape(self, /, *args, **kwargs) -> Any:
+        """The output's shapes, dtypes and shardings, as `jax.ShapeDtypeStruct`s,
+        without running the function; arguments as for `.lower`. Unlike
+        `jax.eval_shape(f, ...)`, this reports `out_shardings` on `Auto` mesh axes too:
+        JAX reports a `jax.jit`'s own `out_shardings` only for a `jax.jit` object passed
+        to it directly."""
+        cache = self._cache
+        args, kwargs = _bind(cache, args, kwargs)
+        leaves, treedef = jtu.tree_flatten((args, kwargs))
+        entry, _, dynamic = _compile(
+            self, cache, args, kwargs, leaves, treedef, _is_array_or_struct
+        )
+        dynamic_out, static_out = entry.jitted.trace(*dynamic).out_info
+        if static_out is None:
+            return dynamic_out
+        return combine_out(dynamic_out, static_out.value)
+
     def __get__(self, instance, owner):
         del owner
         if instance is None:
@@ -361,7 +378,8 @@ def filter_jit(
 
     The JIT'd version of `fun`. It has a `.lower(*args, **kwargs)` method for
     ahead-of-time compilation (arrays may be `jax.ShapeDtypeStruct`s), whose result
-    has `.as_text()` and `.compile()`.
+    has `.as_text()` and `.compile()`; and `.eval_shape(*args, **kwargs)`, which, unlike
+    `jax.eval_shape`, reports `out_shardings` on `Auto` mesh axes too.
 
     **Raises:**
 

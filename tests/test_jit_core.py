@@ -22,9 +22,10 @@ from .helpers import auto_mesh, explicit_mesh
 )
 @pytest.mark.xfail(
     strict=True,
-    reason="`jax.eval_shape(f)` is `jax.jit(f).trace(...).out_info`: a `jax.jit` with "
+    reason="`jax.eval_shape(f)` is `f.trace(...).out_info` only if `type(f) is "
+    "PjitFunction`, else `jax.jit(f).trace(...).out_info`: a `jax.jit` with "
     "`out_shardings` nested in it does not set the outer output's sharding (JAX "
-    "0.10.2; also for plain nested `jax.jit`)",
+    "0.10.2 and 0.12; also for plain nested `jax.jit`). Use `f.eval_shape`.",
 )
 def test_eval_shape_reports_out_shardings(make_mesh):
     s = NamedSharding(make_mesh(), P("x"))
@@ -36,6 +37,20 @@ def test_eval_shape_reports_out_shardings(make_mesh):
     assert out.sharding is not None and out.sharding.is_equivalent_to(s, 1)
     out = jax.eval_shape(lambda a: f(a, 2)[0], x)
     assert out.sharding is not None and out.sharding.is_equivalent_to(s, 1)
+
+
+@pytest.mark.parametrize(
+    "make_mesh", [auto_mesh, explicit_mesh], ids=["auto", "explicit"]
+)
+def test_eval_shape_method_reports_out_shardings(make_mesh):
+    s = NamedSharding(make_mesh(), P("x"))
+    f = eqxs.filter_jit(lambda a, k: (a * k, "tag"), out_shardings=(s, None))
+    out, tag = f.eval_shape(jax.ShapeDtypeStruct((64,), jnp.float32), 2)
+    assert tag == "tag"
+    assert out.shape == (64,)
+    assert out.sharding is not None and out.sharding.is_equivalent_to(s, 1)
+    out, tag = f.eval_shape(jnp.arange(64.0), 2)  # concrete arrays: nothing runs
+    assert out.sharding.is_equivalent_to(s, 1)
 
 
 @pytest.mark.parametrize(
