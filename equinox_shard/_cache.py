@@ -129,7 +129,7 @@ equinox._caches.cache_clears.append(_clear_caches)
 # `_RECENT` most recently used configurations after that. So nothing grows without
 # bound when wrappers are made in a loop (tests/test_jit_core.py::
 # test_fresh_partials_release_compiled_state).
-_RECENT = 8
+_RECENT = 4
 _shared_caches: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _recent_caches: co.OrderedDict = co.OrderedDict()
 _caches_lock = threading.Lock()

@@ -83,6 +83,8 @@ def _prepare(wrapper, cache: Cache, entry: Entry, args, kwargs, leaves):
             layout.dynamic,
             fun_leaves,
         )
+        # NumPy inputs are copied onto the device by every call anyway.
+        copies = [i for i in copies or () if isinstance(leaves[i], jax.Array)]
         if copies:
             # The caller's buffer is kept; the executable donates a private copy.
             leaves = list(leaves)

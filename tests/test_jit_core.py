@@ -202,3 +202,12 @@ def test_clear_caches_clears_ours():
     eqx.clear_caches()
     f(x)
     assert len(traces) == 2
+
+
+def test_one_numpy_value_donated_twice():
+    # Found by tests/test_nothing_lost.py: NumPy inputs are copied onto the device by
+    # every call, so one reachable twice needs no private copy.
+    f = eqxs.filter_jit(lambda a, b: a + b, donate="all")
+    x = np.float32(1.0)
+    assert f(x, x) == 2
+    assert f.lower(x, x).compile()(x, x) == 2
