@@ -103,7 +103,7 @@ def sharding_table(tree: PyTree[Any], *, name: str = "") -> str:
     !!! example
 
         ```python
-        mesh = jax.make_mesh((8,), ("data",))
+        mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
         model = eqx.nn.MLP(64, 10, 128, 1, key=jr.key(0))
         split_rows = lambda x: jax.P("data") if x.shape[0] % 8 == 0 else jax.P()
         with jax.set_mesh(mesh):

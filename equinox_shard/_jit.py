@@ -1212,7 +1212,7 @@ def filter_jit(
     !!! example
 
         ```python
-        mesh = jax.make_mesh((8,), ("data",))
+        mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
         replicated = jax.NamedSharding(mesh, jax.P())
         batch = jax.NamedSharding(mesh, jax.P("data"))
 

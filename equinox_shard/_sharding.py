@@ -417,7 +417,7 @@ def filter_device_put(
     !!! example
 
         ```python
-        mesh = jax.make_mesh((8,), ("data",))
+        mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
         model = eqx.nn.MLP(2, 2, 64, 2, key=jr.key(0))
         replicated = jax.sharding.NamedSharding(mesh, jax.P())
         model = eqxs.filter_device_put(model, replicated)  # model.activation untouched
@@ -515,6 +515,10 @@ def filter_shard(x: PyTree[Any], device_or_shardings: Any) -> PyTree[Any]:
     !!! example
 
         ```python
+        mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+        replicated = jax.NamedSharding(mesh, jax.P())
+        batch_sharding = jax.NamedSharding(mesh, jax.P("data"))
+
         @eqx.filter_jit
         def step(model, x):
             x = eqxs.filter_shard(x, batch_sharding)  # a constraint, inside jit

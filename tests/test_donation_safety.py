@@ -134,21 +134,20 @@ def test_make_array_from_process_local_data_keeps_the_original():
 # Ahead-of-time: `Compiled.__call__` runs the checks of a `filter_jit` call.
 #
 
-_AOT_PREAMBLE = """
-import equinox as eqx, equinox_shard as eqxs, jax, jax.numpy as jnp
+
+# Each snippet is whole (its imports included), so that tools/make_upstream_patch.py can
+# rewrite it for patched Equinox.
+def test_compiled_donated_input_reused():
+    # Segfaulted on JAX 0.10.2 (raised without a key path on 0.12).
+    run = run_isolated(
+        """
+import equinox_shard as eqxs
+import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
 s = NamedSharding(mesh, P("d"))
 double = lambda t: jtu.tree_map(lambda x: 2 * x, t)
-"""
-
-
-def test_compiled_donated_input_reused():
-    # Segfaulted on JAX 0.10.2 (raised without a key path on 0.12).
-    run = run_isolated(
-        _AOT_PREAMBLE
-        + """
 f = eqxs.filter_jit(double, donate="all")
 a = {"w": jax.device_put(jnp.ones((8, 4)), s)}
 c = f.lower(a).compile()
@@ -169,9 +168,13 @@ else:
 
 def test_compiled_one_buffer_in_two_donated_arguments():
     run = run_isolated(
-        _AOT_PREAMBLE
-        + """
+        """
+import equinox_shard as eqxs
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+s = NamedSharding(mesh, P("d"))
 f = eqxs.filter_jit(lambda a, b: a + 2 * b, donate="all")
 a = jax.device_put(jnp.arange(32.0).reshape(8, 4), s)
 c = f.lower(a, a).compile()

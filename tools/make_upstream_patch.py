@@ -244,7 +244,10 @@ _SHARDED_JIT = "sharded_filter_jit"
 
 
 def _fix_test_string(text: str) -> str:
-    if not re.search(r"^ *import .*\bequinox_shard as eqxs\b", text, re.MULTILINE):
+    imports = re.search(r"^ *import .*\bequinox_shard as eqxs\b", text, re.MULTILINE)
+    # A snippet's body whose imports sit in another string it is concatenated with.
+    body = not imports and re.match(r"\n[^\s]", text) and "eqxs.filter_jit" in text
+    if not imports and not body:
         return _fix_prose(text)
     # Code run in a subprocess.
     pieces = []
@@ -257,7 +260,9 @@ def _fix_test_string(text: str) -> str:
         ]
         last = m.end()
     text = "".join(pieces) + text[last:]
-    if _SHARDED_JIT in text:
+    if _SHARDED_JIT in text and body:
+        text = f"\nfrom equinox._sharded_jit import filter_jit as {_SHARDED_JIT}{text}"
+    elif _SHARDED_JIT in text:
         text = re.sub(
             r"^( *)import .*\bequinox_shard as eqxs\b.*$",
             rf"\g<0>\n\1from equinox._sharded_jit import filter_jit as {_SHARDED_JIT}",
