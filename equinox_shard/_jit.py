@@ -33,6 +33,8 @@ from ._spec import (
     context_mesh,
     flatten_specs,
     is_rule,
+    match_path_rules,
+    PathRules,
     resolve,
 )
 
@@ -367,27 +369,47 @@ def _in_specs(config: _Config, args: tuple, kwargs: dict, n_leaves: int) -> list
     if config.in_kind is None:
         return [None] * n_leaves
     if config.in_kind == "broadcast":
-        return config.in_leaves * n_leaves  # pyright: ignore
-    in_shardings = config.in_shardings
+        (spec,) = config.in_leaves  # pyright: ignore
+        if not isinstance(spec, PathRules):
+            return [spec] * n_leaves
+        # Path rules match paths within each argument, as under the tuple form.
+        in_shardings = (spec,) * len(args)
+        named = {name: spec for name in kwargs}
+    else:
+        in_shardings = config.in_shardings
+        named = {}
     if config.var_positional and len(in_shardings) != len(args):
         raise ValueError(
             f"`in_shardings` has {len(in_shardings)} entries but the call has "
             f"{len(args)} positional arguments."
         )
     out = []
-    for position, arg in enumerate(args):
-        spec = in_shardings[position]
+    groups = [
+        (p, arg, in_shardings[p], _arg_name(config, p)) for p, arg in enumerate(args)
+    ]
+    groups += [(name, kwargs[name], spec, name) for name, spec in sorted(named.items())]
+    for position, arg, spec, arg_name in groups:
         spec_leaves, spec_def = flatten_specs(spec, f"in_shardings[{position}]")
-        n = len(jtu.tree_leaves(arg))
+        arg_leaves = jtu.tree_leaves(arg)
+        per_leaf = broadcast_specs(
+            spec_leaves,
+            spec_def,
+            spec,
+            arg,
+            len(arg_leaves),
+            f"in_shardings[{position}]",
+            arg_name,
+        )
+        start = len(out)
         out.extend(
-            broadcast_specs(
+            match_path_rules(
+                per_leaf,
                 spec_leaves,
                 spec_def,
-                spec,
                 arg,
-                n,
-                f"in_shardings[{position}]",
-                _arg_name(config, position),
+                arg_leaves,
+                lambda j, s=start: _arg_path(config, args, kwargs, s + j),
+                is_array,
             )
         )
     out.extend([None] * (n_leaves - len(out)))  # keyword-only and **kwargs

@@ -21,6 +21,7 @@ from ._spec import (
     check,
     flatten_specs,
     leaf_path,
+    match_path_rules,
     resolve,
 )
 
@@ -97,6 +98,15 @@ def resolve_leaves(
     spec_leaves, spec_def = flatten_specs(specs, spec_name)
     per_leaf = broadcast_specs(
         spec_leaves, spec_def, specs, value, len(leaves), spec_name, value_name
+    )
+    per_leaf = match_path_rules(
+        per_leaf,
+        spec_leaves,
+        spec_def,
+        value,
+        leaves,
+        lambda i: leaf_path(value, i, value_name),
+        dynamic,
     )
     out = []
     for i, (spec, leaf) in enumerate(zip(per_leaf, leaves)):
