@@ -86,8 +86,8 @@ def sharding_table(
     - `name`: prepended to every key path, e.g. `name="model"` gives rows such as
         `model.layers[0].weight`.
     - `rules`: an [`equinox_shard.PathRules`][]. If given, a last column shows which
-        of its rules places each array: the pattern that matched the array's key path
-        within `tree` (as when `rules` is the specification of all of `tree`),
+        of its rules places each array: the pattern (as written) found in the key
+        path within `tree` (as when `rules` is the specification of all of `tree`),
         `default`, or `-` for none.
 
     **Returns:**

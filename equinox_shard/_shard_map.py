@@ -173,7 +173,7 @@ def filter_shard_map(
 ) -> Any:
     """Filtered version of `jax.shard_map`: maps a function over the shards of the
     arrays in any PyTree (an `eqx.Module`, an optax state, a batch), and holds every
-    other leaf static, as [`equinox.filter_jit`][] does.
+    other leaf static, as `equinox.filter_jit` does.
 
     Inside `fun`, each mapped array is the block that one device holds, and mesh axis
     names can be used in collectives (`jax.lax.psum`, `jax.lax.all_gather`,

@@ -223,7 +223,7 @@ class PathRules:
 
     def describe(self, k: int) -> str:
         """How rule `k` (as `match` returns it) is shown, e.g. by `sharding_table`."""
-        return "default" if k == len(self._rules) else repr(self._rules[k][0])
+        return "default" if k == len(self._rules) else self._rules[k][0]
 
     def __eq__(self, other):
         return (

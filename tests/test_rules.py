@@ -1,4 +1,5 @@
 import re
+from typing import Any
 
 import equinox as eqx
 import equinox_shard as eqxs
@@ -175,8 +176,10 @@ def test_filter_jit_training_step():
     assert tree_allclose(state, ref_state, rtol=1e-5, atol=1e-6)
     expected = _expected_mlp(mesh)
     assert_array_shardings(model, expected)
-    assert_array_shardings(state[0].mu, expected)
-    assert state[0].count.sharding.is_equivalent_to(NamedSharding(mesh, P()), 0)
+    state_: Any = state
+    adam = state_[0]  # optax.ScaleByAdamState
+    assert_array_shardings(adam.mu, expected)
+    assert adam.count.sharding.is_equivalent_to(NamedSharding(mesh, P()), 0)
 
 
 def test_filter_jit_single_rules_for_every_argument():
@@ -263,9 +266,9 @@ def test_sharding_table_shows_rules():
     table = eqxs.sharding_table(mlp, name="model", rules=TENSOR)
     rows = {line.split()[0]: line.split()[-1] for line in table.splitlines()[2:-2]}
     assert rows == {
-        "model.layers[0].weight": r"'layers\\[0\\]\\.weight$'",
-        "model.layers[0].bias": r"'layers\\[0\\]\\.bias$'",
-        "model.layers[1].weight": r"'layers\\[1\\]\\.weight$'",
+        "model.layers[0].weight": r"layers\[0\]\.weight$",
+        "model.layers[0].bias": r"layers\[0\]\.bias$",
+        "model.layers[1].weight": r"layers\[1\]\.weight$",
         "model.layers[1].bias": "default",
     }
     assert table.splitlines()[0].split() == [
