@@ -72,6 +72,8 @@ EXCLUDED_TESTS = {
     "test_benchmarks.py": "runs benchmarks/, which is not Equinox's",
     "test_example.py": "runs examples/train_digits.py, which is not Equinox's",
     "test_readme.py": "runs README.md's example, which is not Equinox's",
+    "test_transformer_example.py": "runs examples/train_transformer.py, which is not "
+    "Equinox's",
     "test_nothing_lost.py": "calls filter_jit through `**kwargs` with and without "
     "shardings; without them, patched Equinox runs its own path, which lacks the "
     "donation guards it tests",
