@@ -1023,6 +1023,7 @@ class Compiled(Module):
     _wrapper: Any = field(static=True, repr=False)
     _statics: tuple = field(static=True, repr=False)
     _plan: _Plan = field(static=True, repr=False)
+    _entry: _Entry = field(static=True, repr=False)
 
     def __call__(self, /, *args, **kwargs):
         w = self._wrapper
@@ -1062,7 +1063,15 @@ class Compiled(Module):
             for p, x in zip(positions, copies):
                 donated[p] = x
             donated = tuple(donated)
-        dynamic_out, out_static = self.compiled(dynamic_fun, donated, kept)
+        entry = self._entry
+        if entry.sync:
+            # Callbacks that may raise: run guarded, as a `filter_jit` call would.
+            args = (dynamic_fun, donated, kept)
+            dynamic_out, out_static = _run_sync(
+                entry.sync, entry.jitted, args, table.id
+            )
+        else:
+            dynamic_out, out_static = self.compiled(dynamic_fun, donated, kept)
         return out_static.combine(dynamic_out)
 
     def as_text(self) -> str | None:
@@ -1096,6 +1105,7 @@ class Lowered(Module):
     _wrapper: Any = field(static=True, repr=False)
     _statics: tuple = field(static=True, repr=False)
     _plan: _Plan = field(static=True, repr=False)
+    _entry: _Entry = field(static=True, repr=False)
 
     def as_text(self) -> str:
         return self.lowered.as_text()
@@ -1104,7 +1114,7 @@ class Lowered(Module):
         self, /, compiler_options: dict[str, str | bool] | None = None
     ) -> Compiled:
         compiled = self.lowered.compile(compiler_options=compiler_options)
-        return Compiled(compiled, self._wrapper, self._statics, self._plan)
+        return Compiled(compiled, self._wrapper, self._statics, self._plan, self._entry)
 
 
 def _lower(w, args, kwargs) -> Lowered:
@@ -1115,11 +1125,16 @@ def _lower(w, args, kwargs) -> Lowered:
     leaves, treedef = jtu.tree_flatten((args, kwargs))
     plan = _make_plan(table, config, args, kwargs, leaves, treedef, _is_array_or_struct)
     entry = _make_entry(w, plan, args, kwargs, leaves)
-    lowered = entry.jitted.lower(
-        _getattr(w, "_dynamic_fun"), plan.get_donated(leaves), plan.get_kept(leaves)
+    lower_args = (
+        _getattr(w, "_dynamic_fun"),
+        plan.get_donated(leaves),
+        plan.get_kept(leaves),
     )
+    lowered = entry.jitted.lower(*lower_args)
+    if not jax.config.jax_disable_jit:  # pyright: ignore
+        _check_sync(entry, *lower_args)
     statics = tuple(x for x, m in zip(leaves, plan.mask) if not m)
-    return Lowered(lowered, w, statics, plan)
+    return Lowered(lowered, w, statics, plan, entry)
 
 
 #

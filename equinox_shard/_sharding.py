@@ -178,6 +178,12 @@ def _shares_source_buffer(leaf: Any, sharding: Sharding) -> bool:
     )
 
 
+def _is_key_array(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jax.numpy.issubdtype(
+        x.dtype, jax.dtypes.prng_key
+    )
+
+
 def _is_committed_array(x: Any) -> bool:
     return (
         isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed  # pyright: ignore[reportAttributeAccessIssue]
@@ -271,6 +277,18 @@ def device_put_leaves(
         )
         for k, x in zip(early, copies):
             sources[k] = x
+    if donate is not False and any(map(_is_key_array, sources)):
+        # Donating a typed PRNG key array to `jax.device_put` frees it without
+        # marking it deleted, so touching it afterwards segfaults (JAX 0.10.2 and
+        # 0.12): upstream/jax-reports/device-put-donate-single-device-sharding.
+        # Donation is best-effort: key arrays are never donated here.
+        flags = donate if isinstance(donate, list) else [donate] * len(sources)
+        donate = [d and not _is_key_array(x) for d, x in zip(flags, sources)]
+        if not isinstance(may_alias, list):
+            may_alias = [may_alias] * len(sources)
+        may_alias = [
+            False if f is None and not d else f for f, d in zip(may_alias, donate)
+        ]
     if donate is not False:
         # JAX 0.10.2: donating to a `SingleDeviceSharding` frees the input without
         # marking it deleted, so touching it afterwards segfaults; donating to the

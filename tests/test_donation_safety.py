@@ -318,3 +318,27 @@ def test_placed_copy_shares_no_buffer_with_a_placed_source(source, target, axis_
         _parts_alive(second)
         assert_same_values(x, expected)
         assert_same_values(second, expected)
+
+
+def test_donating_a_key_array_to_another_device_does_not_crash():
+    # `jax.device_put(key, device, donate=True)` frees a typed key array without
+    # marking it deleted; the next `is_deleted()` segfaulted.
+    run = run_isolated(
+        """
+import equinox_shard as eqxs
+from jax.sharding import SingleDeviceSharding
+results = []
+for target in (jax.devices()[2], SingleDeviceSharding(jax.devices()[2])):
+    keys = jax.device_put(jax.random.split(jax.random.key(0), 8), jax.devices()[1])
+    expected = jax.random.key_data(keys).tolist()
+    moved = eqxs.filter_device_put({"k": keys}, target, donate=True)
+    results.append([
+        keys.is_deleted() or jax.random.key_data(keys).tolist() == expected,
+        jax.random.key_data(moved["k"]).tolist() == expected,
+    ])
+report(results)
+""",
+        timeout=120,
+    )
+    assert run.returncode == 0, run
+    assert run.result == [[True, True], [True, True]], run
