@@ -174,12 +174,34 @@ def _text_tokens(text: str, fix) -> str:
     """Applies `fix` to every string and comment token of `text`."""
     lines = text.splitlines(keepends=True)
     edits = []
+    # Python 3.12 splits an f-string into several tokens: take it whole, so that the
+    # patch is the same whichever Python makes it.
+    fstring_start = getattr(tokenize, "FSTRING_START", None)
+    fstring_end = getattr(tokenize, "FSTRING_END", None)
+    starts = []
     for tok in tokenize.generate_tokens(io.StringIO(text).readline):
-        if tok.type in (tokenize.STRING, tokenize.COMMENT):
+        if tok.type == fstring_start:
+            starts.append(tok.start)
+        elif tok.type == fstring_end:
+            start = starts.pop()
+            if not starts:
+                old = _span(lines, start, tok.end)
+                new = fix(old)
+                if new != old:
+                    edits.append((start, tok.end, new))
+        elif tok.type in (tokenize.STRING, tokenize.COMMENT) and not starts:
             new = fix(tok.string)
             if new != tok.string:
                 edits.append((tok.start, tok.end, new))
     return _apply_edits(lines, edits)
+
+
+def _span(lines: list[str], start: tuple, end: tuple) -> str:
+    (srow, scol), (erow, ecol) = start, end
+    if srow == erow:
+        return lines[srow - 1][scol:ecol]
+    middle = lines[srow : erow - 1]
+    return "".join([lines[srow - 1][scol:], *middle, lines[erow - 1][:ecol]])
 
 
 def _apply_edits(lines: list[str], edits) -> str:
