@@ -327,7 +327,7 @@ def train(layout: Layout, cfg: Config, corpus: np.ndarray, *, resume: bool) -> R
         table = eqxs.sharding_table(model, name="model", rules=layout.rules)
         # Adam's moments are placed by the same rules as the parameters they follow.
         params = jtu.tree_leaves(eqx.filter(model, eqx.is_inexact_array))
-        adam: Any = opt_state[0]  # pyright: ignore[reportIndexIssue]
+        adam: Any = opt_state[0]  # pyright: ignore
         moments_follow = all(
             m.sharding == p.sharding
             for moment in (adam.mu, adam.nu)
