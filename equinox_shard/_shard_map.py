@@ -14,6 +14,7 @@ from ._spec import (
     _describe_leaf,
     _no_default,
     broadcast_specs,
+    call_rule,
     check,
     flatten_specs,
     is_rule,
@@ -60,12 +61,7 @@ def _check_specs(specs: Any, name: str) -> None:
 
 def _resolve(spec: Any, leaf: Any, where: Callable[[], str]) -> PartitionSpec | None:
     if is_rule(spec):
-        try:
-            spec = spec(leaf)
-        except Exception as e:
-            raise ValueError(
-                f"{where()}: the sharding rule raised {type(e).__name__}: {e}"
-            ) from e
+        spec = call_rule(spec, leaf, where)
     if spec is None or isinstance(spec, PartitionSpec):
         return spec
     raise TypeError(

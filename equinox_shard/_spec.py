@@ -434,6 +434,16 @@ def leaf_path(value: Any, index: int, value_name: str) -> str:
     return value_name + jtu.keystr(path)
 
 
+def call_rule(rule: Callable, leaf: Any, where: Callable[[], str]) -> Any:
+    """`rule(leaf)`, with an exception it raises re-raised naming the leaf's path."""
+    try:
+        return rule(leaf)
+    except Exception as e:
+        raise ValueError(
+            f"{where()}: the sharding rule {rule!r} raised {type(e).__name__}: {e}"
+        ) from e
+
+
 def resolve(
     spec: Any, leaf: Any, where: Callable[[], str], *, abstract_ok: bool
 ) -> Sharding | None:
@@ -444,12 +454,7 @@ def resolve(
     if spec is None:
         return None
     if is_rule(spec):
-        try:
-            out = spec(leaf)
-        except Exception as e:
-            raise ValueError(
-                f"{where()}: the sharding rule {spec!r} raised {type(e).__name__}: {e}"
-            ) from e
+        out = call_rule(spec, leaf, where)
         if not (out is None or isinstance(out, _SPEC_TYPES)):
             raise TypeError(
                 f"{where()}: the sharding rule {spec!r} must return a "
