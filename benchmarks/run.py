@@ -17,7 +17,7 @@ from statistics import median
 
 DEFAULT_JSON = pathlib.Path(__file__).parent / "results" / "latest.json"
 
-SECTIONS = ("dispatch", "placement", "compiles", "step")
+SECTIONS = ("dispatch", "placement", "compiles", "step", "shard_map")
 
 FULL = {
     "ns": [1, 10, 100, 1000],
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", 8)
 
-    from . import _harness as h, compiles, dispatch, placement, step
+    from . import _harness as h, compiles, dispatch, placement, shard_map, step
 
     cfg = dict(QUICK if args.quick else FULL)
     if args.reps is not None:
@@ -265,6 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
         "placement": placement,
         "compiles": compiles,
         "step": step,
+        "shard_map": shard_map,
     }
     for name in SECTIONS:
         if name not in args.only:

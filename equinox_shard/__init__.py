@@ -1,7 +1,9 @@
 """Filtered sharding for Equinox.
 
 `filter_device_put` transfers, `filter_shard` places or constrains (eagerly and inside a
-trace), and `filter_jit` is `equinox.filter_jit` with `in_shardings`/`out_shardings`.
+trace), `filter_jit` is `equinox.filter_jit` with `in_shardings`/`out_shardings`, and
+`filter_shard_map` is `jax.shard_map` over PyTrees of arrays and non-arrays. `PathRules`
+chooses a spec for each array by its key path.
 """
 
 import importlib.metadata
@@ -11,10 +13,12 @@ from ._jit import Compiled as Compiled, filter_jit as filter_jit, Lowered as Low
 from ._process_local import (
     filter_make_array_from_process_local_data as filter_make_array_from_process_local_data,  # noqa: E501
 )
+from ._shard_map import filter_shard_map as filter_shard_map
 from ._sharding import (
     filter_device_put as filter_device_put,
     filter_shard as filter_shard,
 )
+from ._spec import PathRules as PathRules
 
 
 __version__ = importlib.metadata.version("equinox_shard")

@@ -5,10 +5,8 @@
 import collections as co
 import functools as ft
 import inspect
-import operator
 import threading
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import equinox._caches
@@ -16,7 +14,17 @@ import jax
 import jax.tree_util as jtu
 from equinox import Module
 
-from ._spec import broadcast_specs, context_mesh, flatten_specs, is_rule, is_spec_leaf
+from ._checks import arg_path
+from ._mirror import getter, Packing
+from ._spec import (
+    broadcast_specs,
+    context_mesh,
+    flatten_specs,
+    is_rule,
+    is_spec_leaf,
+    match_path_rules,
+    PathRules,
+)
 
 
 class _Unset:
@@ -94,7 +102,8 @@ class Cache:
         out_leaves = []
         if out_shardings is not unset:
             out_leaves, _ = flatten_specs(out_shardings, "out_shardings")
-        self.out_rules = any(map(is_rule, out_leaves))
+        # Callables and path rules need the output: resolved from the first trace.
+        self.out_rules = any(is_rule(x) or isinstance(x, PathRules) for x in out_leaves)
         self.out_mesh = any(isinstance(x, jax.P) for x in out_leaves)
         self.fun_names = fn_names(fun)
         self.layouts: dict = {}
@@ -190,68 +199,100 @@ class Layout:
         self.dynamic_leaves = getter(self.dynamic)
         static = tuple(i for i, m in enumerate(mask) if not m)
         self.static_of = getter(static)
-        # `dynamic_of(leaves + [None])`: the leaves with `None` at static positions.
-        n = len(leaves)
-        self.dynamic_of = (
-            None
-            if not static
-            else getter(tuple(i if m else n for i, m in enumerate(mask)))
-        )
+        # How the traced leaves go to `jax.jit`.
+        self.packing = Packing(args, kwargs, mask)
         n_first = len(jtu.tree_leaves(args[0])) if args else 0
         self.donated = tuple(
             i
             for i in self.dynamic
             if (cache.donate_first if i < n_first else cache.donate_rest)
         )
-        self.specs = _in_specs(cache, args, leaves)
+        self.specs = _in_specs(cache, args, kwargs, leaves, dynamic)
         self.rules = tuple(i for i in self.dynamic if is_rule(self.specs[i]))
         self.needs_mesh = cache.out_mesh or any(
             isinstance(s, jax.P) for s in self.specs
         )
+        # The entry key of a call's leaves: its static leaves, and what resolving
+        # callable specs or bare `PartitionSpec`s depends on.
+        self.key = self._key if self.rules or self.needs_mesh else self.static_of
+        # Whether an input has been deleted; for leaves of one array type, the type's
+        # own unbound `is_deleted` mapped at C speed (a call checks the leaf types
+        # first, but a `Compiled` is called with the leaves of its own call).
+        kinds = {type(leaves[i]) for i in self.dynamic}
+        (kind,) = kinds if len(kinds) == 1 else (None,)
+        if (
+            kind is not None
+            and issubclass(kind, jax.Array)
+            and not issubclass(kind, jax.core.Tracer)
+        ):
+            is_deleted = kind.is_deleted
+            dynamic_leaves = self.dynamic_leaves
+            self.any_deleted = lambda leaves: any(
+                map(is_deleted, dynamic_leaves(leaves))
+            )
+        else:
+            self.any_deleted = self._any_deleted
         # Shared by every layout with the same traced leaves (e.g. NumPy or JAX).
         self.entries = cache.entries.setdefault((treedef, mask), {})
 
-    def key(self, leaves: list) -> Any:
-        key = self.static_of(leaves)
-        if self.rules or self.needs_mesh:
-            avals = tuple((leaves[i].shape, leaves[i].dtype) for i in self.rules)
-            mesh = context_mesh(abstract_ok=True) if self.needs_mesh else None
-            key = (key, avals, mesh)
-        return key
+    def _key(self, leaves: list) -> Any:
+        avals = tuple((leaves[i].shape, leaves[i].dtype) for i in self.rules)
+        mesh = context_mesh(abstract_ok=True) if self.needs_mesh else None
+        return (self.static_of(leaves), avals, mesh)
+
+    def _any_deleted(self, leaves: list) -> bool:
+        # Leaf by leaf: NumPy arrays, `ShapeDtypeStruct`s, arrays of several types.
+        return any(
+            isinstance(x, jax.Array)
+            and not isinstance(x, jax.core.Tracer)
+            and x.is_deleted()
+            for x in self.dynamic_leaves(leaves)
+        )
 
 
-def getter(indices: tuple[int, ...]) -> Callable[[Any], tuple]:
-    # `operator.itemgetter` gathers at C speed; it returns a bare item for one index.
-    if len(indices) == 0:
-        return lambda leaves: ()
-    if len(indices) == 1:
-        (i,) = indices
-        return lambda leaves: (leaves[i],)
-    return operator.itemgetter(*indices)
-
-
-def _in_specs(cache: Cache, args: tuple, leaves: list) -> list:
-    """One `in_shardings` leaf per leaf of the bound `(args, kwargs)`."""
+def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, dynamic) -> list:
+    """One `in_shardings` leaf per leaf of the bound `(args, kwargs)`, with every
+    `PathRules` replaced by the spec leaf it chooses for that leaf."""
     if cache.in_shardings is unset:
         return [None] * len(leaves)
     if cache.in_kind == "broadcast":
-        return cache.in_leaves * len(leaves)  # pyright: ignore
-    if cache.var_name is not None and len(cache.in_shardings) != len(args):
-        raise ValueError(
-            f"`in_shardings` has {len(cache.in_shardings)} entries but the call has "
-            f"{len(args)} positional arguments."
-        )
+        (spec,) = cache.in_leaves  # pyright: ignore
+        if not isinstance(spec, PathRules):
+            return [spec] * len(leaves)
+        # Path rules match paths within each argument, as under the tuple form.
+        specs, named = (spec,) * len(args), sorted(kwargs)
+    else:
+        specs, named = cache.in_shardings, []
+        if cache.var_name is not None and len(specs) != len(args):
+            raise ValueError(
+                f"`in_shardings` has {len(specs)} entries but the call has "
+                f"{len(args)} positional arguments."
+            )
+    names = cache.names
+    groups = [
+        (f"in_shardings[{p}]", spec, arg, names[p] if p < len(names) else f"args[{p}]")
+        for p, (spec, arg) in enumerate(zip(specs, args))
+    ]
+    groups += [("in_shardings", specs[0], kwargs[k], k) for k in named]
     out = []
-    for position, (spec, arg) in enumerate(zip(cache.in_shardings, args)):
-        name = f"in_shardings[{position}]"
+    for name, spec, arg, arg_name in groups:
         spec_leaves, spec_def = flatten_specs(spec, name)
-        n = len(jtu.tree_leaves(arg))
-        arg_name = (
-            cache.names[position]
-            if position < len(cache.names)
-            else f"args[{position}]"
+        arg_leaves = jtu.tree_leaves(arg)
+        per_leaf = broadcast_specs(
+            spec_leaves, spec_def, spec, arg, len(arg_leaves), name, arg_name
         )
-        out.extend(broadcast_specs(spec_leaves, spec_def, spec, arg, n, name, arg_name))
+        start = len(out)
+        out.extend(
+            match_path_rules(
+                per_leaf,
+                spec_leaves,
+                spec_def,
+                arg,
+                arg_leaves,
+                lambda j, s=start: arg_path(names, args, kwargs, s + j),
+                dynamic,
+            )
+        )
     return out + [None] * (len(leaves) - len(out))  # keyword arguments
 
 
@@ -266,4 +307,5 @@ class Entry:
         "get_targets",
         "wait",
         "serialize",
+        "plain",  # none of the above: `jitted(*dynamic)` is the whole call
     )

@@ -107,7 +107,7 @@ def _rewrite(jaxpr: jc.Jaxpr, record: _Record) -> jc.Jaxpr:
 
 
 def _rewrite_param(value, record: _Record):
-    if isinstance(value, jc.ClosedJaxpr):
+    if isinstance(value, jc.ClosedJaxpr):  # pyright: ignore[reportPrivateImportUsage]
         inner = _rewrite(value.jaxpr, record)
         return value if inner is value.jaxpr else value.replace(jaxpr=inner)
     if isinstance(value, jc.Jaxpr):
@@ -135,7 +135,7 @@ class GuardedCall:
     `jit` equation that carries its shardings and donation, so binding the rewritten
     equation runs it just as the jitted function would."""
 
-    def __init__(self, closed: jc.ClosedJaxpr, out_tree):
+    def __init__(self, closed: Any, out_tree):  # a `jax.extend.core.ClosedJaxpr`
         self.record = _Record()
         self.fun = jc.jaxpr_as_fun(
             closed.replace(jaxpr=_rewrite(closed.jaxpr, self.record))

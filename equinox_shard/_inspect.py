@@ -10,6 +10,8 @@ from equinox import is_array
 from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
 from jaxtyping import PyTree
 
+from ._spec import PathRules
+
 
 _HEADER = ("path", "shape", "dtype", "sharding", "bytes/device")
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
@@ -64,7 +66,9 @@ def _shard_sizes(sharding: Sharding, shape: tuple[int, ...]) -> dict[Any, int]:
     }
 
 
-def sharding_table(tree: PyTree[Any], *, name: str = "") -> str:
+def sharding_table(
+    tree: PyTree[Any], *, name: str = "", rules: PathRules | None = None
+) -> str:
     """Describes how every array in a PyTree is laid out across devices, as a table
     with one row per array: its key path, shape, dtype, sharding, and how many bytes
     of it each device holds.
@@ -81,6 +85,10 @@ def sharding_table(tree: PyTree[Any], *, name: str = "") -> str:
         leaves (activation functions, Python scalars, ...) are skipped.
     - `name`: prepended to every key path, e.g. `name="model"` gives rows such as
         `model.layers[0].weight`.
+    - `rules`: an [`equinox_shard.PathRules`][]. If given, a last column shows which
+        of its rules places each array: the pattern (as written) found in the key
+        path within `tree` (as when `rules` is the specification of all of `tree`),
+        `default`, or `-` for none.
 
     **Returns:**
 
@@ -103,7 +111,7 @@ def sharding_table(tree: PyTree[Any], *, name: str = "") -> str:
     !!! example
 
         ```python
-        mesh = jax.make_mesh((8,), ("data",))
+        mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
         model = eqx.nn.MLP(64, 10, 128, 1, key=jr.key(0))
         split_rows = lambda x: jax.P("data") if x.shape[0] % 8 == 0 else jax.P()
         with jax.set_mesh(mesh):
@@ -151,21 +159,27 @@ def sharding_table(tree: PyTree[Any], *, name: str = "") -> str:
                         per_device[device] += size * itemsize
                     size_text = _format_bytes(max(sizes.values()) * itemsize)
         key = name + jtu.keystr(path)
-        rows.append(
-            (key or "(root)", str(shape), str(leaf.dtype), sharding_text, size_text)
-        )
+        row = (key or "(root)", str(shape), str(leaf.dtype), sharding_text, size_text)
+        if rules is not None:
+            k = rules.match(jtu.keystr(path))
+            row = (*row, "-" if k is None else rules.describe(k))
+        rows.append(row)
     total = _format_bytes(max(per_device.values())) if per_device else "-"
+    header = _HEADER if rules is None else (*_HEADER, "rule")
+    total_row = ("total", "", "", "", total) + (() if rules is None else ("",))
     widths = [
-        max(len(row[i]) for row in [_HEADER, *rows, ("total", "", "", "", total)])
-        for i in range(len(_HEADER))
+        max(len(row[i]) for row in [header, *rows, total_row])
+        for i in range(len(header))
     ]
 
     def line(row):
-        *left, right = row
+        left, right, rest = row[:4], row[4], row[5:]
         cells = [cell.ljust(width) for cell, width in zip(left, widths)]
-        return "  ".join([*cells, right.rjust(widths[-1])])
+        cells.append(right.rjust(widths[4]))
+        cells += [cell.ljust(width) for cell, width in zip(rest, widths[5:])]
+        return "  ".join(cells).rstrip()
 
     rule = "-" * (sum(widths) + 2 * (len(widths) - 1))
-    lines = [line(_HEADER), rule, *map(line, rows), rule]
-    lines.append(line(("total", "", "", "", total)))
+    lines = [line(header), rule, *map(line, rows), rule]
+    lines.append(line(total_row))
     return "\n".join(lines)

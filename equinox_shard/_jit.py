@@ -2,7 +2,6 @@
 from a call to `jax.jit` (bind, flatten, look up, check, place, call)."""
 
 import functools as ft
-import operator
 import os
 import warnings
 from collections.abc import Callable
@@ -18,7 +17,6 @@ from equinox import field, is_array, Module, module_update_wrapper, Partial
 from . import _callbacks, _checks, _commit
 from ._cache import Cache, Entry, get_cache, Layout, unset
 from ._trace import (
-    combine_out,
     cpu_dispatch_lock,
     hashable_combine,
     hashable_partition,
@@ -36,9 +34,6 @@ _T = TypeVar("_T")
 _DonateMode = Literal["all", "all-except-first", "warn", "warn-except-first", "none"]
 
 
-_is_deleted = operator.methodcaller("is_deleted")
-
-
 def _is_array_or_struct(x: Any) -> bool:
     return is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
@@ -49,25 +44,23 @@ def _is_array_or_struct(x: Any) -> bool:
 
 
 def _bind(cache: Cache, args, kwargs):
-    if kwargs or not (cache.min_args <= len(args) <= cache.max_args):
-        bound = cache.signature.bind(*args, **kwargs)
-        return bound.args, bound.kwargs
-    return args, kwargs
+    bound = cache.signature.bind(*args, **kwargs)
+    return bound.args, bound.kwargs
 
 
-def _prepare(wrapper, cache: Cache, entry: Entry, args, kwargs, leaves):
+def _prepare(dynamic_fun, cache: Cache, entry: Entry, args, kwargs, leaves):
     """Checks and placements before execution; returns the dynamic trees to call."""
     layout = entry.layout
-    dynamic_fun = wrapper._dynamic_fun
     changed = False
     # XLA crashes on a deleted multi-device input, donated or not.
     try:
-        deleted = any(map(_is_deleted, layout.dynamic_leaves(leaves)))
-    except (AttributeError, TypeError):  # NumPy arrays, tracers: one by one
-        deleted = True
+        deleted = layout.any_deleted(leaves)
+    except TypeError:  # a `Compiled` called with leaves of another type
+        deleted = layout._any_deleted(leaves)
     if deleted:
         _checks.raise_if_deleted(cache.names, args, kwargs, leaves, layout.dynamic)
     if layout.donated or (cache.donate_rest and dynamic_fun is not None):
+        # Donation: copy what is reachable twice, so that nothing kept is lost.
         fun_leaves = jtu.tree_leaves(dynamic_fun) if cache.donate_rest else ()
         if any(x.is_deleted() for x in fun_leaves if isinstance(x, jax.Array)):
             raise RuntimeError(
@@ -104,19 +97,21 @@ def _prepare(wrapper, cache: Cache, entry: Entry, args, kwargs, leaves):
             lambda i: _checks.arg_path(cache.names, args, kwargs, i),
         )
         changed = True
-    if layout.dynamic_of is not None:
-        args, kwargs = layout.treedef.unflatten(layout.dynamic_of(leaves + [None]))
-    elif changed:
+    if not layout.packing.trivial:
+        return leaves, (dynamic_fun, *layout.packing.pack(leaves))
+    if changed:
         args, kwargs = layout.treedef.unflatten(leaves)
     return leaves, (dynamic_fun, kwargs, *args)
 
 
 def _call(wrapper, args, kwargs, compiled=None):
     __tracebackhide__ = True
-    cache: Cache = wrapper._cache
+    fields = vars(wrapper)  # one attribute lookup: a Module's are slow
+    cache: Cache = fields["_cache"]
     # Read by `eqx.error_if`'s stacks: one per decoration.
-    __equinox_jit_id__ = wrapper._jit_id
-    args, kwargs = _bind(cache, args, kwargs)
+    __equinox_jit_id__ = fields["_jit_id"]
+    if kwargs or not (cache.min_args <= len(args) <= cache.max_args):
+        args, kwargs = _bind(cache, args, kwargs)
     leaves, treedef = jtu.tree_flatten((args, kwargs))
     if compiled is None:
         layout = cache.layouts.get((treedef, tuple(map(type, leaves))))
@@ -126,7 +121,9 @@ def _call(wrapper, args, kwargs, compiled=None):
                 wrapper, cache, args, kwargs, leaves, treedef
             )
         else:
-            leaves, dynamic = _prepare(wrapper, cache, entry, args, kwargs, leaves)
+            leaves, dynamic = _prepare(
+                fields["_dynamic_fun"], cache, entry, args, kwargs, leaves
+            )
         run = entry.jitted
     else:
         entry = compiled._entry
@@ -141,10 +138,14 @@ def _call(wrapper, args, kwargs, compiled=None):
                 f"{entry.layout.static_of(leaves)}. Lower and compile it again for "
                 "these arguments."
             )
-        leaves, dynamic = _prepare(wrapper, cache, entry, args, kwargs, leaves)
+        leaves, dynamic = _prepare(
+            fields["_dynamic_fun"], cache, entry, args, kwargs, leaves
+        )
         run = compiled.compiled
     try:
-        if entry.wait:
+        if entry.plain:
+            out = run(*dynamic)
+        elif entry.wait:
             out = _callbacks.call_and_wait(entry.wait, run, dynamic, __equinox_jit_id__)
         elif cache.filter_warning:
             with warnings.catch_warnings():
@@ -167,7 +168,7 @@ def _call(wrapper, args, kwargs, compiled=None):
     dynamic_out, static_out = out
     if static_out is None:
         return dynamic_out
-    return combine_out(dynamic_out, static_out.value)
+    return static_out.combine(dynamic_out)
 
 
 def _compile(wrapper, cache, args, kwargs, leaves, treedef, dynamic=is_array):
@@ -184,7 +185,9 @@ def _compile(wrapper, cache, args, kwargs, leaves, treedef, dynamic=is_array):
         entry = layout.entries.get(key)
         if entry is None:
             entry = new_entry(wrapper, cache, layout, args, kwargs, leaves)
-        leaves, dynamic_trees = _prepare(wrapper, cache, entry, args, kwargs, leaves)
+        leaves, dynamic_trees = _prepare(
+            wrapper._dynamic_fun, cache, entry, args, kwargs, leaves
+        )
         if entry.wait is None and not jax.config.jax_disable_jit:  # pyright: ignore
             with warnings.catch_warnings():
                 warnings.filterwarnings(
@@ -197,6 +200,9 @@ def _compile(wrapper, cache, args, kwargs, leaves, treedef, dynamic=is_array):
                 entry.wait = _callbacks.has_callback(
                     traced.jaxpr.jaxpr
                 ) and _callbacks.guard(entry.jitted, dynamic_trees)
+                entry.plain = not (
+                    entry.wait or cache.filter_warning or entry.serialize
+                )
             layout.entries[key] = entry
             cache.layouts[layout_key if dynamic is not is_array else layout_key[:2]] = (
                 layout
@@ -229,14 +235,18 @@ class Compiled(Module):
         """The shardings of the array arguments, as `(args, kwargs)` in the structure of
         the bound arguments; `None` at non-array leaves."""
         (_, kwargs, *args), _ = self.compiled.input_shardings
-        return tuple(args), kwargs
+        layout = self._entry.layout
+        shardings = [None] * layout.treedef.num_leaves
+        for i, sharding in zip(layout.dynamic, layout.packing.unpack(kwargs, args)):
+            shardings[i] = sharding
+        return layout.treedef.unflatten(shardings)
 
     @property
     def output_shardings(self) -> Any:
         """The shardings of the array outputs, in the structure of the output; non-array
         outputs appear as themselves."""
         dynamic, static = self.compiled.output_shardings
-        return dynamic if static is None else combine_out(dynamic, static.value)
+        return dynamic if static is None else static.combine(dynamic)
 
 
 class Lowered(Module):
@@ -311,7 +321,7 @@ class _JitWrapper(Module):
         dynamic_out, static_out = entry.jitted.trace(*dynamic).out_info
         if static_out is None:
             return dynamic_out
-        return combine_out(dynamic_out, static_out.value)
+        return static_out.combine(dynamic_out)
 
     def __get__(self, instance, owner):
         del owner
@@ -396,7 +406,7 @@ def filter_jit(
     !!! example
 
         ```python
-        mesh = jax.make_mesh((8,), ("data",))
+        mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
         replicated = jax.NamedSharding(mesh, jax.P())
         batch = jax.NamedSharding(mesh, jax.P("data"))
 

@@ -104,7 +104,9 @@ def filter_make_array_from_process_local_data(
 
         ```python
         jax.distributed.initialize(...)  # one process per host
-        mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        mesh = jax.make_mesh(
+            (jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,)
+        )
         batch = jax.NamedSharding(mesh, jax.P("data"))
         # Each process loads its own 32 rows; the global batch has 32 * process_count.
         x, y = eqxs.filter_make_array_from_process_local_data(batch, (x_local, y_local))

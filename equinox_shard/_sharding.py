@@ -21,6 +21,7 @@ from ._spec import (
     check,
     flatten_specs,
     leaf_path,
+    match_path_rules,
     resolve,
 )
 
@@ -81,6 +82,15 @@ def resolve_leaves(
     spec_leaves, spec_def = flatten_specs(specs, spec_name)
     per_leaf = broadcast_specs(
         spec_leaves, spec_def, specs, value, len(leaves), spec_name, value_name
+    )
+    per_leaf = match_path_rules(
+        per_leaf,
+        spec_leaves,
+        spec_def,
+        value,
+        leaves,
+        lambda i: leaf_path(value, i, value_name),
+        dynamic,
     )
     out = []
     for i, (spec, leaf) in enumerate(zip(per_leaf, leaves)):
@@ -149,6 +159,12 @@ def _shares_source_buffer(leaf: Any, sharding: Sharding) -> bool:
     return any(
         source_map.get(device) == index
         for device, index in sharding.devices_indices_map(leaf.shape).items()
+    )
+
+
+def _is_key_array(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jax.numpy.issubdtype(
+        x.dtype, jax.dtypes.prng_key
     )
 
 
@@ -240,6 +256,18 @@ def device_put_leaves(
         )
         for k, x in zip(early, copies):
             sources[k] = x
+    if donate is not False and any(map(_is_key_array, sources)):
+        # Donating a typed PRNG key array to `jax.device_put` frees it without
+        # marking it deleted, so touching it afterwards segfaults (JAX 0.10.2 and
+        # 0.12): upstream/jax-reports/device-put-donate-single-device-sharding.
+        # Donation is best-effort: key arrays are never donated here.
+        flags = donate if isinstance(donate, list) else [donate] * len(sources)
+        donate = [d and not _is_key_array(x) for d, x in zip(flags, sources)]
+        if not isinstance(may_alias, list):
+            may_alias = [may_alias] * len(sources)
+        may_alias = [
+            False if f is None and not d else f for f, d in zip(may_alias, donate)
+        ]
     if donate is not False:
         # JAX 0.10.2: donating to a `SingleDeviceSharding` frees the input without
         # marking it deleted, so touching it afterwards segfaults; donating to the
@@ -396,7 +424,7 @@ def filter_device_put(
     !!! example
 
         ```python
-        mesh = jax.make_mesh((8,), ("data",))
+        mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
         model = eqx.nn.MLP(2, 2, 64, 2, key=jr.key(0))
         replicated = jax.sharding.NamedSharding(mesh, jax.P())
         model = eqxs.filter_device_put(model, replicated)  # model.activation untouched
@@ -494,6 +522,10 @@ def filter_shard(x: PyTree[Any], device_or_shardings: Any) -> PyTree[Any]:
     !!! example
 
         ```python
+        mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+        replicated = jax.NamedSharding(mesh, jax.P())
+        batch_sharding = jax.NamedSharding(mesh, jax.P("data"))
+
         @eqx.filter_jit
         def step(model, x):
             x = eqxs.filter_shard(x, batch_sharding)  # a constraint, inside jit

@@ -8,7 +8,9 @@ one of:
 - a bare `jax.sharding.PartitionSpec`, resolved against the mesh set by `jax.set_mesh`;
 - `None`, meaning "leave this subtree exactly as it is";
 - a callable (that is not itself a PyTree node) `leaf -> spec leaf`, called on every
-    array leaf beneath it.
+    array leaf beneath it;
+- a `PathRules`: an ordered list of regular expressions, each mapped to one of the
+    spec leaves above, searched in the key path of every array leaf beneath it.
 
 Only array leaves (`equinox.is_array`) are ever placed or constrained; every other leaf
 is returned as the same object, whatever spec sits above it.
@@ -19,6 +21,7 @@ path, as `jax.tree_util.keystr` prints it, rooted at the user's own argument nam
 """
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -57,7 +60,7 @@ def is_rule(x: Any) -> bool:
 
 
 def is_spec_leaf(x: Any) -> bool:
-    return x is None or isinstance(x, _SPEC_TYPES) or is_rule(x)
+    return x is None or isinstance(x, (*_SPEC_TYPES, PathRules)) or is_rule(x)
 
 
 def _describe_leaf(x: Any) -> str:
@@ -79,8 +82,203 @@ def _check_spec_leaf(x: Any, where: str) -> None:
         raise TypeError(
             f"{where}: a sharding specification leaf must be a "
             "`jax.sharding.Sharding`, a `jax.Device`, a `jax.sharding.PartitionSpec`, "
-            f"`None`, or a callable `leaf -> spec`; got {_describe_leaf(x)}.{hint}"
+            "`None`, a callable `leaf -> spec`, or an `equinox_shard.PathRules`; got "
+            f"{_describe_leaf(x)}.{hint}"
         )
+
+
+class _NoDefault:
+    def __repr__(self):
+        return "<no default>"
+
+
+_no_default = _NoDefault()
+
+
+class PathRules:
+    r"""A sharding specification leaf that chooses each array's spec by its key path.
+
+    Holds an ordered list of `(pattern, spec)` pairs. For each array leaf beneath it,
+    the first pattern that `re.search` finds in the leaf's key path gives that leaf's
+    spec; if none does, `default` does. The key path is printed as
+    `jax.tree_util.keystr` prints it, *relative to the subtree that this `PathRules`
+    covers*: for `filter_device_put(model, rules)` the weight of an `eqx.nn.MLP`'s
+    first layer is `.layers[0].weight`, and so it is for
+    `filter_jit(in_shardings=(rules, ...))` and for `in_specs=(rules, ...)`. A PyTree
+    that holds copies of the parameters, such as an `optax.adamw` state, puts them
+    under longer paths that end the same way (`[0].mu.layers[0].weight`), so one list
+    of patterns anchored at the end (`r"layers\[\d+\]\.weight$"`) places a model and
+    its optimiser state alike; the step count matches nothing and falls to `default`.
+
+    It works wherever a spec leaf works: in [`equinox_shard.filter_device_put`][],
+    [`equinox_shard.filter_shard`][], `in_shardings`/`out_shardings` of
+    [`equinox_shard.filter_jit`][], and `in_specs`/`out_specs` of
+    [`equinox_shard.filter_shard_map`][] (where its specs are `PartitionSpec`s).
+    Only array leaves are matched; other leaves are never placed.
+
+    **Arguments:**
+
+    - `rules`: a sequence of `(pattern, spec)` pairs. Each `pattern` is a regular
+        expression (a string, or compiled with `re.compile`); each `spec` is a spec
+        leaf: a `jax.sharding.Sharding`, a `jax.Device`, a bare
+        `jax.sharding.PartitionSpec`, `None` (leave the array as it is), or a
+        callable `leaf -> spec`.
+    - `default`: the spec leaf for an array that no pattern matches. Without it, such
+        an array is a `ValueError` naming its key path.
+
+    !!! example
+
+        ```python
+        mesh = jax.make_mesh(
+            (4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2
+        )
+        rules = eqxs.PathRules(
+            [
+                (r"layers\[0\]\.weight$", P("model", None)),  # column-parallel
+                (r"layers\[0\]\.bias$", P("model")),
+                (r"layers\[1\]\.weight$", P(None, "model")),  # row-parallel
+            ],
+            default=P(),
+        )
+        model = eqx.nn.MLP(64, 10, 128, 1, key=jr.key(0))
+        opt_state = optax.adamw(1e-3).init(eqx.filter(model, eqx.is_array))
+        with jax.set_mesh(mesh):
+            model, opt_state = eqxs.filter_device_put((model, opt_state), rules)
+        print(eqxs.sharding_table(opt_state, name="opt_state", rules=rules))
+        ```
+
+        Here `rules` covers the tuple `(model, opt_state)`, so the paths it sees are
+        `[0].layers[0].weight` and `[1][0].mu.layers[0].weight`: both end alike.
+    """
+
+    __slots__ = ("_default", "_patterns", "_rules")
+
+    def __init__(
+        self,
+        rules: Sequence[tuple[str | re.Pattern, Any]],
+        *,
+        default: Any = _no_default,
+    ):
+        patterns = []
+        specs = []
+        for k, rule in enumerate(rules):
+            if not (isinstance(rule, tuple) and len(rule) == 2):
+                raise TypeError(
+                    f"PathRules: rule {k} must be a pair `(pattern, spec)`; got "
+                    f"{_describe_leaf(rule)}."
+                )
+            pattern, spec = rule
+            if not isinstance(pattern, re.Pattern):
+                if not isinstance(pattern, str):
+                    raise TypeError(
+                        f"PathRules: the pattern of rule {k} must be a string or a "
+                        f"compiled regular expression; got {_describe_leaf(pattern)}."
+                    )
+                try:
+                    pattern = re.compile(pattern)
+                except re.error as e:
+                    raise ValueError(
+                        f"PathRules: the pattern {pattern!r} of rule {k} is not a "
+                        f"regular expression: {e}"
+                    ) from e
+            _check_rule_spec(
+                spec, f"PathRules: the spec of rule {k} ({pattern.pattern!r})"
+            )
+            patterns.append(pattern)
+            specs.append(spec)
+        if default is not _no_default:
+            _check_rule_spec(default, "PathRules: `default`")
+        self._patterns = tuple(patterns)
+        self._rules = tuple(zip((p.pattern for p in patterns), specs))
+        self._default = default
+
+    @property
+    def rules(self) -> tuple[tuple[str, Any], ...]:
+        """The `(pattern, spec)` pairs, in order, with each pattern as a string."""
+        return self._rules
+
+    @property
+    def default(self) -> Any:
+        return self._default
+
+    def match(self, path: str) -> int | None:
+        """The index of the first rule whose pattern is found in `path`; `len(rules)`
+        if none is and there is a default; `None` if none is and there is no
+        default."""
+        for k, pattern in enumerate(self._patterns):
+            if pattern.search(path) is not None:
+                return k
+        return len(self._rules) if self._default is not _no_default else None
+
+    def lookup(self, path: str, where: Callable[[], str]) -> Any:
+        """The spec leaf for the array whose relative key path is `path`."""
+        k = self.match(path)
+        if k is None:
+            raise ValueError(
+                f"{where()}: no rule matches its key path {path!r} and the "
+                f"`PathRules` has no `default`. Patterns, in order: "
+                f"{[p for p, _ in self._rules]}."
+            )
+        return self._default if k == len(self._rules) else self._rules[k][1]
+
+    def describe(self, k: int) -> str:
+        """How rule `k` (as `match` returns it) is shown, e.g. by `sharding_table`."""
+        return "default" if k == len(self._rules) else self._rules[k][0]
+
+    def __eq__(self, other):
+        return (
+            type(other) is PathRules
+            and self._rules == other._rules
+            and self._default == other._default
+        )
+
+    def __hash__(self):
+        return hash((PathRules, self._rules, self._default))
+
+    def __repr__(self):
+        default = "" if self._default is _no_default else f", default={self._default!r}"
+        return f"PathRules({list(self._rules)!r}{default})"
+
+
+def _check_rule_spec(spec: Any, where: str) -> None:
+    if isinstance(spec, PathRules):
+        raise TypeError(f"{where}: a `PathRules` cannot hold another `PathRules`.")
+    _check_spec_leaf(spec, where)
+
+
+def match_path_rules(
+    per_leaf: list,
+    spec_leaves: list,
+    spec_def: PyTreeDef,  # pyright: ignore[reportInvalidTypeForm]
+    value: Any,
+    leaves: list,
+    where: Callable[[int], str],
+    dynamic: Callable[[Any], bool],
+) -> list:
+    """Replaces every `PathRules` in `per_leaf` (one spec leaf per leaf of `value`, as
+    `broadcast_specs` returns them) by the spec leaf it chooses for that leaf, from the
+    leaf's key path relative to the subtree that the `PathRules` covers. Leaves that
+    are not `dynamic` get `None`. `where(i)` names leaf `i` in error messages."""
+    if not any(isinstance(s, PathRules) for s in spec_leaves):
+        return per_leaf
+    if spec_def.num_leaves == 1 and spec_def.num_nodes == 1:
+        subtrees = [value]
+    else:
+        subtrees = spec_def.flatten_up_to(value)
+    out = list(per_leaf)
+    start = 0
+    for spec, subtree in zip(spec_leaves, subtrees):
+        if not isinstance(spec, PathRules):
+            start += len(jtu.tree_leaves(subtree))
+            continue
+        for path, _ in jtu.tree_flatten_with_path(subtree)[0]:
+            i = start
+            start += 1
+            if not dynamic(leaves[i]):
+                out[i] = None
+                continue
+            out[i] = spec.lookup(jtu.keystr(path), lambda i=i: where(i))
+    return out
 
 
 def flatten_specs(specs: Any, name: str) -> tuple[list, PyTreeDef]:  # pyright: ignore[reportInvalidTypeForm]
@@ -236,6 +434,16 @@ def leaf_path(value: Any, index: int, value_name: str) -> str:
     return value_name + jtu.keystr(path)
 
 
+def call_rule(rule: Callable, leaf: Any, where: Callable[[], str]) -> Any:
+    """`rule(leaf)`, with an exception it raises re-raised naming the leaf's path."""
+    try:
+        return rule(leaf)
+    except Exception as e:
+        raise ValueError(
+            f"{where()}: the sharding rule {rule!r} raised {type(e).__name__}: {e}"
+        ) from e
+
+
 def resolve(
     spec: Any, leaf: Any, where: Callable[[], str], *, abstract_ok: bool
 ) -> Sharding | None:
@@ -246,12 +454,7 @@ def resolve(
     if spec is None:
         return None
     if is_rule(spec):
-        try:
-            out = spec(leaf)
-        except Exception as e:
-            raise ValueError(
-                f"{where()}: the sharding rule {spec!r} raised {type(e).__name__}: {e}"
-            ) from e
+        out = call_rule(spec, leaf, where)
         if not (out is None or isinstance(out, _SPEC_TYPES)):
             raise TypeError(
                 f"{where()}: the sharding rule {spec!r} must return a "

@@ -8,15 +8,15 @@ import inspect
 import threading
 from typing import Any
 
-import equinox.internal as eqxi
 import jax
 import jax.tree_util as jtu
 from equinox import is_array
 
 from . import _checks
-from ._cache import Cache, Entry, getter, Layout, unset
+from ._cache import Cache, Entry, Layout, unset
+from ._mirror import getter, mirror
 from ._sharding import device_put_leaves, resolve_leaves
-from ._spec import check, is_rule, is_spec_leaf, resolve
+from ._spec import check, is_rule, is_spec_leaf, PathRules, resolve
 
 
 def hashable_partition(tree: Any) -> tuple[Any, tuple[tuple, Any]]:
@@ -44,13 +44,36 @@ def hashable_combine(dynamic: Any, static: tuple[tuple, Any]) -> Any:
 #
 
 
-def combine_out(dynamic: Any, static: tuple[tuple, Any, bool]) -> Any:
-    """The output of a call, from the traced function's `(dynamic, Static(static))`."""
-    static_leaves, treedef, flat = static
-    if not flat:
-        dynamic = treedef.flatten_up_to(dynamic)
-    leaves = [d if s is None else s for d, s in zip(dynamic, static_leaves)]
-    return treedef.unflatten(leaves)
+class OutStatic:
+    """The non-array part of an output. `jax.jit` returns it as it is (a node with no
+    children, itself its auxiliary data), so a call builds nothing for it."""
+
+    def __init__(self, static_leaves: tuple, treedef: Any, mirrored: bool):
+        self.treedef = treedef
+        self.mirrored = mirrored
+        self.static = tuple(x for x in static_leaves if x is not None)
+        # Output leaf `i` is item `order[i]` of `arrays + self.static`: one C-speed
+        # gather.
+        order, n_arrays = [], sum(x is None for x in static_leaves)
+        arrays = statics = 0
+        for x in static_leaves:
+            if x is None:
+                order.append(arrays)
+                arrays += 1
+            else:
+                order.append(n_arrays + statics)
+                statics += 1
+        self.gather = getter(tuple(order))
+
+    def combine(self, dynamic: Any) -> Any:
+        """The output, from the arrays that came back beside this: a tuple, else (under
+        `out_shardings`) the output's mirror."""
+        if self.mirrored:
+            dynamic = tuple(jtu.tree_leaves(dynamic))
+        return self.treedef.unflatten(self.gather(dynamic + self.static))
+
+
+jtu.register_static(OutStatic)
 
 
 def _traced_function(
@@ -60,28 +83,35 @@ def _traced_function(
         None if i in set(layout.dynamic) else x for i, x in enumerate(leaves)
     )
     treedef = layout.treedef
+    # A single spec leaf is a prefix of any output, also of its flat arrays.
+    structured = out_specs is not unset and not _is_single(out_specs)
 
     def fun_wrapped(dynamic_fun, dynamic_kwargs, *dynamic_args):
         fun = hashable_combine(dynamic_fun, static_fun)
-        dynamic = treedef.flatten_up_to((dynamic_args, dynamic_kwargs))
-        flat = [d if s is None else s for d, s in zip(dynamic, static_leaves)]
+        flat = list(static_leaves)
+        dynamic = layout.packing.unpack(dynamic_kwargs, dynamic_args)
+        for i, x in zip(layout.dynamic, dynamic):
+            flat[i] = x
         if targets and jax.config.jax_disable_jit:  # pyright: ignore
             # `jax.jit` ignores `in_shardings` under `disable_jit`; we place anyway.
             device_put_leaves(treedef.unflatten(flat), flat, targets, "args")
         args, kwargs = treedef.unflatten(flat)
         out = fun(*args, **kwargs)
         if out_specs is not unset:
-            out = _out_shardings(out, out_specs, found)
+            out = _out_shardings(out, out_specs, found, structured)
         leaves, out_def = jtu.tree_flatten(out)
         static = tuple(None if is_array(x) else x for x in leaves)
-        if all(x is None for x in static):
+        if structured:
+            # The output's mirror, of which the mirrored `out_shardings` is a prefix.
+            dynamic = out_def.unflatten(
+                [x if s is None else None for x, s in zip(leaves, static)]
+            )
+            return mirror(dynamic), OutStatic(static, out_def, True)
+        if out_specs is unset and all(x is None for x in static):
             return out, None
-        dynamic = [x if is_array(x) else None for x in leaves]
-        if out_specs is unset:
-            # Flat: then neither `jax.jit` nor `combine_out` walks the output's Modules.
-            return dynamic, eqxi.Static((static, out_def, True))
-        # In the output's structure, of which `out_shardings` is a prefix.
-        return out_def.unflatten(dynamic), eqxi.Static((static, out_def, False))
+        # Flat: then `jax.jit` does not walk the output's Modules.
+        arrays = tuple(x for x, s in zip(leaves, static) if s is None)
+        return arrays, OutStatic(static, out_def, False)
 
     fun_wrapped.__name__, fun_wrapped.__qualname__ = cache.fun_names
     # JAX names arguments by this signature in its errors: `model.layers[0].weight`.
@@ -101,7 +131,11 @@ def _traced_function(
     return fun_wrapped
 
 
-def _out_shardings(out, out_specs, found: list | None):
+def _is_single(specs) -> bool:
+    return jtu.tree_structure(specs, is_leaf=is_spec_leaf).num_nodes == 1
+
+
+def _out_shardings(out, out_specs, found: list | None, structured: bool):
     """At trace time: checks `out_shardings` against the output, naming `out[...]`, and
     (for callable spec leaves) records the resolved shardings in `found`. Under
     `jax.disable_jit()` places the output instead, as `jax.jit` would have."""
@@ -116,10 +150,13 @@ def _out_shardings(out, out_specs, found: list | None):
             lambda i=i: f"out{jtu.keystr(jtu.tree_flatten_with_path(out)[0][i][0])}",
         )
     if found is not None:
+        # In the form in which the traced function returns the output's arrays.
         by_index = dict(todo)
-        found.append(
-            out_def.unflatten([by_index.get(i) for i in range(len(out_leaves))])
-        )
+        shardings = [by_index.get(i) for i in range(len(out_leaves))]
+        if structured:
+            found.append(mirror(out_def.unflatten(shardings)))
+        else:
+            found.append(tuple(s for s, x in zip(shardings, out_leaves) if is_array(x)))
     if jax.config.jax_disable_jit and todo:  # pyright: ignore
         device_put_leaves(out, out_leaves, todo, "out")
         return out_def.unflatten(out_leaves)
@@ -131,8 +168,8 @@ def _static_out_shardings(out_specs):
     `Sharding`: a `jax.Device`, or a bare `PartitionSpec` against the context mesh."""
 
     def resolve_leaf(spec):
-        if spec is None or is_rule(spec):
-            return spec
+        if spec is None or is_rule(spec) or isinstance(spec, PathRules):
+            return spec  # resolved per output leaf, at trace time
         return resolve(spec, None, lambda: "out_shardings", abstract_ok=False)
 
     return jtu.tree_map(resolve_leaf, out_specs, is_leaf=is_spec_leaf)
@@ -159,6 +196,7 @@ def new_entry(wrapper, cache: Cache, layout: Layout, args, kwargs, leaves) -> En
     entry.targets = targets
     entry.get_targets = getter(tuple(i for i, _ in targets))
     entry.wait = None
+    entry.plain = False
     entry.serialize = serialize_dispatch(
         [s for _, s in targets]
         + [getattr(leaves[i], "sharding", None) for i in layout.dynamic]
@@ -168,8 +206,7 @@ def new_entry(wrapper, cache: Cache, layout: Layout, args, kwargs, leaves) -> En
         shardings: list = [None] * len(leaves)
         for i, sharding in targets:
             shardings[i] = sharding
-        args_shardings, kwargs_shardings = layout.treedef.unflatten(shardings)
-        jit_kwargs["in_shardings"] = (None, kwargs_shardings, *args_shardings)
+        jit_kwargs["in_shardings"] = (None, *layout.packing.pack(shardings))
     n_args = len(args)
     donate = [0, 1] if cache.donate_rest else []
     if n_args and cache.donate_first:
@@ -181,7 +218,8 @@ def new_entry(wrapper, cache: Cache, layout: Layout, args, kwargs, leaves) -> En
     if out_specs is not unset:
         out_specs = _static_out_shardings(out_specs)
         if not cache.out_rules:
-            jit_kwargs["out_shardings"] = (out_specs, None)
+            mirrored = mirror(out_specs, is_leaf=is_spec_leaf)
+            jit_kwargs["out_shardings"] = (mirrored, None)
     static_fun = wrapper._static_fun
     make = ft.partial(_traced_function, cache, static_fun, layout, leaves, targets)
     entry.jitted = jax.jit(make(out_specs, None), **jit_kwargs)

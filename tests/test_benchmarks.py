@@ -30,6 +30,7 @@ def test_quick_run(tmp_path):
         "### Scaling",
         "### Compilations",
         "### Training step",
+        "### filter_shard_map vs jax.shard_map",
         "### Targets",
     ):
         assert title in proc.stdout, title
@@ -41,6 +42,7 @@ def test_quick_run(tmp_path):
         "placement",
         "compiles",
         "step",
+        "shard_map",
         "scaling",
         "targets",
     }
@@ -48,6 +50,10 @@ def test_quick_run(tmp_path):
     assert results["meta"]["devices"] == 8
     for key in ("date", "nproc", "cpu", "jax", "equinox", "command"):
         assert key in results["meta"], key
+
+    rows = results["shard_map"]["rows"]
+    assert len(rows) == len(results["meta"]["config"]["ns"]) * 2 * 2
+    assert all(row["equal"] for row in rows)  # the same numbers as jax.shard_map
 
     dispatch = results["dispatch"]
     assert dispatch["variants"] == ["floor", "jit+shard", "eqx", "eqxs", "eqxs+shard"]

@@ -134,21 +134,20 @@ def test_make_array_from_process_local_data_keeps_the_original():
 # Ahead-of-time: `Compiled.__call__` runs the checks of a `filter_jit` call.
 #
 
-_AOT_PREAMBLE = """
-import equinox as eqx, equinox_shard as eqxs, jax, jax.numpy as jnp
+
+# Each snippet is whole (its imports included), so that tools/make_upstream_patch.py can
+# rewrite it for patched Equinox.
+def test_compiled_donated_input_reused():
+    # Segfaulted on JAX 0.10.2 (raised without a key path on 0.12).
+    run = run_isolated(
+        """
+import equinox_shard as eqxs
+import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
 s = NamedSharding(mesh, P("d"))
 double = lambda t: jtu.tree_map(lambda x: 2 * x, t)
-"""
-
-
-def test_compiled_donated_input_reused():
-    # Segfaulted on JAX 0.10.2 (raised without a key path on 0.12).
-    run = run_isolated(
-        _AOT_PREAMBLE
-        + """
 f = eqxs.filter_jit(double, donate="all")
 a = {"w": jax.device_put(jnp.ones((8, 4)), s)}
 c = f.lower(a).compile()
@@ -169,9 +168,13 @@ else:
 
 def test_compiled_one_buffer_in_two_donated_arguments():
     run = run_isolated(
-        _AOT_PREAMBLE
-        + """
+        """
+import equinox_shard as eqxs
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+s = NamedSharding(mesh, P("d"))
 f = eqxs.filter_jit(lambda a, b: a + 2 * b, donate="all")
 a = jax.device_put(jnp.arange(32.0).reshape(8, 4), s)
 c = f.lower(a, a).compile()
@@ -315,3 +318,27 @@ def test_placed_copy_shares_no_buffer_with_a_placed_source(source, target, axis_
         _parts_alive(second)
         assert_same_values(x, expected)
         assert_same_values(second, expected)
+
+
+def test_donating_a_key_array_to_another_device_does_not_crash():
+    # `jax.device_put(key, device, donate=True)` frees a typed key array without
+    # marking it deleted; the next `is_deleted()` segfaulted.
+    run = run_isolated(
+        """
+import equinox_shard as eqxs
+from jax.sharding import SingleDeviceSharding
+results = []
+for target in (jax.devices()[2], SingleDeviceSharding(jax.devices()[2])):
+    keys = jax.device_put(jax.random.split(jax.random.key(0), 8), jax.devices()[1])
+    expected = jax.random.key_data(keys).tolist()
+    moved = eqxs.filter_device_put({"k": keys}, target, donate=True)
+    results.append([
+        keys.is_deleted() or jax.random.key_data(keys).tolist() == expected,
+        jax.random.key_data(moved["k"]).tolist() == expected,
+    ])
+report(results)
+""",
+        timeout=120,
+    )
+    assert run.returncode == 0, run
+    assert run.result == [[True, True], [True, True]], run

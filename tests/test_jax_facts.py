@@ -741,3 +741,22 @@ def test_device_put_donate_is_best_effort_on_cpu():
     y = jax.device_put(x, NamedSharding(mesh, P("x")), donate=True)
     assert not x.is_deleted()
     assert np.array_equal(x, y)
+
+
+def test_shard_map_reads_out_specs_after_tracing():
+    # `filter_shard_map` learns its output's structure, and so its per-leaf
+    # `out_specs`, while `jax.shard_map` traces the function; it relies on
+    # `jax.shard_map` reading `out_specs` only after that trace.
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    specs = []
+
+    def f(x):
+        specs[:] = [P("x"), P()]
+        return [x * 2, jax.lax.psum(x.sum(), "x")]
+
+    out = jax.shard_map(f, mesh=mesh, in_specs=(P("x"),), out_specs=specs)(
+        jnp.arange(16.0)
+    )
+    np.testing.assert_array_equal(out[0], jnp.arange(16.0) * 2)
+    assert out[1] == 120.0
+    assert out[0].sharding.spec == P("x")

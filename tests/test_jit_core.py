@@ -211,3 +211,40 @@ def test_one_numpy_value_donated_twice():
     x = np.float32(1.0)
     assert f(x, x) == 2
     assert f.lower(x, x).compile()(x, x) == 2
+
+
+class _Private(eqx.Module):
+    _weight: jax.Array
+    bias: jax.Array
+    name: str = eqx.field(static=True)
+
+
+def test_out_shardings_module_prefix_with_private_and_static_fields():
+    mesh = auto_mesh()
+    rows, replicated = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
+
+    @eqxs.filter_jit(
+        out_shardings=(_Private(rows, replicated, "out"), replicated)  # pyright: ignore
+    )
+    def f(m, x):
+        return _Private(m._weight * 2, m.bias + 1, "out"), (x, "tag")
+
+    m = _Private(jnp.arange(16.0).reshape(8, 2), jnp.ones(2), "in")
+    out, (x, tag) = f(m, jnp.ones(8))
+    assert out.name == "out" and tag == "tag"
+    assert out._weight.sharding.is_equivalent_to(rows, 2)
+    assert out.bias.sharding.is_equivalent_to(replicated, 1)
+    assert x.sharding.is_equivalent_to(replicated, 1)
+    assert jnp.array_equal(out._weight, jnp.arange(16.0).reshape(8, 2) * 2)
+
+
+def test_jax_error_names_private_field():
+    @eqxs.filter_jit
+    def f(m):
+        if m._weight.sum() > 0:
+            return m.bias
+        return -m.bias
+
+    with pytest.raises(jax.errors.TracerBoolConversionError) as info:
+        f(_Private(jnp.ones(2), jnp.ones(2), "a"))
+    assert "m._weight" in str(info.value), str(info.value)

@@ -130,6 +130,27 @@ report({"fired": fired, "later": ok.tolist(), "alive": not x.is_deleted()})
     assert res["alive"]
 
 
+def test_fires_in_compiled_object():
+    # `filter_jit(f).lower(...).compile()` runs its callbacks guarded too.
+    code = (
+        _SETUP
+        + _mesh_code("Auto")
+        + """
+batch = NamedSharding(mesh, P("d"))
+f = eqxs.filter_jit(
+    lambda x: eqx.error_if(x, x.sum() > 0, "positive!"), in_shardings=batch
+)
+x = eqxs.filter_device_put(jnp.ones((8,)), batch)
+compiled = f.lower(x).compile()
+fired = fire(lambda: compiled(x))
+ok = compiled(-x)
+report({"fired": fired, "later": ok.tolist()})
+"""
+    )
+    res = _check_fired(run_isolated(code, timeout=_DEADLINE))
+    assert res["later"] == [-1.0] * 8
+
+
 def test_fires_in_mlp_forward():
     code = (
         _SETUP

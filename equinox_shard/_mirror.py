@@ -1,0 +1,153 @@
+"""The forms in which a call's PyTrees cross `jax.jit` cheaply but keep their names.
+
+`jax.jit` flattens its arguments on every call, calling back into Python for every
+Module node. So each parameter whose structure JAX cannot flatten in C++ goes as a
+`Named`: its traced leaves, flat, each with the user's key path, which JAX's errors
+print (`model.layers[0].weight`). An output under `out_shardings` goes as its
+`mirror`, in node types JAX flattens in C++ and with the output's key paths, so that
+the mirrored `out_shardings` is a prefix of it."""
+
+import collections
+import operator
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.tree_util as jtu
+from equinox import Module
+
+
+class _KeyPath:
+    """A key whose `str` is a whole key path: JAX prints `name + str(key)`."""
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __str__(self) -> str:
+        return self.path
+
+    __repr__ = __str__
+
+
+class _Names:
+    """The key paths of a `Named`'s leaves; compared by identity, so that `jax.jit`'s
+    cache lookup does not compare paths."""
+
+    __slots__ = ("keys",)
+
+    def __init__(self, keys: tuple):
+        self.keys = keys
+
+
+class Named:
+    """One parameter's traced leaves, flat, named by their key paths."""
+
+    __slots__ = ("leaves", "names")
+
+    def __init__(self, leaves: tuple, names: _Names):
+        self.leaves = leaves
+        self.names = names
+
+
+jtu.register_pytree_with_keys(
+    Named,
+    lambda x: (tuple(zip(x.names.keys, x.leaves)), x.names),
+    lambda names, leaves: Named(tuple(leaves), names),
+    flatten_func=lambda x: (x.leaves, x.names),
+)
+
+
+def getter(indices: tuple[int, ...]) -> Callable[[Any], tuple]:
+    # `operator.itemgetter` gathers at C speed; it returns a bare item for one index.
+    if len(indices) == 0:
+        return lambda leaves: ()
+    if len(indices) == 1:
+        (i,) = indices
+        return lambda leaves: (leaves[i],)
+    return operator.itemgetter(*indices)
+
+
+def _builtin_structure(treedef: Any, mask: list[bool]) -> Any:
+    """The structure of a subtree with `None` at its static leaves, if JAX flattens
+    that in C++ (no Modules), else `None`."""
+    tree = treedef.unflatten([0 if m else None for m in mask])
+    structure = jtu.tree_structure(tree)
+    return structure if jtu.tree_structure(mirror(tree)) == structure else None
+
+
+class Packing:
+    """How one layout's traced leaves go to `jax.jit`, as `(kwargs, *args)`: each
+    parameter in its own structure (with `None` at static leaves) if JAX flattens that
+    in C++, else as a `Named`. Packing is one unflattening."""
+
+    def __init__(self, args: tuple, kwargs: dict, mask: tuple[bool, ...]):
+        paths = [path for path, _ in jtu.tree_flatten_with_path((args, kwargs))[0]]
+        parts = []
+        start = 0
+        for value, skip in [(a, 2) for a in args] + [(kwargs, 1)]:
+            treedef = jtu.tree_structure(value)
+            indices = range(start, start + treedef.num_leaves)
+            start += treedef.num_leaves
+            tree = treedef.unflatten([0 if mask[i] else None for i in indices])
+            if jtu.tree_structure(mirror(tree)) != jtu.tree_structure(tree):
+                # Key paths after `args[p]` / `kwargs`.
+                keys = [_KeyPath(jtu.keystr(paths[i][skip:])) for i in indices]
+                keys = tuple(k for i, k in zip(indices, keys) if mask[i])
+                tree = Named((0,) * len(keys), _Names(keys))
+            parts.append(tree)
+        packed = (tuple(parts[:-1]), parts[-1])
+        self.structure = jtu.tree_structure(packed)
+        # `(args, kwargs)` can go to `jax.jit` as they are.
+        self.trivial = self.structure == jtu.tree_structure((args, kwargs))
+        self.dynamic_leaves = getter(tuple(i for i, m in enumerate(mask) if m))
+
+    def pack(self, leaves: list) -> tuple:
+        """`(kwargs, *args)` to give `jax.jit`, from the leaves of `(args, kwargs)`
+        (or a leaf-for-leaf replacement of them, such as their shardings)."""
+        args, kwargs = self.structure.unflatten(self.dynamic_leaves(leaves))
+        return (kwargs, *args)
+
+    def unpack(self, packed_kwargs: Any, packed_args: Sequence[Any]) -> list:
+        """The traced leaves, in order, from what `pack` made (or `jax.jit` returned
+        for it, such as its input shardings)."""
+        return self.structure.flatten_up_to((tuple(packed_args), packed_kwargs))
+
+
+# Module class -> its field names -> a namedtuple class with those fields.
+_classes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _namedtuple(cls: type, names: tuple[str, ...]) -> type:
+    by_names = _classes.setdefault(cls, {})
+    nt = by_names.get(names)
+    if nt is None:
+        base = collections.namedtuple("Mirror", names, rename=True)
+        # JAX names a namedtuple's children by `_fields`: the Module's own names, also
+        # those that `namedtuple` refuses (`_weight`).
+        nt = type(cls.__name__, (base,), {"__slots__": (), "_fields": names})
+        by_names[names] = nt
+    return nt
+
+
+def mirror(tree: Any, is_leaf=None) -> Any:
+    """`tree` with every Module replaced by a namedtuple of its children (named by its
+    field names, so key paths are unchanged); other nodes are rebuilt around mirrored
+    children, and leaves are kept."""
+    if tree is None or (is_leaf is not None and is_leaf(tree)):
+        return tree
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        return kind(mirror(x, is_leaf) for x in tree)
+    if kind is dict:
+        return {k: mirror(v, is_leaf) for k, v in tree.items()}
+    children, node = jtu.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
+    if jtu.treedef_is_leaf(node):
+        return tree
+    mirrored = [mirror(x, is_leaf) for _, x in children]
+    keys = [path[0] for path, _ in children]
+    if isinstance(tree, Module) and all(isinstance(k, jtu.GetAttrKey) for k in keys):
+        names = tuple(k.name for k in keys)  # pyright: ignore[reportAttributeAccessIssue]
+        return _namedtuple(kind, names)(*mirrored)
+    return node.unflatten(mirrored)

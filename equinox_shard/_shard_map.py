@@ -1,0 +1,326 @@
+import functools as ft
+from collections.abc import Callable
+from typing import Any, overload, TypeVar
+
+import jax
+import jax._src.traceback_util as traceback_util
+import jax.core
+import jax.tree_util as jtu
+from equinox import is_array
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jaxtyping import PyTree
+
+from ._spec import (
+    _describe_leaf,
+    _no_default,
+    broadcast_specs,
+    call_rule,
+    check,
+    flatten_specs,
+    is_rule,
+    is_spec_leaf,
+    leaf_path,
+    match_path_rules,
+    PathRules,
+)
+
+
+traceback_util.register_exclusion(__file__)
+
+
+_T = TypeVar("_T", bound=Callable)
+
+
+class _Sentinel:
+    def __repr__(self):
+        return "sentinel"
+
+
+_sentinel: Any = _Sentinel()
+
+
+def _check_specs(specs: Any, name: str) -> None:
+    """`filter_shard_map`'s specs are `PartitionSpec`s over its own mesh: no sharding
+    or device leaves."""
+    for path, leaf in jtu.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)[0]:
+        if isinstance(leaf, PathRules):
+            inner = [spec for _, spec in leaf.rules]
+            if leaf.default is not _no_default:
+                inner.append(leaf.default)
+        else:
+            inner = [leaf]
+        for spec in inner:
+            if not (spec is None or isinstance(spec, PartitionSpec) or is_rule(spec)):
+                raise TypeError(
+                    f"{name}{jtu.keystr(path)}: a `filter_shard_map` specification "
+                    "leaf must be a `jax.sharding.PartitionSpec` (over `mesh`), "
+                    "`None`, a callable `leaf -> PartitionSpec`, or an "
+                    f"`equinox_shard.PathRules` of those; got {_describe_leaf(spec)}."
+                )
+
+
+def _resolve(spec: Any, leaf: Any, where: Callable[[], str]) -> PartitionSpec | None:
+    if is_rule(spec):
+        spec = call_rule(spec, leaf, where)
+    if spec is None or isinstance(spec, PartitionSpec):
+        return spec
+    raise TypeError(
+        f"{where()}: a `filter_shard_map` specification must resolve to a "
+        f"`jax.sharding.PartitionSpec` or `None`; got {_describe_leaf(spec)}."
+    )
+
+
+def _leaf_specs(
+    specs: Any, value: Any, leaves: list, spec_name: str, value_name: str
+) -> list:
+    """One `PartitionSpec | None` per leaf of `value`; `None` for non-array leaves."""
+    spec_leaves, spec_def = flatten_specs(specs, spec_name)
+    per_leaf = broadcast_specs(
+        spec_leaves, spec_def, specs, value, len(leaves), spec_name, value_name
+    )
+
+    def where(i):
+        return leaf_path(value, i, value_name)
+
+    per_leaf = match_path_rules(
+        per_leaf, spec_leaves, spec_def, value, leaves, where, is_array
+    )
+    return [
+        _resolve(spec, leaf, lambda i=i: where(i)) if is_array(leaf) else None
+        for i, (spec, leaf) in enumerate(zip(per_leaf, leaves))
+    ]
+
+
+def _get_mesh(mesh):
+    if mesh is not None:
+        return mesh
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty:
+        raise ValueError(
+            "`filter_shard_map` needs a mesh: pass `mesh=...`, or set one with "
+            "`jax.set_mesh(mesh)`."
+        )
+    return context
+
+
+def _padded(spec: PartitionSpec, ndim: int) -> tuple:
+    entries = tuple(
+        e[0] if isinstance(e, tuple) and len(e) == 1 else (e or None) for e in spec
+    )
+    return entries + (None,) * (ndim - len(entries))
+
+
+def _to_explicit(mesh, leaves: list, specs: list, indices: list) -> None:
+    """On Explicit mesh axes `jax.shard_map` requires each input's sharding (in its
+    type) to equal its `in_specs` entry. Reshard the inputs that differ, in place: on
+    Auto axes `jax.shard_map` moves its inputs implicitly, and we do the same here."""
+    todo = []
+    for i in indices:
+        leaf = leaves[i]
+        current = getattr(jax.typeof(leaf), "sharding", None)
+        current_spec = getattr(current, "spec", PartitionSpec())
+        ndim = leaf.ndim
+        if _padded(current_spec, ndim) != _padded(specs[i], ndim) or (
+            current is not None and current.mesh.empty
+        ):
+            todo.append(i)
+    if not todo:
+        return
+    if isinstance(mesh, jax.sharding.Mesh) or not mesh.empty:
+        targets = [NamedSharding(mesh, specs[i]) for i in todo]
+    else:  # pragma: no cover - `_get_mesh` never returns an empty mesh
+        targets = [specs[i] for i in todo]
+    moved = jax.sharding.reshard([leaves[i] for i in todo], targets)
+    for i, x in zip(todo, moved):
+        leaves[i] = x
+
+
+@overload
+def filter_shard_map(
+    *,
+    in_specs: PyTree[Any],
+    out_specs: PyTree[Any],
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    axis_names: frozenset | set = frozenset(),
+    check_vma: bool = True,
+) -> Callable[[_T], _T]: ...
+
+
+@overload
+def filter_shard_map(
+    fun: _T,
+    *,
+    in_specs: PyTree[Any],
+    out_specs: PyTree[Any],
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    axis_names: frozenset | set = frozenset(),
+    check_vma: bool = True,
+) -> _T: ...
+
+
+def filter_shard_map(
+    fun=_sentinel,
+    *,
+    in_specs: PyTree[Any],
+    out_specs: PyTree[Any],
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    axis_names: frozenset | set = frozenset(),
+    check_vma: bool = True,
+) -> Any:
+    """Filtered version of `jax.shard_map`: maps a function over the shards of the
+    arrays in any PyTree (an `eqx.Module`, an optax state, a batch), and holds every
+    other leaf static, as `equinox.filter_jit` does.
+
+    Inside `fun`, each mapped array is the block that one device holds, and mesh axis
+    names can be used in collectives (`jax.lax.psum`, `jax.lax.all_gather`,
+    `jax.lax.ppermute`, ...). Works eagerly, inside [`equinox_shard.filter_jit`][] or
+    `jax.jit`, under `jax.grad` and `jax.vmap`, on Auto and Explicit mesh axes.
+
+    **Arguments:**
+
+    - `fun`: the function to map. It is called with the positional arguments as
+        given, each array replaced by its block. Non-array leaves (activation
+        functions, Python scalars, strings, ...) are passed as the same objects. Arrays
+        inside `fun` itself (e.g. when `fun` is a Module) and in keyword arguments are
+        not mapped: `fun` sees them whole, as `jax.shard_map` treats closed-over
+        values.
+    - `in_specs`: a PyTree prefix of the tuple of positional arguments. Each leaf is a
+        `jax.sharding.PartitionSpec` over `mesh` (`P()` passes an array whole to every
+        device; `P("x")` splits its first dimension over mesh axis `"x"`), `None`, a
+        callable `leaf -> PartitionSpec | None` (called on each array beneath it), or
+        an [`equinox_shard.PathRules`][] of those. `None` means, as everywhere in
+        `equinox_shard`, *leave the array as it is*: it is not mapped, and `fun` sees
+        it whole, as a closed-over value (this is also what `None` means in
+        `jax.shard_map`'s own `in_specs`).
+    - `out_specs`: a PyTree prefix of `fun`'s output, in the same language. Each array
+        output's blocks are concatenated along the mesh axes its `PartitionSpec`
+        names; `P()` says that the output is the same on every device. Non-array
+        outputs are returned as the very objects `fun` returned, whatever spec sits
+        above them. `None` over an array output is an error: an output has no "as it
+        is" outside `fun`. A callable sees the output block, as `fun` returned it.
+    - `mesh`: a `jax.sharding.Mesh` or `jax.sharding.AbstractMesh`. Defaults to the
+        mesh set with `jax.set_mesh`.
+    - `axis_names`: as in `jax.shard_map`: the mesh axes that `fun` is mapped over
+        (manual); the others stay under the compiler's control. Defaults to all.
+    - `check_vma`: as in `jax.shard_map`: whether to track which values vary across
+        devices, to check `out_specs` (e.g. that a `P()` output really is the same on
+        every device) and to make the transpose of collectives efficient.
+
+    **Returns:**
+
+    A function with the same signature as `fun`, returning `fun`'s output: arrays
+    assembled from their blocks according to `out_specs`, other leaves as returned by
+    `fun`. It can also be used as a decorator:
+    `@filter_shard_map(in_specs=..., out_specs=...)`.
+
+    **Raises:**
+
+    `ValueError` naming the argument's key path (`args[0].layers[1].weight`) if
+    `in_specs` is not a prefix of the arguments, a `PartitionSpec` has more entries
+    than the array has dimensions or splits a dimension that its mesh axes do not
+    divide, or names an unknown mesh axis; likewise for `out_specs`, naming
+    `out[...]`. `TypeError` for a spec leaf that is not a `PartitionSpec`, `None`, a
+    callable or a `PathRules`.
+
+    !!! info "Explicit mesh axes"
+
+        On Explicit axes `jax.shard_map` requires every input to be sharded, in its
+        type, exactly as its `in_specs` entry says. `filter_shard_map` reshards an
+        input that is not (`jax.sharding.reshard`), so that the same call works on Auto
+        and on Explicit axes.
+
+    !!! example
+
+        ```python
+        mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+        linear = eqx.nn.Linear(16, 32, key=jr.key(0))
+
+        # Row-parallel: each device holds 2 of the 16 input features.
+        @eqxs.filter_shard_map(
+            mesh=mesh, in_specs=(P(None, "x"), P("x")), out_specs=P()
+        )
+        def row_parallel(weight, x):
+            return jax.lax.psum(weight @ x, "x")
+
+        y = row_parallel(linear.weight, jnp.ones(16)) + linear.bias
+        ```
+    """
+    if fun is _sentinel:
+        return ft.partial(
+            filter_shard_map,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            mesh=mesh,
+            axis_names=axis_names,
+            check_vma=check_vma,
+        )
+    flatten_specs(in_specs, "in_specs")
+    flatten_specs(out_specs, "out_specs")
+    _check_specs(in_specs, "in_specs")
+    _check_specs(out_specs, "out_specs")
+
+    @ft.wraps(fun)
+    def mapped(*args, **kwargs):
+        mesh_ = _get_mesh(mesh)
+        leaves, treedef = jtu.tree_flatten(args)
+        specs = _leaf_specs(in_specs, args, leaves, "in_specs", "args")
+        indices = [i for i, s in enumerate(specs) if s is not None]
+        for i in indices:
+            where = lambda i=i: leaf_path(args, i, "args")
+            try:
+                sharding = NamedSharding(mesh_, specs[i])
+            except Exception as e:
+                raise ValueError(f"{where()}: {e}") from e
+            check(jax.numpy.shape(leaves[i]), sharding, where)
+        manual = frozenset(axis_names) or frozenset(mesh_.axis_names)
+        types = dict(zip(mesh_.axis_names, mesh_.axis_types))
+        if indices and all(types.get(a) == AxisType.Explicit for a in manual):
+            leaves = list(leaves)
+            _to_explicit(mesh_, leaves, specs, indices)
+        out_specs_flat: list = []  # filled in by `body`, which `jax.shard_map` traces
+        out_static: list = [None]
+
+        def body(dynamic):
+            full = list(leaves)
+            for i, x in zip(indices, dynamic):
+                full[i] = x
+            out = fun(*jtu.tree_unflatten(treedef, full), **kwargs)
+            out_leaves, out_def = jtu.tree_flatten(out)
+            per_leaf = _leaf_specs(out_specs, out, out_leaves, "out_specs", "out")
+            positions = [i for i, x in enumerate(out_leaves) if is_array(x)]
+            for i in positions:
+                if per_leaf[i] is None:
+                    raise ValueError(
+                        f"{leaf_path(out, i, 'out')}: an array output needs a "
+                        "`PartitionSpec` in `out_specs` (`P()` if it is the same on "
+                        "every device); got `None`."
+                    )
+                where = lambda i=i: leaf_path(out, i, "out")
+                try:
+                    sharding = NamedSharding(mesh_, per_leaf[i])
+                except Exception as e:
+                    raise ValueError(f"{where()}: {e}") from e
+                # The output block must have at least as many dimensions as its spec.
+                check((0,) * jax.numpy.ndim(out_leaves[i]), sharding, where)
+            # `jax.shard_map` reads `out_specs` only after tracing `body`, so this list
+            # can be filled here (tests/test_jax_facts.py::
+            # test_shard_map_reads_out_specs_after_tracing).
+            out_specs_flat[:] = [per_leaf[i] for i in positions]
+            static = [None if is_array(x) else x for x in out_leaves]
+            out_static[0] = (out_def, static, positions)
+            return [out_leaves[i] for i in positions]
+
+        dynamic_out = jax.shard_map(
+            body,
+            mesh=mesh_,
+            in_specs=([specs[i] for i in indices],),
+            out_specs=out_specs_flat,
+            axis_names=frozenset(axis_names),
+            check_vma=check_vma,
+        )([leaves[i] for i in indices])
+        out_def, static, positions = out_static[0]  # pyright: ignore
+        for i, x in zip(positions, dynamic_out):
+            static[i] = x
+        return jtu.tree_unflatten(out_def, static)
+
+    return mapped
