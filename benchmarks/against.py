@@ -1,0 +1,120 @@
+"""`filter_jit` dispatch of this checkout against another commit's, side by side in one
+process: the other commit's `equinox_shard/` is exported with `git archive` and imported
+under another name.
+
+    python -m benchmarks.against REF [--reps 11] [--quick]
+
+Prints one row per cell (layout, tree, N, mode): each variant over the `jax.jit` floor,
+and this checkout over `REF`, without and with `in_shardings`/`out_shardings`.
+"""
+
+import argparse
+import importlib
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+
+
+def _export(ref: str, into: pathlib.Path) -> str:
+    name = "equinox_shard_at_ref"
+    root = pathlib.Path(__file__).resolve().parent.parent
+    archive = subprocess.run(
+        ["git", "-C", str(root), "archive", ref, "equinox_shard"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    (into / "equinox_shard").rename(into / name)
+    sys.path.insert(0, str(into))
+    return name
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.against")
+    parser.add_argument("ref", help="the git commit to compare against")
+    parser.add_argument("--reps", type=int, default=11)
+    parser.add_argument("--quick", action="store_true", help="a few cells, 3 rounds")
+    args = parser.parse_args()
+
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 8)
+    import equinox as eqx
+    import equinox_shard as new
+
+    from . import _harness as h, _trees as t
+
+    with tempfile.TemporaryDirectory() as tmp:
+        old = importlib.import_module(_export(args.ref, pathlib.Path(tmp)))
+        ns = [1, 10] if args.quick else [1, 10, 100, 1000]
+        layouts = ["batch"] if args.quick else ["replicated", "batch", "single"]
+        reps = 3 if args.quick else args.reps
+        cells, keep = {}, []
+        for layout in layouts:
+            s = t.sharding(layout)
+            for kind in t.TREES:
+                for n in ns:
+                    tree = t.place(t.make_tree(kind, n), s)
+                    dynamic, static = eqx.partition(tree, eqx.is_array)
+
+                    def floor(d, static=static):
+                        out = t.add_one(eqx.combine(d, static))
+                        return eqx.partition(out, eqx.is_array)[0]
+
+                    variants = {"floor": (jax.jit(floor), (dynamic,))}
+                    for label, pkg in (("ref", old), ("this", new)):
+                        plain = pkg.filter_jit(lambda tree: t.add_one(tree))
+                        sharded = pkg.filter_jit(
+                            lambda tree: t.add_one(tree),
+                            in_shardings=s,
+                            out_shardings=s,
+                        )
+                        variants[label] = (plain, (tree,))
+                        variants[label + "+shard"] = (sharded, (tree,))
+                    keep.append(variants)
+                    samplers = {}
+                    for name, (fn, fargs) in variants.items():
+                        inner = h.calibrate(fn, fargs, 0.003, 200)
+                        for mode, sample in (
+                            ("async", h.sample_async),
+                            ("sync", h.sample_sync),
+                        ):
+                            samplers[(name, mode)] = (
+                                lambda fn=fn, fargs=fargs, inner=inner, sample=sample: (
+                                    sample(fn, fargs, inner)
+                                )
+                            )
+                    cells[(layout, kind, n)] = samplers
+        measured = h.interleaved(cells, reps=reps, warmup=2, progress=lambda r: None)
+    names = ("ref", "this", "ref+shard", "this+shard")
+    headers = ["layout", "tree", "N", "mode", "floor µs"]
+    headers += [f"{v}/floor" for v in names] + ["this/ref", "this+shard/ref+shard"]
+    rows, ratios = [], {"this": [], "this+shard": []}
+    for (layout, kind, n), (medians, samples) in measured.items():
+        for mode in ("async", "sync"):
+            to_floor = h.paired_ratios(
+                samples, [(v, mode) for v in names], ("floor", mode)
+            )
+            row = [layout, kind, str(n), mode, f"{medians[('floor', mode)] * 1e6:.1f}"]
+            row += [f"{to_floor[(v, mode)]:.2f}" for v in names]
+            for v in ("this", "this+shard"):
+                base = v.replace("this", "ref")
+                r = h.paired_ratios(samples, [(v, mode)], (base, mode))[(v, mode)]
+                ratios[v].append(r)
+                row.append(f"{r:.2f}")
+            rows.append(row)
+    print(h.table(headers, rows))
+    for v, values in ratios.items():
+        base = v.replace("this", "ref")
+        median = statistics.median(values)
+        print(
+            f"{v} / {base}: median {median:.2f}, worst {max(values):.2f}, "
+            f"best {min(values):.2f} over {len(values)} cells"
+        )
+
+
+if __name__ == "__main__":
+    main()
