@@ -11,6 +11,7 @@ from typing import Any
 
 import equinox._caches
 import jax
+import jax.core
 import jax.tree_util as jtu
 from equinox import Module
 
