@@ -9,7 +9,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
-from . import _sharding
+from . import _place, _sharding
 from ._multiprocess import check_identical, is_host_local, processes_of, to_host
 from ._spec import check, leaf_path
 
@@ -133,7 +133,7 @@ def filter_make_array_from_process_local_data(
                     "run, `global_shape` must be None or the local shape "
                     f"{np.shape(leaves[i])}; got {shape}."
                 )
-        _sharding.device_put_leaves(local_data, leaves, todo, "local_data")
+        _place.device_put_leaves(local_data, leaves, todo, "local_data")
         return jtu.tree_unflatten(treedef, leaves)
     me = jax.process_index()
     everyone = frozenset(range(jax.process_count()))

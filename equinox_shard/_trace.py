@@ -15,7 +15,8 @@ from equinox import is_array
 from . import _checks
 from ._cache import Cache, Entry, Layout, unset
 from ._mirror import getter, mirror
-from ._sharding import device_put_leaves, resolve_leaves
+from ._place import device_put_leaves
+from ._sharding import resolve_leaves
 from ._spec import check, is_rule, is_spec_leaf, PathRules, resolve
 
 

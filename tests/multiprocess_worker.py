@@ -358,7 +358,7 @@ def _committed_and_keys(put) -> None:
 
 def check_place_host_local_helper():
     """The multi-process branch proposed for `filter_device_put`
-    (`_multiprocess.place_host_local`, to be called from `_sharding.device_put_leaves`),
+    (`_multiprocess.place_host_local`, to be called from `_place.device_put_leaves`),
     called directly."""
     _committed_and_keys(_place_host_local)
     return {}
