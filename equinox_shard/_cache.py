@@ -107,6 +107,7 @@ class Cache:
         self.out_rules = any(is_rule(x) or isinstance(x, PathRules) for x in out_leaves)
         self.out_mesh = any(isinstance(x, jax.P) for x in out_leaves)
         self.fun_names = fn_names(fun)
+        self.fun_source = fn_source(fun)
         self.layouts: dict = {}
         self.entries: dict = {}
         self.lock = threading.Lock()
@@ -175,18 +176,31 @@ def _unique(name: str, taken: set) -> str:
     return name
 
 
-def fn_names(fun) -> tuple[str, str]:
+def _unwrap(fun):
     while True:
         if isinstance(fun, ft.partial):
             fun = fun.func
         elif hasattr(fun, "__wrapped__") and not isinstance(fun, Module):
             fun = fun.__wrapped__
         else:
-            break
+            return fun
+
+
+def fn_names(fun) -> tuple[str, str]:
+    fun = _unwrap(fun)
     try:
         return fun.__name__, fun.__qualname__
     except AttributeError:
         return type(fun).__name__, type(fun).__qualname__
+
+
+def fn_source(fun) -> Any:
+    """The Python function whose source JAX's messages should point at (`None` if
+    there is none)."""
+    fun = _unwrap(fun)
+    if not hasattr(fun, "__code__"):
+        fun = getattr(type(fun), "__call__", None)
+    return fun if hasattr(fun, "__code__") else None
 
 
 class Layout:

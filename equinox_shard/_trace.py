@@ -115,6 +115,9 @@ def _traced_function(
         return arrays, OutStatic(static, out_def, False)
 
     fun_wrapped.__name__, fun_wrapped.__qualname__ = cache.fun_names
+    if cache.fun_source is not None:
+        # JAX's messages point at this function's source: the user's, not ours.
+        fun_wrapped.__wrapped__ = cache.fun_source  # pyright: ignore
     # JAX names arguments by this signature in its errors: `model.layers[0].weight`.
     n_args = len(treedef.children()[0].children()) if treedef.children() else 0
     positional = inspect.Parameter.POSITIONAL_ONLY
@@ -251,6 +254,8 @@ class ResolveRules:
 
         ft.update_wrapper(outer, fun_wrapped)
         del outer.__wrapped__
+        if hasattr(fun_wrapped, "__wrapped__"):  # the user's function
+            outer.__wrapped__ = fun_wrapped.__wrapped__  # pyright: ignore
         out_shardings = (found[0], None)
         return jax.jit(outer, **self.jit_kwargs, out_shardings=out_shardings)
 

@@ -248,3 +248,21 @@ def test_jax_error_names_private_field():
     with pytest.raises(jax.errors.TracerBoolConversionError) as info:
         f(_Private(jnp.ones(2), jnp.ones(2), "a"))
     assert "m._weight" in str(info.value), str(info.value)
+
+
+def test_jax_error_points_at_the_users_function():
+    @eqxs.filter_jit(out_shardings=lambda x: None)
+    def user_function(x):
+        if x.sum() > 0:
+            return x
+        return -x
+
+    for f in (eqxs.filter_jit(user_function.__wrapped__), user_function):
+        with pytest.raises(jax.errors.TracerBoolConversionError) as info:
+            f(jnp.ones(2))
+        message = str(info.value)
+        assert (
+            f"test_jit_core.py:{user_function.__wrapped__.__code__.co_firstlineno}"
+            in message
+        ), message
+        assert "_trace.py" not in message, message
