@@ -135,8 +135,8 @@ def test_make_array_from_process_local_data_keeps_the_original():
 #
 
 
-# Each snippet is whole (its imports included), so that tools/make_upstream_patch.py can
-# rewrite it for patched Equinox.
+# Each snippet is whole (its imports included), so that it runs on its own in a
+# fresh process.
 def test_compiled_donated_input_reused():
     # Segfaulted on JAX 0.10.2 (raised without a key path on 0.12).
     run = run_isolated(

@@ -1,0 +1,136 @@
+"""Builds and checks `upstream/series/`: the patches that propose this package to
+Equinox, as `git format-patch` files against Equinox's repository at `BASE`.
+
+    python tools/upstream_series.py build --equinox /path/to/equinox
+        # rewrite upstream/series/ from the checkout's branch BRANCH (BASE..BRANCH)
+    python tools/upstream_series.py check
+        # what .ci/run runs: apply each patch's library hunks, in order, to the pinned
+        # Equinox source distribution, install it in a temporary virtual environment,
+        # and run the test files that the series adds against it
+    python tools/upstream_series.py check --equinox /path/to/equinox
+        # also: `git am` the series onto a clone at BASE and run Equinox's whole suite
+
+`check` needs the package index (pip) and nothing else. It fails if a patch does not
+apply or a test fails.
+"""
+
+import argparse
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SERIES = ROOT / "upstream" / "series"
+VERSION = "0.13.8"
+BASE = f"v{VERSION}"
+BRANCH = "eqxs-series"
+JAX = "0.10.2"
+EQUINOX_TEST_DEPS = ["beartype", "optax", "pytest"]
+# Our own: two simulated CPU devices, as the series' tests expect.
+CONFTEST = 'import jax\n\njax.config.update("jax_num_cpu_devices", 2)\n'
+
+
+def run(*cmd, cwd=None):
+    print("+", " ".join(map(str, cmd)), flush=True)
+    subprocess.run([str(c) for c in cmd], cwd=cwd, check=True)
+
+
+def patches() -> list[pathlib.Path]:
+    found = sorted(SERIES.glob("[0-9][0-9][0-9][0-9]-*.patch"))
+    if not found:
+        sys.exit(f"no patches in {SERIES}")
+    return found
+
+
+def build(equinox: pathlib.Path):
+    SERIES.mkdir(parents=True, exist_ok=True)
+    for old in SERIES.glob("*.patch"):
+        old.unlink()
+    run("git", "-C", equinox, "format-patch", "--zero-commit", "--no-signature",
+        "--quiet", "-o", SERIES, f"{BASE}..{BRANCH}")  # fmt: skip
+    for patch in patches():
+        print(patch.relative_to(ROOT))
+
+
+def venv(where: pathlib.Path, *install) -> pathlib.Path:
+    run(sys.executable, "-m", "venv", where)
+    python = where / "bin" / "python"
+    run(python, "-m", "pip", "install", "--quiet", *install,
+        f"jax=={JAX}", f"jaxlib=={JAX}")  # fmt: skip
+    return python
+
+
+def check_sdist(tmp: pathlib.Path):
+    run(sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+        "--no-binary", ":all:", f"equinox=={VERSION}", "-d", tmp)  # fmt: skip
+    (sdist,) = tmp.glob(f"equinox-{VERSION}.tar.gz")
+    with tarfile.open(sdist) as tar:
+        tar.extractall(tmp, filter="data")
+    source = tmp / f"equinox-{VERSION}"
+    # The source distribution has no tests/: the test files that the series creates
+    # are built, patch by patch, in a folder of their own.
+    new_tests = sorted(
+        {
+            m[1]
+            for p in patches()
+            for m in re.finditer(
+                r"^diff --git a/(tests/\S+) b/\S+\nnew file", p.read_text(), re.M
+            )
+        }
+    )
+    run_dir = tmp / "run"
+    (run_dir / "tests").mkdir(parents=True)
+    for patch in patches():
+        run("git", "apply", "--include=equinox/*", patch.resolve(), cwd=source)
+        if new_tests:
+            includes = [f"--include={t}" for t in new_tests]
+            run("git", "apply", *includes, patch.resolve(), cwd=run_dir)
+    (run_dir / "tests" / "conftest.py").write_text(CONFTEST)
+    python = venv(tmp / "venv", source, "pytest")
+    run(python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *new_tests, cwd=run_dir)
+
+
+def check_repository(equinox: pathlib.Path, tmp: pathlib.Path):
+    repo = tmp / "equinox"
+    run("git", "clone", "--quiet", "--no-checkout", equinox, repo)
+    # The docs' large data files are not needed, and a snapshot may lack their blobs:
+    # leave them out of the work tree, and let git commit without them.
+    run("git", "-C", repo, "sparse-checkout", "set", "--no-cone", "/*",
+        "!/docs/examples/MNIST/", "!/docs/examples/bert_checkpoint.eqx")  # fmt: skip
+    run("git", "-C", repo, "config", "core.repositoryformatversion", "1")
+    run("git", "-C", repo, "config", "extensions.partialClone", "origin")
+    os.environ["GIT_NO_LAZY_FETCH"] = "1"
+    run("git", "-C", repo, "checkout", "--quiet", "-b", "check", BASE)
+    run("git", "-C", repo, "-c", "user.name=check", "-c", "user.email=check@localhost",
+        "am", "--quiet", *[p.resolve() for p in patches()])  # fmt: skip
+    python = venv(tmp / "venv-repo", "-e", repo, *EQUINOX_TEST_DEPS)
+    run(python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests", cwd=repo)
+
+
+def main():
+    parser = argparse.ArgumentParser(description="Build or check upstream/series/.")
+    parser.add_argument("command", choices=["build", "check"])
+    parser.add_argument("--equinox", type=pathlib.Path, help="an Equinox checkout")
+    args = parser.parse_args()
+    if args.command == "build":
+        if args.equinox is None:
+            parser.error("build needs --equinox")
+        build(args.equinox)
+        return
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            check_sdist(pathlib.Path(tmp))
+            if args.equinox is not None:
+                check_repository(args.equinox, pathlib.Path(tmp))
+    except subprocess.CalledProcessError as e:
+        sys.exit(f"upstream series check failed: {e}")
+    print(f"upstream series: {len(patches())} patches apply and their tests pass")
+
+
+if __name__ == "__main__":
+    main()
