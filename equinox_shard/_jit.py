@@ -16,6 +16,7 @@ from equinox import field, is_array, Module, module_update_wrapper, Partial
 
 from . import _callbacks, _checks, _commit
 from ._cache import Cache, Entry, get_cache, Layout, unset
+from ._place import private_copies
 from ._trace import (
     cpu_dispatch_lock,
     hashable_combine,
@@ -81,13 +82,7 @@ def _prepare(dynamic_fun, cache: Cache, entry: Entry, args, kwargs, leaves):
         if copies:
             # The caller's buffer is kept; the executable donates a private copy.
             leaves = list(leaves)
-            moved = jax.device_put(
-                [leaves[i] for i in copies],
-                [leaves[i].sharding for i in copies],
-                may_alias=False,
-            )
-            for i, x in zip(copies, moved):
-                leaves[i] = x
+            private_copies(leaves, copies)
             changed = True
     if entry.targets and not _commit.all_committed(entry.get_targets(leaves)):
         leaves = list(leaves)

@@ -95,6 +95,19 @@ def _is_committed_array(x: Any) -> bool:
     )
 
 
+def private_copies(leaves: list, indices: list[int]) -> None:
+    """Replaces each `leaves[i]`, `i` in `indices`, by a copy with the same sharding
+    that shares no buffer with it.
+    """
+    copies = jax.device_put(
+        [leaves[i] for i in indices],
+        [leaves[i].sharding for i in indices],
+        may_alias=False,
+    )
+    for i, x in zip(indices, copies):
+        leaves[i] = x
+
+
 def device_put_leaves(
     value: Any,
     leaves: list,
@@ -170,13 +183,7 @@ def device_put_leaves(
     ]
     if early:
         # A private copy on the source device first, whose buffer may then be shared.
-        copies = jax.device_put(
-            [sources[k] for k in early],
-            [sources[k].sharding for k in early],
-            may_alias=False,
-        )
-        for k, x in zip(early, copies):
-            sources[k] = x
+        private_copies(sources, early)
     if donate is not False and any(map(_is_key_array, sources)):
         # Donating a typed PRNG key array to `jax.device_put` frees it without
         # marking it deleted, so touching it afterwards segfaults (JAX 0.10.2 and
