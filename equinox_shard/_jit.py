@@ -86,11 +86,18 @@ def _prepare(dynamic_fun, cache: Cache, entry: Entry, args, kwargs, leaves):
             changed = True
     if entry.targets and not _commit.all_committed(entry.get_targets(leaves)):
         leaves = list(leaves)
-        _commit.commit(
-            leaves,
-            entry.targets,
-            lambda i: _checks.arg_path(cache.names, args, kwargs, i),
-        )
+        try:
+            _commit.commit(
+                leaves,
+                entry.targets,
+                lambda i: _checks.arg_path(cache.names, args, kwargs, i),
+            )
+        except Exception:
+            # The entry was checked for the shapes of the call that made it.
+            _checks.diagnose(
+                cache.names, args, kwargs, leaves, layout.dynamic, entry.targets
+            )
+            raise
         changed = True
     if not layout.packing.trivial:
         return leaves, (dynamic_fun, *layout.packing.pack(leaves))

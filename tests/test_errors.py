@@ -11,6 +11,7 @@ the right behaviour and marked `xfail(strict=True)` with the reason.
 """
 
 import contextlib
+import functools as ft
 import re
 from typing import Any
 
@@ -738,6 +739,58 @@ def test_lower_indivisible_struct():
     struct = jax.ShapeDtypeStruct((10,), jnp.float32)
     with _raises(ValueError, _kp("batch", 0)):
         f.lower(None, [struct])
+
+
+#
+# `filter_jit`: the same checks on every call, not only on the one that compiles (a
+# call with new shapes reuses the entry of the first call).
+#
+
+
+class _Scaled(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, batch):
+        return self.w, batch + 1
+
+
+@pytest.mark.parametrize("how", ["call", "method", "compiled", "disable_jit"])
+@pytest.mark.parametrize(
+    "shape, match", [((10, 2), "not divisible"), ((8,), "rank 1")], ids=["10", "rank"]
+)
+def test_bad_shape_after_a_good_call(how, shape, match):
+    s, r = _sharded()
+    rows = NamedSharding(s.mesh, P("x", None))
+
+    def fresh():
+        return jax.device_put(jnp.arange(8.0), r)
+
+    if how == "method":
+
+        class Model(_Scaled):
+            __call__ = eqxs.filter_jit(
+                _Scaled.__call__, in_shardings=(r, rows), donate="all"
+            )
+
+        model = Model(fresh())
+        model(jnp.ones((8, 2)))  # donates `model.w`
+        model = Model(fresh())
+        call, name = model, "batch"
+    else:
+        f = eqxs.filter_jit(_step, in_shardings=(r, rows), donate="all")
+        if how == "compiled":
+            f = f.lower(fresh(), jnp.ones((8, 2))).compile()
+        else:
+            f(fresh(), jnp.ones((8, 2)))
+        model = fresh()
+        call, name = ft.partial(f, model), "batch"
+    bad = jnp.ones(shape)  # uncommitted: placed onto `rows` before the call
+    with _raises(ValueError, name, inputs=(model, bad), match=match):
+        if how == "disable_jit":
+            with jax.disable_jit():
+                call(bad)
+        else:
+            call(bad)
 
 
 #
