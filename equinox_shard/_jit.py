@@ -292,20 +292,36 @@ class _JitWrapper(Module):
             e.__traceback__ = None
             raise
 
-    def lower(self, /, *args, **kwargs) -> Lowered:
-        """Lowers the function for the given arguments, ahead of time. Arrays may be
-        replaced by `jax.ShapeDtypeStruct`s (optionally carrying a `sharding`)."""
+    def _ahead(self, args, kwargs, stage: Callable) -> tuple[Entry, Any]:
+        """`stage(jitted, dynamic)` for `.lower` and `.eval_shape`, whose arguments are
+        checked, and errors named, as a call's."""
         cache = self._cache
         args, kwargs = _bind(cache, args, kwargs)
         leaves, treedef = jtu.tree_flatten((args, kwargs))
-        entry, _, dynamic = _compile(
+        entry, leaves, dynamic = _compile(
             self, cache, args, kwargs, leaves, treedef, _is_array_or_struct
         )
-        with warnings.catch_warnings():
-            warnings.filterwarnings(
-                "ignore", message="Some donated buffers were not usable"
+        try:
+            return entry, stage(entry.jitted, dynamic)
+        except Exception:
+            # The entry was checked for the shapes of the call that made it.
+            _checks.diagnose(
+                cache.names, args, kwargs, leaves, entry.layout.dynamic, entry.targets
             )
-            lowered = entry.jitted.lower(*dynamic)
+            raise
+
+    def lower(self, /, *args, **kwargs) -> Lowered:
+        """Lowers the function for the given arguments, ahead of time. Arrays may be
+        replaced by `jax.ShapeDtypeStruct`s (optionally carrying a `sharding`)."""
+
+        def lower(jitted, dynamic):
+            with warnings.catch_warnings():
+                warnings.filterwarnings(
+                    "ignore", message="Some donated buffers were not usable"
+                )
+                return jitted.lower(*dynamic)
+
+        entry, lowered = self._ahead(args, kwargs, lower)
         return Lowered(lowered, self, entry)
 
     def eval_shape(self, /, *args, **kwargs) -> Any:
@@ -314,13 +330,10 @@ class _JitWrapper(Module):
         `jax.eval_shape(f, ...)`, this reports `out_shardings` on `Auto` mesh axes too:
         JAX reports a `jax.jit`'s own `out_shardings` only for a `jax.jit` object passed
         to it directly."""
-        cache = self._cache
-        args, kwargs = _bind(cache, args, kwargs)
-        leaves, treedef = jtu.tree_flatten((args, kwargs))
-        entry, _, dynamic = _compile(
-            self, cache, args, kwargs, leaves, treedef, _is_array_or_struct
+        _, traced = self._ahead(
+            args, kwargs, lambda jitted, dynamic: jitted.trace(*dynamic)
         )
-        dynamic_out, static_out = entry.jitted.trace(*dynamic).out_info
+        dynamic_out, static_out = traced.out_info
         if static_out is None:
             return dynamic_out
         return static_out.combine(dynamic_out)

@@ -733,12 +733,19 @@ def test_key_array_rank():
         f(keys, None)
 
 
-def test_lower_indivisible_struct():
+@pytest.mark.parametrize("warm", ["first", "after a call", "after a lower"])
+@pytest.mark.parametrize("method", ["lower", "eval_shape"])
+def test_lower_indivisible_struct(warm, method):
     s, _ = _sharded()
     f = eqxs.filter_jit(_step, in_shardings=(None, s))
+    # The same static part: the entry that compiled the good shape is reused.
+    if warm == "after a call":
+        f(None, [jnp.arange(8.0)])
+    elif warm == "after a lower":
+        f.lower(None, [jax.ShapeDtypeStruct((8,), jnp.float32)])
     struct = jax.ShapeDtypeStruct((10,), jnp.float32)
     with _raises(ValueError, _kp("batch", 0)):
-        f.lower(None, [struct])
+        getattr(f, method)(None, [struct])
 
 
 #
