@@ -9,6 +9,7 @@ import threading
 from typing import Any
 
 import jax
+import jax.core
 import jax.tree_util as jtu
 from equinox import is_array
 
@@ -95,7 +96,9 @@ def _traced_function(
             flat[i] = x
         if targets and jax.config.jax_disable_jit:  # pyright: ignore
             # `jax.jit` ignores `in_shardings` under `disable_jit`; we place anyway.
-            device_put_leaves(treedef.unflatten(flat), flat, targets, "args")
+            device_put_leaves(
+                treedef.unflatten(flat), flat, _concrete(flat, targets), "args"
+            )
         args, kwargs = treedef.unflatten(flat)
         out = fun(*args, **kwargs)
         if out_specs is not unset:
@@ -162,9 +165,15 @@ def _out_shardings(out, out_specs, found: list | None, structured: bool):
         else:
             found.append(tuple(s for s, x in zip(shardings, out_leaves) if is_array(x)))
     if jax.config.jax_disable_jit and todo:  # pyright: ignore
-        device_put_leaves(out, out_leaves, todo, "out")
+        device_put_leaves(out, out_leaves, _concrete(out_leaves, todo), "out")
         return out_def.unflatten(out_leaves)
     return out
+
+
+def _concrete(leaves: list, todo: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    """The items of `todo` whose leaf is a value: under `disable_jit`, a `vmap` or
+    `grad` tracer is left as `jax.jit` leaves it (it has no placement to make)."""
+    return [(i, s) for i, s in todo if not isinstance(leaves[i], jax.core.Tracer)]
 
 
 def _static_out_shardings(out_specs):

@@ -582,6 +582,29 @@ def test_under_vmap_grad_eval_shape_disable_jit():
     assert_shardings(out, batch)  # placed even though nothing was compiled
 
 
+@pytest.mark.parametrize("shardings", ["in", "out", "both"])
+def test_vmap_and_grad_under_disable_jit(shardings):
+    # `jax.jit` ignores its shardings under `disable_jit`; a traced value has no
+    # placement, so the result is `jax.jit`'s.
+    batch = NamedSharding(auto_mesh(), P("x"))
+    kwargs = {
+        "in": dict(in_shardings=(batch,)),
+        "out": dict(out_shardings=batch),
+        "both": dict(in_shardings=(batch,), out_shardings=batch),
+    }[shardings]
+    f = eqxs.filter_jit(lambda x: jnp.sin(x) * 2, **kwargs)
+    x = jnp.arange(16.0)
+    xs = jnp.stack([x, x + 1])
+    with jax.disable_jit():
+        out = jax.vmap(f)(xs)
+        grad = jax.grad(lambda x: f(x).sum())(x)
+        vmap_grad = jax.vmap(jax.grad(lambda x: f(x).sum()))(xs)
+    rows = np.stack([np.arange(16.0), np.arange(16.0) + 1])
+    np.testing.assert_allclose(out, np.sin(rows) * 2, rtol=1e-6)
+    np.testing.assert_allclose(grad, 2 * np.cos(rows[0]), rtol=1e-6)
+    np.testing.assert_allclose(vmap_grad, 2 * np.cos(rows), rtol=1e-6)
+
+
 def test_filter_pmap_migration(getkey):
     # Equinox's docs recommend replacing `filter_pmap` with `filter_jit` on sharded
     # inputs. The numbers must match.
