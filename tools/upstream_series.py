@@ -9,6 +9,9 @@ Equinox, as `git format-patch` files against Equinox's repository at `BASE`.
         # and run the test files that the series adds against it
     python tools/upstream_series.py check --equinox /path/to/equinox
         # also: `git am` the series onto a clone at BASE and run Equinox's whole suite
+    python tools/upstream_series.py check --equinox /path/to/equinox --each
+        # the same, but the suite runs at BASE and after every patch; fails if a patch
+        # fails a test that passes at BASE
 
 `check` needs the package index (pip) and nothing else. It fails if a patch does not
 apply or a test fails.
@@ -95,7 +98,17 @@ def check_sdist(tmp: pathlib.Path):
     run(python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *new_tests, cwd=run_dir)
 
 
-def check_repository(equinox: pathlib.Path, tmp: pathlib.Path):
+def suite(python, repo) -> tuple[str, set[str]]:
+    """Equinox's whole suite: its summary line and the tests that failed."""
+    cmd = [python, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "tests"]
+    print("+", " ".join(map(str, cmd)), flush=True)
+    out = subprocess.run(cmd, cwd=repo, capture_output=True, text=True).stdout
+    lines = out.splitlines()
+    failed = {x.split()[1] for x in lines if x.startswith(("FAILED ", "ERROR "))}
+    return lines[-1] if lines else "(no output)", failed
+
+
+def check_repository(equinox: pathlib.Path, tmp: pathlib.Path, each: bool):
     repo = tmp / "equinox"
     run("git", "clone", "--quiet", "--no-checkout", equinox, repo)
     # The docs' large data files are not needed, and a snapshot may lack their blobs:
@@ -106,16 +119,33 @@ def check_repository(equinox: pathlib.Path, tmp: pathlib.Path):
     run("git", "-C", repo, "config", "extensions.partialClone", "origin")
     os.environ["GIT_NO_LAZY_FETCH"] = "1"
     run("git", "-C", repo, "checkout", "--quiet", "-b", "check", BASE)
-    run("git", "-C", repo, "-c", "user.name=check", "-c", "user.email=check@localhost",
-        "am", "--quiet", *[p.resolve() for p in patches()])  # fmt: skip
     python = venv(tmp / "venv-repo", "-e", repo, *EQUINOX_TEST_DEPS)
-    run(python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests", cwd=repo)
+    am = ("git", "-C", repo, "-c", "user.name=check",
+          "-c", "user.email=check@localhost", "am", "--quiet")  # fmt: skip
+    if not each:
+        run(*am, *[p.resolve() for p in patches()])
+        run(python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests", cwd=repo)
+        return
+    summary, base = suite(python, repo)
+    print(f"{BASE}: {summary}", flush=True)
+    new = {}
+    for patch in patches():
+        run(*am, patch.resolve())
+        summary, failed = suite(python, repo)
+        print(f"{patch.name[:4]}: {summary}", flush=True)
+        if failed - base:
+            new[patch.name] = sorted(failed - base)
+    if new:
+        sys.exit(f"tests that pass at {BASE} fail after a patch: {new}")
 
 
 def main():
     parser = argparse.ArgumentParser(description="Build or check upstream/series/.")
     parser.add_argument("command", choices=["build", "check"])
     parser.add_argument("--equinox", type=pathlib.Path, help="an Equinox checkout")
+    parser.add_argument(
+        "--each", action="store_true", help="with --equinox: the suite after each patch"
+    )
     args = parser.parse_args()
     if args.command == "build":
         if args.equinox is None:
@@ -126,7 +156,7 @@ def main():
         with tempfile.TemporaryDirectory() as tmp:
             check_sdist(pathlib.Path(tmp))
             if args.equinox is not None:
-                check_repository(args.equinox, pathlib.Path(tmp))
+                check_repository(args.equinox, pathlib.Path(tmp), args.each)
     except subprocess.CalledProcessError as e:
         sys.exit(f"upstream series check failed: {e}")
     print(f"upstream series: {len(patches())} patches apply and their tests pass")
