@@ -274,7 +274,9 @@ class ResolveRules:
 # tests/test_concurrency.py::test_threads_sharded (8 threads x 1000 calls: killed at its
 # 90 s deadline on 0.10.2 without this lock; passes in 8 s on JAX 0.12.0.1 either way).
 # Dispatch is asynchronous, so the lock serialises only the launch.
-cpu_dispatch_lock = threading.Lock()
+# Re-entrant: under `jax.disable_jit` the dispatch runs the function, which may call
+# another `filter_jit` (test_concurrency.py::test_nested_call_under_disable_jit).
+cpu_dispatch_lock = threading.RLock()
 
 
 def serialize_dispatch(shardings: list) -> bool:

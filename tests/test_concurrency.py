@@ -132,6 +132,35 @@ def test_threads_sharded():
     _check_threads(run, calls)
 
 
+# Under `jax.disable_jit()`, a compiled entry runs the function itself, under the
+# dispatch lock; the function calls another `filter_jit`, which takes the lock again.
+_NESTED_UNDER_DISABLE_JIT = """
+import equinox_shard as eqxs
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+batch = NamedSharding(mesh, P("x"))
+results = []
+for donate in ["none", "all"]:
+    inner = eqxs.filter_jit(lambda v: v * 2, in_shardings=batch, donate=donate)
+    outer = eqxs.filter_jit(lambda v: inner(v) + 1, in_shardings=batch, donate=donate)
+    outer(jax.device_put(jnp.arange(16.0), batch))  # compiles the entry
+    with jax.disable_jit():
+        out = outer(jax.device_put(jnp.arange(16.0), batch))
+    results.append(np.asarray(out).tolist())
+report(results)
+"""
+
+
+def test_nested_call_under_disable_jit():
+    run = run_isolated(_NESTED_UNDER_DISABLE_JIT, timeout=60)
+    assert run.returncode == 0, run
+    expected = (np.arange(16.0) * 2 + 1).tolist()
+    assert run.result == [expected, expected], run
+
+
 #
 # Growth.
 #
