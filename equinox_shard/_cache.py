@@ -322,5 +322,6 @@ class Entry:
         "get_targets",
         "wait",
         "serialize",
+        "donates",  # donates an input: dispatched under the dispatch lock
         "plain",  # none of the above: `jitted(*dynamic)` is the whole call
     )

@@ -11,6 +11,7 @@ from typing_extensions import ParamSpec
 import equinox as eqx
 import jax
 import jax._src.traceback_util as traceback_util
+import jax.core
 import jax.tree_util as jtu
 from equinox import field, is_array, Module, module_update_wrapper, Partial
 
@@ -18,7 +19,7 @@ from . import _callbacks, _checks, _commit
 from ._cache import Cache, Entry, get_cache, Layout, unset
 from ._place import private_copies
 from ._trace import (
-    cpu_dispatch_lock,
+    dispatch_lock,
     hashable_combine,
     hashable_partition,
     new_entry,
@@ -149,14 +150,22 @@ def _call(wrapper, args, kwargs, compiled=None):
             out = run(*dynamic)
         elif entry.wait:
             out = _callbacks.call_and_wait(entry.wait, run, dynamic, __equinox_jit_id__)
-        elif cache.filter_warning:
-            with warnings.catch_warnings():
-                warnings.filterwarnings(
-                    "ignore", message="Some donated buffers were not usable"
-                )
-                out = run(*dynamic)
+        elif entry.donates:
+            # Checked again with the dispatch: another thread may have donated an input
+            # since `_prepare` checked it (see `dispatch_lock`).
+            with dispatch_lock:
+                if _any_deleted(entry.layout, leaves, dynamic[0]):
+                    raise RuntimeError("An input was donated by another thread.")
+                if cache.filter_warning:
+                    with warnings.catch_warnings():
+                        warnings.filterwarnings(
+                            "ignore", message="Some donated buffers were not usable"
+                        )
+                        out = run(*dynamic)
+                else:
+                    out = run(*dynamic)
         elif entry.serialize:
-            with cpu_dispatch_lock:
+            with dispatch_lock:
                 out = run(*dynamic)
         else:
             out = run(*dynamic)
@@ -171,6 +180,22 @@ def _call(wrapper, args, kwargs, compiled=None):
     if static_out is None:
         return dynamic_out
     return static_out.combine(dynamic_out)
+
+
+def _any_deleted(layout: Layout, leaves, dynamic_fun) -> bool:
+    """Whether an input of a donating call is deleted: among `leaves` (as placed by
+    `_prepare`), or among the arrays of the function itself (donated with the rest)."""
+    try:
+        if layout.any_deleted(leaves):
+            return True
+    except TypeError:  # leaves of another type than the layout's
+        if layout._any_deleted(leaves):
+            return True
+    return dynamic_fun is not None and any(
+        x.is_deleted()
+        for x in jtu.tree_leaves(dynamic_fun)
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    )
 
 
 def _compile(wrapper, cache, args, kwargs, leaves, treedef, dynamic=is_array):
@@ -202,9 +227,7 @@ def _compile(wrapper, cache, args, kwargs, leaves, treedef, dynamic=is_array):
                 entry.wait = _callbacks.has_callback(
                     traced.jaxpr.jaxpr
                 ) and _callbacks.guard(entry.jitted, dynamic_trees)
-                entry.plain = not (
-                    entry.wait or cache.filter_warning or entry.serialize
-                )
+                entry.plain = not (entry.wait or entry.serialize or entry.donates)
             layout.entries[key] = entry
             cache.layouts[layout_key if dynamic is not is_array else layout_key[:2]] = (
                 layout

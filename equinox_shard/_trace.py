@@ -210,6 +210,9 @@ def new_entry(wrapper, cache: Cache, layout: Layout, args, kwargs, leaves) -> En
     entry.get_targets = getter(tuple(i for i, _ in targets))
     entry.wait = None
     entry.plain = False
+    entry.donates = bool(layout.donated) or (
+        cache.donate_rest and wrapper._dynamic_fun is not None
+    )
     entry.serialize = serialize_dispatch(
         [s for _, s in targets]
         + [getattr(leaves[i], "sharding", None) for i in layout.dynamic]
@@ -274,9 +277,12 @@ class ResolveRules:
 # tests/test_concurrency.py::test_threads_sharded (8 threads x 1000 calls: killed at its
 # 90 s deadline on 0.10.2 without this lock; passes in 8 s on JAX 0.12.0.1 either way).
 # Dispatch is asynchronous, so the lock serialises only the launch.
+# On any backend, a donating call checks its inputs again and dispatches under this
+# lock: JAX 0.10.2 crashes (SIGSEGV) on an input that another thread donated after our
+# check (test_concurrency.py::test_same_array_donated_from_threads: every time without).
 # Re-entrant: under `jax.disable_jit` the dispatch runs the function, which may call
 # another `filter_jit` (test_concurrency.py::test_nested_call_under_disable_jit).
-cpu_dispatch_lock = threading.RLock()
+dispatch_lock = threading.RLock()
 
 
 def serialize_dispatch(shardings: list) -> bool:

@@ -132,6 +132,73 @@ def test_threads_sharded():
     _check_threads(run, calls)
 
 
+# One array donated from 8 threads at once, to one function or to two: the first call
+# to dispatch donates it, every other raises the named error. JAX 0.10.2 crashes
+# (SIGSEGV) when a thread dispatches an input that another donated after it was checked.
+_DONATED_FROM_THREADS = """
+import itertools
+import threading
+
+import equinox_shard as eqxs
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+THREADS, ROUNDS = 8, 3
+mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+batch = NamedSharding(mesh, P("x"))
+runs = []
+for _, donate, functions, warm in itertools.product(
+    range(ROUNDS), ["all", "warn"], [1, 2], [False, True]
+):
+    # Fresh decorations: when not warm, the threads race to compile them too.
+    fs = [
+        eqxs.filter_jit(lambda v: v * 2, in_shardings=batch, donate=donate)
+        for _ in range(functions)
+    ]
+    if warm:
+        for f in fs:
+            f(jax.device_put(jnp.arange(16.0), batch))
+    v = jax.device_put(jnp.arange(16.0), batch)
+    barrier = threading.Barrier(THREADS)
+    outputs, errors = [], []
+
+    def work(t):
+        barrier.wait()
+        try:
+            outputs.append(np.asarray(fs[t % functions](v)))
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    runs.append(
+        {
+            "outputs": len(outputs),
+            "right": all(np.array_equal(o, np.arange(16.0) * 2) for o in outputs),
+            "errors": sorted(set(errors)),
+            "deleted": v.is_deleted(),
+        }
+    )
+report(runs)
+"""
+
+
+def test_same_array_donated_from_threads():
+    run = run_isolated(_DONATED_FROM_THREADS, timeout=300)
+    assert run.returncode == 0, run
+    assert len(run.result) == 3 * 2 * 2 * 2, run
+    message = "v: this array has been deleted (was it donated to an earlier call?)."
+    for result in run.result:
+        assert result["outputs"] == 1, run
+        assert result["right"], run
+        assert result["errors"] == [message], run
+        assert result["deleted"], run
+
+
 # Under `jax.disable_jit()`, a compiled entry runs the function itself, under the
 # dispatch lock; the function calls another `filter_jit`, which takes the lock again.
 _NESTED_UNDER_DISABLE_JIT = """
