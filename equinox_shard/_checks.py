@@ -44,6 +44,17 @@ def raise_if_deleted(names, args, kwargs, leaves: list, indices) -> None:
             )
 
 
+def raise_if_fun_deleted(fun_name: str, dynamic_fun: Any) -> None:
+    """`RuntimeError`, naming the key path (`fun.weight`), for a deleted array of the
+    function being JIT'd."""
+    for path, x in jtu.tree_flatten_with_path(dynamic_fun)[0]:
+        if _is_concrete_array(x) and x.is_deleted():
+            raise RuntimeError(
+                f"{fun_name}{jtu.keystr(path)}: this array of the function being JIT'd "
+                "has been deleted (was it donated to an earlier call?)."
+            )
+
+
 def raise_if_committed_elsewhere(
     names, args, kwargs, leaves: list, targets: list[tuple[int, Sharding]]
 ) -> None:
@@ -89,11 +100,19 @@ def donation_copies(
 
 
 def diagnose(
-    names, args, kwargs, leaves: list, dynamic, targets: list[tuple[int, Sharding]]
+    names,
+    args,
+    kwargs,
+    leaves: list,
+    dynamic,
+    targets: list[tuple[int, Sharding]],
+    fun: tuple[str, Any] = ("fun", None),
 ) -> None:
     """Called after `jax.jit` raised: raises our own error, naming the key path, if we
-    can name the culprit (a deleted input, a committed mismatch, a bad shape)."""
+    can name the culprit (a deleted input, a committed mismatch, a bad shape). `fun`:
+    the name and the arrays (`dynamic_fun`) of the function being JIT'd."""
     raise_if_deleted(names, args, kwargs, leaves, dynamic)
+    raise_if_fun_deleted(*fun)
     for i, sharding in targets:
         check(
             jax.numpy.shape(leaves[i]),

@@ -64,11 +64,12 @@ def _prepare(dynamic_fun, cache: Cache, entry: Entry, args, kwargs, leaves):
     if layout.donated or (cache.donate_rest and dynamic_fun is not None):
         # Donation: copy what is reachable twice, so that nothing kept is lost.
         fun_leaves = jtu.tree_leaves(dynamic_fun) if cache.donate_rest else ()
-        if any(x.is_deleted() for x in fun_leaves if isinstance(x, jax.Array)):
-            raise RuntimeError(
-                "An array of the function being JIT'd has been deleted (was it "
-                "donated to an earlier call?)."
-            )
+        if any(
+            x.is_deleted()
+            for x in fun_leaves
+            if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+        ):
+            _checks.raise_if_fun_deleted(cache.fun_name, dynamic_fun)
         copies = _checks.donation_copies(
             cache.names,
             args,
@@ -173,7 +174,13 @@ def _call(wrapper, args, kwargs, compiled=None):
         raise
     except Exception:
         _checks.diagnose(
-            cache.names, args, kwargs, leaves, entry.layout.dynamic, entry.targets
+            cache.names,
+            args,
+            kwargs,
+            leaves,
+            entry.layout.dynamic,
+            entry.targets,
+            (cache.fun_name, fields["_dynamic_fun"]),
         )
         raise
     dynamic_out, static_out = out

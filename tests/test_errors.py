@@ -1023,3 +1023,68 @@ def test_donated_array_also_in_function():
     f = eqxs.filter_jit(Affine(w), donate="all")
     with _raises(ValueError, "x", inputs=w, match="donated"):
         f(w)
+
+
+@pytest.mark.parametrize("donate", ["none", "all"])
+def test_deleted_array_of_function(donate):
+    class Affine(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            return self.w + x
+
+    s, _ = _sharded()
+    w = jax.device_put(jnp.arange(8.0), s)
+    f = eqxs.filter_jit(Affine(w), donate=donate)
+    np.testing.assert_array_equal(f(jnp.ones(8)), np.arange(8.0) + 1)
+    if donate == "none":
+        w.delete()
+    assert w.is_deleted()  # with `donate='all'`, the call donated it
+    x = jax.device_put(jnp.ones(8), s)
+    with _raises(RuntimeError, "fun.w", inputs=x, match="deleted"):
+        f(x)
+
+
+_FUNCTION_ARRAY_DONATED_ELSEWHERE = """
+import equinox as eqx
+import equinox_shard as eqxs
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+s = NamedSharding(mesh, P("x"))
+
+class Affine(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, x):
+        return self.w + x
+
+w = jax.device_put(jnp.arange(8.0), s)
+f = eqxs.filter_jit(Affine(w))
+f(jnp.ones(8))  # Runs once: JAX's fast path is warm.
+jax.jit(lambda a: a * 2, donate_argnums=0)(w)
+assert w.is_deleted()
+try:
+    f(jnp.ones(8))
+except Exception as e:
+    report({"type": type(e).__name__, "message": str(e)})
+else:
+    report(None)
+"""
+
+
+@pytest.mark.xfail(
+    jax.__version_info__ < (0, 12),
+    strict=True,
+    reason="An array of a Module used as the function, donated to another call, "
+    "crashes JAX 0.10.2's dispatch (SIGSEGV) when the function does not donate: its "
+    "arrays are checked only under donation, as checking them on every call would add "
+    "a flatten of the function to the fast path. JAX 0.12 raises, and we name it.",
+)
+def test_function_array_donated_elsewhere_does_not_crash():
+    run = run_isolated(_FUNCTION_ARRAY_DONATED_ELSEWHERE, timeout=120)
+    assert run.returncode == 0, run
+    assert run.result is not None, run
+    assert run.result["type"] == "RuntimeError", run
+    assert _names(run.result["message"], "fun.w"), run

@@ -605,6 +605,22 @@ def test_vmap_and_grad_under_disable_jit(shardings):
     np.testing.assert_allclose(vmap_grad, 2 * np.cos(rows), rtol=1e-6)
 
 
+def test_donating_module_function_inside_jit():
+    # The function's arrays are tracers of the outer trace: nothing to check or donate.
+    class Affine(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            return self.w + x
+
+    @eqx.filter_jit
+    def step(model, x):
+        return eqxs.filter_jit(model, donate="all")(x)
+
+    out = step(Affine(jnp.arange(4.0)), jnp.ones(4))
+    np.testing.assert_array_equal(out, np.arange(4.0) + 1)
+
+
 def test_filter_pmap_migration(getkey):
     # Equinox's docs recommend replacing `filter_pmap` with `filter_jit` on sharded
     # inputs. The numbers must match.
