@@ -15,9 +15,9 @@ import jax.core
 import jax.tree_util as jtu
 from equinox import field, is_array, Module, module_update_wrapper, Partial
 
-from . import _callbacks, _checks, _commit
+from . import _callbacks, _checks
 from ._cache import Cache, Entry, get_cache, Layout, unset
-from ._place import private_copies
+from ._prepare import any_deleted, prepare
 from ._trace import (
     dispatch_lock,
     hashable_combine,
@@ -50,64 +50,6 @@ def _bind(cache: Cache, args, kwargs):
     return bound.args, bound.kwargs
 
 
-def _prepare(dynamic_fun, cache: Cache, entry: Entry, args, kwargs, leaves):
-    """Checks and placements before execution; returns the dynamic trees to call."""
-    layout = entry.layout
-    changed = False
-    # XLA crashes on a deleted multi-device input, donated or not.
-    try:
-        deleted = layout.any_deleted(leaves)
-    except TypeError:  # a `Compiled` called with leaves of another type
-        deleted = layout._any_deleted(leaves)
-    if deleted:
-        _checks.raise_if_deleted(cache.names, args, kwargs, leaves, layout.dynamic)
-    if layout.donated or (cache.donate_rest and dynamic_fun is not None):
-        # Donation: copy what is reachable twice, so that nothing kept is lost.
-        fun_leaves = jtu.tree_leaves(dynamic_fun) if cache.donate_rest else ()
-        if any(
-            x.is_deleted()
-            for x in fun_leaves
-            if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-        ):
-            _checks.raise_if_fun_deleted(cache.fun_name, dynamic_fun)
-        copies = _checks.donation_copies(
-            cache.names,
-            args,
-            kwargs,
-            leaves,
-            layout.donated,
-            layout.dynamic,
-            fun_leaves,
-        )
-        # NumPy inputs are copied onto the device by every call anyway.
-        copies = [i for i in copies or () if isinstance(leaves[i], jax.Array)]
-        if copies:
-            # The caller's buffer is kept; the executable donates a private copy.
-            leaves = list(leaves)
-            private_copies(leaves, copies)
-            changed = True
-    if entry.targets and not _commit.all_committed(entry.get_targets(leaves)):
-        leaves = list(leaves)
-        try:
-            _commit.commit(
-                leaves,
-                entry.targets,
-                lambda i: _checks.arg_path(cache.names, args, kwargs, i),
-            )
-        except Exception:
-            # The entry was checked for the shapes of the call that made it.
-            _checks.diagnose(
-                cache.names, args, kwargs, leaves, layout.dynamic, entry.targets
-            )
-            raise
-        changed = True
-    if not layout.packing.trivial:
-        return leaves, (dynamic_fun, *layout.packing.pack(leaves))
-    if changed:
-        args, kwargs = layout.treedef.unflatten(leaves)
-    return leaves, (dynamic_fun, kwargs, *args)
-
-
 def _call(wrapper, args, kwargs, compiled=None):
     __tracebackhide__ = True
     fields = vars(wrapper)  # one attribute lookup: a Module's are slow
@@ -125,7 +67,7 @@ def _call(wrapper, args, kwargs, compiled=None):
                 wrapper, cache, args, kwargs, leaves, treedef
             )
         else:
-            leaves, dynamic = _prepare(
+            leaves, dynamic = prepare(
                 fields["_dynamic_fun"], cache, entry, args, kwargs, leaves
             )
         run = entry.jitted
@@ -142,7 +84,7 @@ def _call(wrapper, args, kwargs, compiled=None):
                 f"{entry.layout.static_of(leaves)}. Lower and compile it again for "
                 "these arguments."
             )
-        leaves, dynamic = _prepare(
+        leaves, dynamic = prepare(
             fields["_dynamic_fun"], cache, entry, args, kwargs, leaves
         )
         run = compiled.compiled
@@ -153,9 +95,9 @@ def _call(wrapper, args, kwargs, compiled=None):
             out = _callbacks.call_and_wait(entry.wait, run, dynamic, __equinox_jit_id__)
         elif entry.donates:
             # Checked again with the dispatch: another thread may have donated an input
-            # since `_prepare` checked it (see `dispatch_lock`).
+            # since `prepare` checked it (see `dispatch_lock`).
             with dispatch_lock:
-                if _any_deleted(entry.layout, leaves, dynamic[0]):
+                if any_deleted(entry.layout, leaves, dynamic[0]):
                     raise RuntimeError("An input was donated by another thread.")
                 if cache.filter_warning:
                     with warnings.catch_warnings():
@@ -189,22 +131,6 @@ def _call(wrapper, args, kwargs, compiled=None):
     return static_out.combine(dynamic_out)
 
 
-def _any_deleted(layout: Layout, leaves, dynamic_fun) -> bool:
-    """Whether an input of a donating call is deleted: among `leaves` (as placed by
-    `_prepare`), or among the arrays of the function itself (donated with the rest)."""
-    try:
-        if layout.any_deleted(leaves):
-            return True
-    except TypeError:  # leaves of another type than the layout's
-        if layout._any_deleted(leaves):
-            return True
-    return dynamic_fun is not None and any(
-        x.is_deleted()
-        for x in jtu.tree_leaves(dynamic_fun)
-        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-    )
-
-
 def _compile(wrapper, cache, args, kwargs, leaves, treedef, dynamic=is_array):
     """The slow path of a call (or a `.lower()`): makes the layout and the entry,
     places the inputs and traces, once per static part, under the cache's lock."""
@@ -219,7 +145,7 @@ def _compile(wrapper, cache, args, kwargs, leaves, treedef, dynamic=is_array):
         entry = layout.entries.get(key)
         if entry is None:
             entry = new_entry(wrapper, cache, layout, args, kwargs, leaves)
-        leaves, dynamic_trees = _prepare(
+        leaves, dynamic_trees = prepare(
             wrapper._dynamic_fun, cache, entry, args, kwargs, leaves
         )
         if entry.wait is None and not jax.config.jax_disable_jit:  # pyright: ignore

@@ -54,6 +54,7 @@ _INTERNAL = (
     "_sharding.py",
     "_place.py",
     "_jit.py",
+    "_prepare.py",
     "_cache.py",
     "_trace.py",
     "_mirror.py",

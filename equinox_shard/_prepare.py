@@ -1,0 +1,86 @@
+"""What happens to a `filter_jit` call's inputs between the cache look-up and `jax.jit`:
+the checks that must run before anything executes (deleted inputs, one buffer
+reachable twice under donation), private copies for donation, and committing
+uncommitted inputs to their `in_shardings`."""
+
+import jax
+import jax.core
+import jax.tree_util as jtu
+
+from . import _checks, _commit
+from ._cache import Cache, Entry, Layout
+from ._place import private_copies
+
+
+def prepare(dynamic_fun, cache: Cache, entry: Entry, args, kwargs, leaves):
+    """Checks and placements before execution; returns the dynamic trees to call."""
+    layout = entry.layout
+    changed = False
+    # XLA crashes on a deleted multi-device input, donated or not.
+    try:
+        deleted = layout.any_deleted(leaves)
+    except TypeError:  # a `Compiled` called with leaves of another type
+        deleted = layout._any_deleted(leaves)
+    if deleted:
+        _checks.raise_if_deleted(cache.names, args, kwargs, leaves, layout.dynamic)
+    if layout.donated or (cache.donate_rest and dynamic_fun is not None):
+        # Donation: copy what is reachable twice, so that nothing kept is lost.
+        fun_leaves = jtu.tree_leaves(dynamic_fun) if cache.donate_rest else ()
+        if any(
+            x.is_deleted()
+            for x in fun_leaves
+            if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+        ):
+            _checks.raise_if_fun_deleted(cache.fun_name, dynamic_fun)
+        copies = _checks.donation_copies(
+            cache.names,
+            args,
+            kwargs,
+            leaves,
+            layout.donated,
+            layout.dynamic,
+            fun_leaves,
+        )
+        # NumPy inputs are copied onto the device by every call anyway.
+        copies = [i for i in copies or () if isinstance(leaves[i], jax.Array)]
+        if copies:
+            # The caller's buffer is kept; the executable donates a private copy.
+            leaves = list(leaves)
+            private_copies(leaves, copies)
+            changed = True
+    if entry.targets and not _commit.all_committed(entry.get_targets(leaves)):
+        leaves = list(leaves)
+        try:
+            _commit.commit(
+                leaves,
+                entry.targets,
+                lambda i: _checks.arg_path(cache.names, args, kwargs, i),
+            )
+        except Exception:
+            # The entry was checked for the shapes of the call that made it.
+            _checks.diagnose(
+                cache.names, args, kwargs, leaves, layout.dynamic, entry.targets
+            )
+            raise
+        changed = True
+    if not layout.packing.trivial:
+        return leaves, (dynamic_fun, *layout.packing.pack(leaves))
+    if changed:
+        args, kwargs = layout.treedef.unflatten(leaves)
+    return leaves, (dynamic_fun, kwargs, *args)
+
+
+def any_deleted(layout: Layout, leaves, dynamic_fun) -> bool:
+    """Whether an input of a donating call is deleted: among `leaves` (as placed by
+    `prepare`), or among the arrays of the function itself (donated with the rest)."""
+    try:
+        if layout.any_deleted(leaves):
+            return True
+    except TypeError:  # leaves of another type than the layout's
+        if layout._any_deleted(leaves):
+            return True
+    return dynamic_fun is not None and any(
+        x.is_deleted()
+        for x in jtu.tree_leaves(dynamic_fun)
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    )
