@@ -1012,31 +1012,26 @@ def test_donated_and_kept_buffer(donate):
     np.testing.assert_array_equal(out[1][0], np.arange(8.0) + 1)
 
 
+class _Affine(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, x):
+        return self.w + x
+
+
 def test_donated_array_also_in_function():
-    class Affine(eqx.Module):
-        w: jax.Array
-
-        def __call__(self, x):
-            return self.w + x
-
     s, _ = _sharded()
     w = jax.device_put(jnp.arange(8.0), s)
-    f = eqxs.filter_jit(Affine(w), donate="all")
+    f = eqxs.filter_jit(_Affine(w), donate="all")
     with _raises(ValueError, "x", inputs=w, match="donated"):
         f(w)
 
 
 @pytest.mark.parametrize("donate", ["none", "all"])
 def test_deleted_array_of_function(donate):
-    class Affine(eqx.Module):
-        w: jax.Array
-
-        def __call__(self, x):
-            return self.w + x
-
     s, _ = _sharded()
     w = jax.device_put(jnp.arange(8.0), s)
-    f = eqxs.filter_jit(Affine(w), donate=donate)
+    f = eqxs.filter_jit(_Affine(w), donate=donate)
     np.testing.assert_array_equal(f(jnp.ones(8)), np.arange(8.0) + 1)
     if donate == "none":
         w.delete()
