@@ -18,7 +18,7 @@ from ._sharding import (
     filter_device_put as filter_device_put,
     filter_shard as filter_shard,
 )
-from ._spec import PathRules as PathRules
+from ._spec_leaves import PathRules as PathRules
 
 
 __version__ = importlib.metadata.version("equinox_shard")

@@ -17,15 +17,8 @@ from equinox import Module
 
 from ._checks import arg_path
 from ._mirror import getter, Packing
-from ._spec import (
-    broadcast_specs,
-    context_mesh,
-    flatten_specs,
-    is_rule,
-    is_spec_leaf,
-    match_path_rules,
-    PathRules,
-)
+from ._spec import broadcast_specs, context_mesh, flatten_specs
+from ._spec_leaves import is_rule, is_spec_leaf, match_path_rules, PathRules
 
 
 class _Unset:

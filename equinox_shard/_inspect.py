@@ -10,7 +10,7 @@ from equinox import is_array
 from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
 from jaxtyping import PyTree
 
-from ._spec import PathRules
+from ._spec_leaves import PathRules
 
 
 _HEADER = ("path", "shape", "dtype", "sharding", "bytes/device")

@@ -10,16 +10,12 @@ from equinox import is_array
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._spec import (
+from ._spec import broadcast_specs, call_rule, check, flatten_specs, leaf_path
+from ._spec_leaves import (
     _describe_leaf,
     _no_default,
-    broadcast_specs,
-    call_rule,
-    check,
-    flatten_specs,
     is_rule,
     is_spec_leaf,
-    leaf_path,
     match_path_rules,
     PathRules,
 )

@@ -17,14 +17,8 @@ from jax.sharding import (
 from jaxtyping import PyTree
 
 from ._place import device_put_leaves, is_default_memory
-from ._spec import (
-    broadcast_specs,
-    check,
-    flatten_specs,
-    leaf_path,
-    match_path_rules,
-    resolve,
-)
+from ._spec import broadcast_specs, check, flatten_specs, leaf_path, resolve
+from ._spec_leaves import match_path_rules
 
 
 def _in_trace() -> bool:

@@ -18,7 +18,8 @@ from ._cache import Cache, Entry, Layout, unset
 from ._mirror import getter, mirror
 from ._place import device_put_leaves
 from ._sharding import resolve_leaves
-from ._spec import check, is_rule, is_spec_leaf, PathRules, resolve
+from ._spec import check, resolve
+from ._spec_leaves import is_rule, is_spec_leaf, PathRules
 
 
 def hashable_partition(tree: Any) -> tuple[Any, tuple[tuple, Any]]:
