@@ -124,6 +124,8 @@ def _clear_caches() -> None:
         cache.clear()
 
 
+# `eqx.clear_caches()` has no public registration hook; this list is how Equinox's own
+# modules register theirs. The package's only use of it.
 equinox._caches.cache_clears.append(_clear_caches)
 
 

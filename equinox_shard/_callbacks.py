@@ -20,6 +20,10 @@ from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
+
+# Equinox's only channel for `eqx.error_if`'s message and stack (it has no public one):
+# `last_error_info` and `_on_error_msg`, read here and nowhere else.
+import equinox._jit as eqx_jit
 import jax
 import jax.core
 import jax.extend.core as jc
@@ -76,8 +80,6 @@ class _Guarded:
             try:
                 return self.callback(*args)
             except Exception as e:
-                import equinox._jit as eqx_jit  # Equinox's runtime-error channel.
-
                 info = getattr(eqx_jit, "last_error_info", None)
                 with record.lock:
                     if record.error is None:
@@ -191,8 +193,6 @@ def _equinox_runtime_error(
 ) -> Exception | None:
     """Equinox's error for `e` if it is (XLA's wrapping of) Equinox's internal one.
     `info`: its `(message, stack)` as a guarded callback recorded them."""
-    import equinox._jit as eqx_jit  # Equinox's runtime-error channel.
-
     if info is None:
         info = getattr(eqx_jit, "last_error_info", None)
         if info is None or "_EquinoxRuntimeError: " not in str(e):
