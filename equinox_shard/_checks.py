@@ -29,7 +29,7 @@ def arg_path(names: Sequence[str], args: tuple, kwargs: dict, index: int) -> str
     return name + jtu.keystr(tuple(rest))
 
 
-def _is_concrete_array(x: Any) -> bool:
+def is_concrete_array(x: Any) -> bool:
     return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
 
 
@@ -37,7 +37,7 @@ def raise_if_deleted(names, args, kwargs, leaves: list, indices) -> None:
     """`RuntimeError`, naming the key path, for a deleted (e.g. donated) input."""
     for i in indices:
         x = leaves[i]
-        if _is_concrete_array(x) and x.is_deleted():
+        if is_concrete_array(x) and x.is_deleted():
             raise RuntimeError(
                 f"{arg_path(names, args, kwargs, i)}: this array has been deleted "
                 "(was it donated to an earlier call?)."
@@ -48,7 +48,7 @@ def raise_if_fun_deleted(fun_name: str, dynamic_fun: Any) -> None:
     """`RuntimeError`, naming the key path (`fun.weight`), for a deleted array of the
     function being JIT'd."""
     for path, x in jtu.tree_flatten_with_path(dynamic_fun)[0]:
-        if _is_concrete_array(x) and x.is_deleted():
+        if is_concrete_array(x) and x.is_deleted():
             raise RuntimeError(
                 f"{fun_name}{jtu.keystr(path)}: this array of the function being JIT'd "
                 "has been deleted (was it donated to an earlier call?)."
@@ -62,7 +62,7 @@ def raise_if_committed_elsewhere(
     its `in_shardings` entry: committed arrays are never moved implicitly."""
     for i, sharding in targets:
         x = leaves[i]
-        if _is_concrete_array(x) and x.committed:
+        if is_concrete_array(x) and x.committed:
             if not x.sharding.is_equivalent_to(sharding, x.ndim):
                 raise ValueError(
                     f"{arg_path(names, args, kwargs, i)}: this argument is committed "

@@ -17,20 +17,12 @@ def prepare(dynamic_fun, cache: Cache, entry: Entry, args, kwargs, leaves):
     layout = entry.layout
     changed = False
     # XLA crashes on a deleted multi-device input, donated or not.
-    try:
-        deleted = layout.any_deleted(leaves)
-    except TypeError:  # a `Compiled` called with leaves of another type
-        deleted = layout._any_deleted(leaves)
-    if deleted:
+    if _inputs_deleted(layout, leaves):
         _checks.raise_if_deleted(cache.names, args, kwargs, leaves, layout.dynamic)
-    if layout.donated or (cache.donate_rest and dynamic_fun is not None):
+    if entry.donates:
         # Donation: copy what is reachable twice, so that nothing kept is lost.
         fun_leaves = jtu.tree_leaves(dynamic_fun) if cache.donate_rest else ()
-        if any(
-            x.is_deleted()
-            for x in fun_leaves
-            if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-        ):
+        if _any_deleted_array(fun_leaves):
             _checks.raise_if_fun_deleted(cache.fun_name, dynamic_fun)
         copies = _checks.donation_copies(
             cache.names,
@@ -70,17 +62,20 @@ def prepare(dynamic_fun, cache: Cache, entry: Entry, args, kwargs, leaves):
     return leaves, (dynamic_fun, kwargs, *args)
 
 
+def _inputs_deleted(layout: Layout, leaves) -> bool:
+    try:
+        return layout.any_deleted(leaves)
+    except TypeError:  # a `Compiled` called with leaves of another type
+        return layout._any_deleted(leaves)
+
+
+def _any_deleted_array(leaves) -> bool:
+    return any(x.is_deleted() for x in leaves if _checks.is_concrete_array(x))
+
+
 def any_deleted(layout: Layout, leaves, dynamic_fun) -> bool:
     """Whether an input of a donating call is deleted: among `leaves` (as placed by
     `prepare`), or among the arrays of the function itself (donated with the rest)."""
-    try:
-        if layout.any_deleted(leaves):
-            return True
-    except TypeError:  # leaves of another type than the layout's
-        if layout._any_deleted(leaves):
-            return True
-    return dynamic_fun is not None and any(
-        x.is_deleted()
-        for x in jtu.tree_leaves(dynamic_fun)
-        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    return _inputs_deleted(layout, leaves) or (
+        dynamic_fun is not None and _any_deleted_array(jtu.tree_leaves(dynamic_fun))
     )
