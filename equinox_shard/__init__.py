@@ -8,6 +8,7 @@ chooses a spec for each array by its key path.
 
 import importlib.metadata
 
+from ._checkpoint import restore as restore, save as save
 from ._inspect import sharding_table as sharding_table
 from ._jit import Compiled as Compiled, filter_jit as filter_jit, Lowered as Lowered
 from ._process_local import (

@@ -18,9 +18,9 @@ its parameter's: `[0].mu.blocks.mlp_in.weight`):
 
 The model and its optimiser state are created directly sharded (`filter_eval_shape`
 to plan, then `filter_jit(init, out_shardings=rules)`); the loss reduction runs in
-`eqxs.filter_shard_map`; halfway through, a checkpoint is written with
-orbax-checkpoint, restored straight into the target shardings, and training resumes
-from it.
+`eqxs.filter_shard_map`; halfway through, a checkpoint is written with `eqxs.save`
+(orbax-checkpoint underneath), restored with `eqxs.restore` straight into the target
+shardings, and training resumes from it.
 
 It checks itself, and exits with status 1 if any check fails: every layout's per-step
 losses match an unsharded single-device run; the step was traced once; the final loss
@@ -273,34 +273,6 @@ def make_functions(layout: Layout, cfg: Config, trace_counts: dict):
     return init, init_sharded, train_step
 
 
-def save(directory: pathlib.Path, state) -> None:
-    import orbax.checkpoint as ocp
-
-    arrays = {jtu.keystr(p): x for p, x in jtu.tree_leaves_with_path(state)}
-    arrays = {k: x for k, x in arrays.items() if eqx.is_array(x)}
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(directory, arrays)
-        checkpointer.wait_until_finished()  # before the next step donates them
-
-
-def restore(directory: pathlib.Path, like) -> Any:
-    """Reads every array straight into the sharding that `like`'s leaf has."""
-    import orbax.checkpoint as ocp
-
-    paths, leaves = zip(*jtu.tree_leaves_with_path(like))
-    target = {
-        jtu.keystr(p): jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-        for p, x in zip(paths, leaves)
-        if eqx.is_array(x)
-    }
-    with ocp.StandardCheckpointer() as checkpointer:
-        arrays = checkpointer.restore(directory, target)
-    leaves = [
-        arrays[jtu.keystr(p)] if eqx.is_array(x) else x for p, x in zip(paths, leaves)
-    ]
-    return jtu.tree_unflatten(jtu.tree_structure(like), leaves)
-
-
 @dataclasses.dataclass
 class Result:
     losses: np.ndarray
@@ -341,7 +313,9 @@ def train(layout: Layout, cfg: Config, corpus: np.ndarray, *, resume: bool) -> R
                 jax.block_until_ready(losses[0])
                 step_start = time.perf_counter()  # after the compilation
             if resume and step == checkpoint:
-                save(directory, (model, opt_state))
+                # Each device writes its own shards; returns once written (before
+                # the next step donates the arrays).
+                eqxs.save(directory, (model, opt_state))
                 saved = jtu.tree_map(
                     np.asarray, eqx.filter((model, opt_state), eqx.is_array)
                 )
@@ -353,8 +327,11 @@ def train(layout: Layout, cfg: Config, corpus: np.ndarray, *, resume: bool) -> R
         tokens_per_second = (cfg.steps - 1) * cfg.batch * cfg.length / elapsed
         resumed_losses = restored_exactly = same_final_state = None
         if resume:
-            # Restore into the shardings the rules give (the final state has them).
-            restored = restore(directory, (model, opt_state))
+            # Restore straight into the shardings the rules give: `like` is the
+            # abstract state (`jax.ShapeDtypeStruct`s carrying those shardings), so
+            # nothing is allocated before the checkpoint's shards are read.
+            like = init_sharded.eval_shape(key)
+            restored = eqxs.restore(directory, like)
             arrays = eqx.filter(restored, eqx.is_array)
             restored_exactly = bool(
                 jtu.tree_all(

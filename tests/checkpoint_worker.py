@@ -1,0 +1,218 @@
+"""Fresh processes for tests/test_checkpoint.py.
+
+    python tests/checkpoint_worker.py clean DIR
+    python tests/checkpoint_worker.py killed DIR
+    python tests/checkpoint_worker.py train DIR LAYOUT... (steps 0..30; saves at 15)
+    python tests/checkpoint_worker.py resume DIR LAYOUT... (restores 15; steps 15..30)
+    python tests/checkpoint_worker.py multiprocess DIR PROCESS_ID NUM COORDINATOR
+
+`clean`: a save and a restore onto another layout, as a user would run them (the test
+checks that nothing at all is printed on stderr). `killed`: a save that stops just
+before orbax finalises it (the test kills the process there with SIGKILL). `train` and
+`resume`: the transformer example, uninterrupted and resumed from a checkpoint in this
+fresh process; each writes its final state as NumPy arrays. `multiprocess`: one of
+several `jax.distributed` processes, saving and restoring their own shards.
+"""
+
+import json
+import os
+import pathlib
+import sys
+import time
+
+
+STEPS = 30
+CHECKPOINT = 15
+
+
+def _setup(devices: int = 8):
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", devices)
+    return jax
+
+
+def reference_state():
+    """An MLP (NumPy parameters drawn from a fixed seed: nothing to compile; its
+    activation a function), a typed PRNG key, an int counter and a string."""
+    import equinox as eqx
+    import jax
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    mlp = eqx.filter_eval_shape(eqx.nn.MLP, 64, 64, 128, 2, key=jax.random.key(0))
+    mlp = jax.tree.map(
+        lambda x: (
+            rng.standard_normal(x.shape).astype(x.dtype)
+            if isinstance(x, jax.ShapeDtypeStruct)
+            else x
+        ),
+        mlp,
+    )
+    return {"model": mlp, "key": jax.random.key(1), "step": 3, "name": "run"}
+
+
+def clean(directory: pathlib.Path) -> None:
+    jax = _setup()
+    import equinox as eqx
+    import equinox_shard as eqxs
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    rules = eqxs.PathRules([(r"weight$", P("data"))], default=P())
+    state = reference_state()
+    fsdp = jax.make_mesh((8,), ("data",))
+    with jax.set_mesh(fsdp):
+        state = eqxs.filter_device_put(state, rules)
+    eqxs.save(directory / "ckpt", state)
+    two_d = jax.make_mesh((4, 2), ("data", "model"))
+    like = eqx.filter_eval_shape(lambda: state)
+    with jax.set_mesh(two_d):
+        out = eqxs.restore(
+            directory / "ckpt",
+            like,
+            eqxs.PathRules([(r"weight$", P("data", "model"))], default=P()),
+        )
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(state)):
+        if eqx.is_array(a) and not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+    print("clean: ok", flush=True)
+
+
+def killed(directory: pathlib.Path) -> None:
+    jax = _setup()
+    import equinox_shard as eqxs
+    import orbax.checkpoint as ocp
+
+    def finalize(self, path):
+        # Everything is written into orbax's temporary directory; the rename to the
+        # final path has not happened. The test kills us here.
+        print("WRITTEN", flush=True)
+        time.sleep(600)
+
+    ocp.CompositeCheckpointHandler.finalize = finalize  # pyright: ignore
+    eqxs.save(directory / "ckpt", reference_state())
+
+
+def _train(directory: pathlib.Path, layouts: list[str], resume: bool) -> None:
+    jax = _setup()
+    import equinox as eqx
+    import equinox_shard as eqxs
+    import numpy as np
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "examples"))
+    import train_transformer as tt
+
+    corpus = tt.load_corpus(200_000)
+    cfg = tt.Config(steps=STEPS, depth=1)
+    key = jax.random.key(cfg.seed)
+    for name in layouts:
+        layout = tt.make_layout(name, jax.devices())
+        _, init_sharded, train_step = tt.make_functions(layout, cfg, {"train_step": 0})
+        with jax.set_mesh(layout.mesh):
+            if resume:
+                like = init_sharded.eval_shape(key)
+                model, opt_state = eqxs.restore(directory / name / "ckpt", like)
+                # Where the rules put them, as a fresh initialisation would.
+                fresh = init_sharded(key)
+                restored = eqx.filter((model, opt_state), eqx.is_array)
+                for a, b in zip(
+                    jax.tree.leaves(restored),
+                    jax.tree.leaves(eqx.filter(fresh, eqx.is_array)),
+                    strict=True,
+                ):
+                    assert a.sharding == b.sharding, (a.sharding, b.sharding)
+                first = CHECKPOINT
+            else:
+                model, opt_state = init_sharded(key)
+                first = 0
+            for step in range(first, STEPS):
+                if step == CHECKPOINT and not resume:
+                    eqxs.save(directory / name / "ckpt", (model, opt_state))
+                batch = eqxs.filter_device_put(
+                    tt.get_batch(corpus, cfg, step), layout.batch
+                )
+                model, opt_state, _ = train_step(model, opt_state, *batch)
+        arrays = jax.tree.leaves(eqx.filter((model, opt_state), eqx.is_array))
+        out = directory / name / ("resumed.npz" if resume else "uninterrupted.npz")
+        np.savez(out, *[np.asarray(x) for x in arrays])
+        print(f"{name}: done", flush=True)
+
+
+def multiprocess(directory: pathlib.Path, process_id: int, num: int, coordinator):
+    jax = _setup(4)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator,
+        num_processes=num,
+        process_id=process_id,
+        initialization_timeout=60,
+        heartbeat_timeout_seconds=30,
+        shutdown_timeout_seconds=30,
+    )
+    import equinox as eqx
+    import equinox_shard as eqxs
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    state = reference_state()
+    rules = eqxs.PathRules([(r"weight$", P("data"))], default=P())
+    mesh = jax.make_mesh((8,), ("data",))
+    with jax.set_mesh(mesh):
+        state = eqxs.filter_device_put(state, rules)
+    for x in jax.tree.leaves(state):
+        if eqx.is_array(x):
+            assert not x.is_fully_addressable
+    # Every process writes only its own shards (orbax splits the work).
+    eqxs.save(directory / "ckpt", state)
+    # Restore onto another layout of the same 8 devices, 4 in each process.
+    two_d = jax.make_mesh((4, 2), ("data", "model"))
+    like = eqx.filter_eval_shape(lambda: state)
+    with jax.set_mesh(two_d):
+        out = eqxs.restore(
+            directory / "ckpt",
+            like,
+            eqxs.PathRules([(r"weight$", P("data", "model"))], default=P()),
+        )
+    lines = []
+    for path, x in jax.tree_util.tree_flatten_with_path(out)[0]:
+        if not eqx.is_array(x):
+            continue
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        assert x.sharding.mesh == two_d
+        for shard in x.addressable_shards:
+            assert shard.device.process_index == process_id
+            np.save(
+                directory / f"p{process_id}_{len(lines)}.npy", np.asarray(shard.data)
+            )
+            index = [
+                [s.start or 0, n if s.stop is None else s.stop]
+                for s, n in zip(shard.index, x.shape)
+            ]
+            lines.append(
+                json.dumps([jax.tree_util.keystr(path), shard.device.id, index])
+            )
+    (directory / f"p{process_id}.txt").write_text("\n".join(lines))
+    jax.distributed.shutdown()
+    print("multiprocess: ok", flush=True)
+
+
+def main(argv: list[str]) -> None:
+    mode, directory = argv[0], pathlib.Path(argv[1])
+    if mode == "clean":
+        clean(directory)
+    elif mode == "killed":
+        killed(directory)
+    elif mode in ("train", "resume"):
+        _train(directory, argv[2:], resume=mode == "resume")
+    elif mode == "multiprocess":
+        multiprocess(directory, int(argv[2]), int(argv[3]), argv[4])
+    else:
+        raise ValueError(mode)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main(sys.argv[1:])
