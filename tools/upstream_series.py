@@ -6,7 +6,7 @@ Equinox, as `git format-patch` files against Equinox's repository at `BASE`.
     python tools/upstream_series.py check
         # what .ci/run runs: apply each patch's library hunks, in order, to the pinned
         # Equinox source distribution, install it in a temporary virtual environment,
-        # and run the test files that the series adds against it
+        # and run the tests that the series adds to Equinox's test files against it
     python tools/upstream_series.py check --equinox /path/to/equinox
         # also: `git am` the series onto a clone at BASE and run Equinox's whole suite
     python tools/upstream_series.py check --equinox /path/to/equinox --each
@@ -36,6 +36,17 @@ JAX = "0.10.2"
 EQUINOX_TEST_DEPS = ["beartype", "optax", "pytest"]
 # Our own: two simulated CPU devices, as the series' tests expect.
 CONFTEST = 'import jax\n\njax.config.update("jax_num_cpu_devices", 2)\n'
+# The source distribution has no tests/, and the series appends its tests to Equinox's
+# test files: `check` runs those appended lines alone, after these imports (the names
+# that Equinox's test files import and the series' tests use).
+TEST_IMPORTS = """import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jrandom
+import jax.sharding as jshard
+import jax.tree_util as jtu
+import pytest
+"""
 
 
 def run(*cmd, cwd=None):
@@ -60,6 +71,17 @@ def build(equinox: pathlib.Path):
         print(patch.relative_to(ROOT))
 
 
+def added_test_lines(patch: str) -> dict[str, list[str]]:
+    """The lines that a patch adds to each `tests/test_*.py` file."""
+    added: dict[str, list[str]] = {}
+    for diff in re.split(r"^diff --git ", patch, flags=re.M)[1:]:
+        name = re.match(r"a/(\S+) b/", diff)
+        if name and re.fullmatch(r"tests/test_\w+\.py", name[1]):
+            lines = re.findall(r"^\+(?!\+\+ )(.*)$", diff, re.M)
+            added.setdefault(name[1], []).extend(lines)
+    return added
+
+
 def venv(where: pathlib.Path, *install) -> pathlib.Path:
     run(sys.executable, "-m", "venv", where)
     python = where / "bin" / "python"
@@ -75,27 +97,20 @@ def check_sdist(tmp: pathlib.Path):
     with tarfile.open(sdist) as tar:
         tar.extractall(tmp, filter="data")
     source = tmp / f"equinox-{VERSION}"
-    # The source distribution has no tests/: the test files that the series creates
-    # are built, patch by patch, in a folder of their own.
-    new_tests = sorted(
-        {
-            m[1]
-            for p in patches()
-            for m in re.finditer(
-                r"^diff --git a/(tests/\S+) b/\S+\nnew file", p.read_text(), re.M
-            )
-        }
-    )
     run_dir = tmp / "run"
     (run_dir / "tests").mkdir(parents=True)
+    added: dict[str, list[str]] = {}
     for patch in patches():
         run("git", "apply", "--include=equinox/*", patch.resolve(), cwd=source)
-        if new_tests:
-            includes = [f"--include={t}" for t in new_tests]
-            run("git", "apply", *includes, patch.resolve(), cwd=run_dir)
+        for name, lines in added_test_lines(patch.read_text()).items():
+            added.setdefault(name, []).extend(lines)
+    if not added:
+        sys.exit("the series adds no tests")
+    for name, lines in added.items():
+        (run_dir / name).write_text(TEST_IMPORTS + "\n".join(lines) + "\n")
     (run_dir / "tests" / "conftest.py").write_text(CONFTEST)
     python = venv(tmp / "venv", source, "pytest")
-    run(python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *new_tests, cwd=run_dir)
+    run(python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *added, cwd=run_dir)
 
 
 def suite(python, repo) -> tuple[str, set[str]]:
