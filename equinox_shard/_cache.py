@@ -98,7 +98,9 @@ class Cache:
             out_leaves, _ = flatten_specs(out_shardings, "out_shardings")
         # Callables and path rules need the output: resolved from the first trace.
         self.out_rules = any(is_rule(x) or isinstance(x, PathRules) for x in out_leaves)
-        self.out_mesh = any(isinstance(x, jax.P) for x in out_leaves)
+        # Bare `PartitionSpec`s, and rules (which may return one), resolve against the
+        # context mesh: an entry keys on it (RFC §6, "What an entry depends on").
+        self.out_mesh = self.out_rules or any(isinstance(x, jax.P) for x in out_leaves)
         self.fun_names = fn_names(fun)
         self.fun_source = fn_source(fun)
         self.layouts: dict = {}
@@ -207,8 +209,8 @@ class Layout:
         self.treedef = treedef
         self.dynamic = tuple(i for i, m in enumerate(mask) if m)
         self.dynamic_leaves = getter(self.dynamic)
-        static = tuple(i for i, m in enumerate(mask) if not m)
-        self.static_of = getter(static)
+        self.static = tuple(i for i, m in enumerate(mask) if not m)
+        self.static_of = getter(self.static)
         # How the traced leaves go to `jax.jit`.
         self.packing = Packing(args, kwargs, mask)
         n_first = len(jtu.tree_leaves(args[0])) if args else 0
@@ -218,9 +220,14 @@ class Layout:
             if (cache.donate_first if i < n_first else cache.donate_rest)
         )
         self.specs = _in_specs(cache, args, kwargs, leaves, dynamic)
-        self.rules = tuple(i for i in self.dynamic if is_rule(self.specs[i]))
-        self.needs_mesh = cache.out_mesh or any(
-            isinstance(s, jax.P) for s in self.specs
+        in_rules = tuple(i for i in self.dynamic if is_rule(self.specs[i]))
+        # The leaves whose shapes and dtypes resolving depends on: the rules' own, or
+        # every traced leaf when `out_shardings` rules see the output.
+        self.rules = self.dynamic if cache.out_rules else in_rules
+        self.needs_mesh = (
+            cache.out_mesh
+            or bool(in_rules)
+            or any(isinstance(s, jax.P) for s in self.specs)
         )
         # The entry key of a call's leaves: its static leaves, and what resolving
         # callable specs or bare `PartitionSpec`s depends on.

@@ -55,24 +55,6 @@ def raise_if_fun_deleted(fun_name: str, dynamic_fun: Any) -> None:
             )
 
 
-def raise_if_committed_elsewhere(
-    names, args, kwargs, leaves: list, targets: list[tuple[int, Sharding]]
-) -> None:
-    """`ValueError`, naming the key path, for a committed input whose sharding is not
-    its `in_shardings` entry: committed arrays are never moved implicitly."""
-    for i, sharding in targets:
-        x = leaves[i]
-        if is_concrete_array(x) and x.committed:
-            if not x.sharding.is_equivalent_to(sharding, x.ndim):
-                raise ValueError(
-                    f"{arg_path(names, args, kwargs, i)}: this argument is committed "
-                    f"to {x.sharding}, but `in_shardings` asks for {sharding}. "
-                    "`filter_jit` does not move committed arrays implicitly; move it "
-                    "first with `equinox_shard.filter_device_put`, or give `None` for "
-                    "it in `in_shardings` to accept its current sharding."
-                )
-
-
 def donation_copies(
     names, args, kwargs, leaves: list, donated: tuple, dynamic: tuple, fun_leaves
 ) -> list[int] | None:
@@ -109,7 +91,7 @@ def diagnose(
     fun: tuple[str, Any] = ("fun", None),
 ) -> None:
     """Called after `jax.jit` raised: raises our own error, naming the key path, if we
-    can name the culprit (a deleted input, a committed mismatch, a bad shape). `fun`:
+    can name the culprit (a deleted input, a bad shape). `fun`:
     the name and the arrays (`dynamic_fun`) of the function being JIT'd."""
     raise_if_deleted(names, args, kwargs, leaves, dynamic)
     raise_if_fun_deleted(*fun)
@@ -119,4 +101,3 @@ def diagnose(
             sharding,
             lambda i=i: arg_path(names, args, kwargs, i),
         )
-    raise_if_committed_elsewhere(names, args, kwargs, leaves, targets)

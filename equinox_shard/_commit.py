@@ -1,15 +1,17 @@
-"""Committing `filter_jit`'s uncommitted inputs to their `in_shardings` before a call.
+"""Placing `filter_jit`'s inputs on their `in_shardings` before a call.
 
-`jax.jit` compiles uncommitted and committed inputs separately, so `x = f(x)` would
-compile twice: once for the uncommitted `x`, once for the committed output fed back.
-Placing uncommitted inputs first means `jax.jit` sees committed inputs every time. Where
-a sharding spans several processes (`jax.distributed`), host-local values (NumPy
-arrays, and arrays on this process's devices) are placed as `filter_device_put` places
-them: checked to be the same on every process.
+`in_shardings` is the request to place: an input that is not yet there (uncommitted, or
+committed elsewhere) is moved first, so that `jax.jit` always sees inputs on their
+shardings, `x = f(x)` compiles once, and a committed input is moved where plain
+`jax.jit` would refuse (the same devices, another sharding). A move is a copy: the
+caller's array stays alive and unchanged. A donated input that moves is copied into
+buffers of its own, and the copy is donated. Where a sharding spans several processes
+(`jax.distributed`), host-local values are placed as `filter_device_put` places them:
+checked to be the same on every process.
 """
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import jax
 import jax.core
@@ -17,6 +19,7 @@ import numpy as np
 from jax.sharding import Sharding
 
 from . import _multiprocess
+from ._place import is_placed, private_copies, shares_source_buffer
 
 
 _committed = operator.attrgetter("committed")
@@ -30,22 +33,37 @@ def all_committed(values) -> bool:
         return False
 
 
+def misplaced(leaves: list, targets: list[tuple[int, Sharding]]) -> bool:
+    """Whether an array among `targets` is committed to another sharding."""
+    return any(
+        isinstance(x := leaves[i], jax.Array)
+        and not isinstance(x, jax.core.Tracer)
+        and x.committed
+        and not is_placed(x, s)
+        for i, s in targets
+    )
+
+
 def commit(
-    leaves: list, targets: list[tuple[int, Sharding]], where: Callable[[int], str]
+    leaves: list,
+    targets: list[tuple[int, Sharding]],
+    where: Callable[[int], str],
+    donated: Collection[int] = (),
 ) -> None:
-    """Places each uncommitted `leaves[i]` onto `sharding`, for `(i, sharding)` in
-    `targets`, in place. A committed array is left as it is (a mismatch is raised by
-    `_checks.raise_if_committed_elsewhere`). The copies are never returned to the
-    caller, so they may share buffers with their source."""
+    """Places each `leaves[i]` that is not on `sharding` onto it, for `(i, sharding)` in
+    `targets`, in place. The copies are never returned to the caller, so they may share
+    buffers with their source, except those in `donated`, which share none."""
     multiprocess = any(not s.is_fully_addressable for _, s in targets)
+    donated = frozenset(donated)
     todo = []
     for i, sharding in targets:
         x = leaves[i]
         if isinstance(x, jax.core.Tracer):
             continue
-        if (isinstance(x, jax.Array) and not x.committed) or (
-            multiprocess and isinstance(x, (np.ndarray, np.generic))
-        ):
+        if isinstance(x, jax.Array):
+            if not (x.committed and is_placed(x, sharding)):
+                todo.append((i, sharding))
+        elif multiprocess and isinstance(x, (np.ndarray, np.generic)):
             todo.append((i, sharding))
     if not todo:
         return
@@ -55,6 +73,16 @@ def commit(
         indices, shardings = _multiprocess.place_host_local(
             leaves, indices, shardings, where
         )
+    # `jax.device_put` may hand back a source buffer as a shard of its result
+    # (upstream/jax-reports/device-put-may-alias-replicated): a donated input is
+    # first copied where it is, so that donating the result frees only the copy.
+    private = [
+        i
+        for i, s in zip(indices, shardings)
+        if i in donated and shares_source_buffer(leaves[i], s)
+    ]
+    if private:
+        private_copies(leaves, private)
     if indices:
         moved = jax.device_put([leaves[i] for i in indices], shardings)
         for i, x in zip(indices, moved):

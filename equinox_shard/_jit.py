@@ -17,6 +17,7 @@ from equinox import field, is_array, Module, module_update_wrapper, Partial
 
 from . import _callbacks, _checks
 from ._cache import Cache, Entry, get_cache, Layout, unset
+from ._commit import misplaced
 from ._prepare import any_deleted, prepare
 from ._trace import (
     dispatch_lock,
@@ -63,12 +64,12 @@ def _call(wrapper, args, kwargs, compiled=None):
         layout = cache.layouts.get((treedef, tuple(map(type, leaves))))
         entry = None if layout is None else layout.entries.get(layout.key(leaves))
         if entry is None:
-            entry, leaves, dynamic = _compile(
+            entry, layout, leaves, dynamic = _compile(
                 wrapper, cache, args, kwargs, leaves, treedef
             )
         else:
             leaves, dynamic = prepare(
-                fields["_dynamic_fun"], cache, entry, args, kwargs, leaves
+                fields["_dynamic_fun"], cache, entry, layout, args, kwargs, leaves
             )
         run = entry.jitted
     else:
@@ -84,47 +85,66 @@ def _call(wrapper, args, kwargs, compiled=None):
                 f"{entry.layout.static_of(leaves)}. Lower and compile it again for "
                 "these arguments."
             )
+        layout = entry.layout
         leaves, dynamic = prepare(
-            fields["_dynamic_fun"], cache, entry, args, kwargs, leaves
+            fields["_dynamic_fun"], cache, entry, layout, args, kwargs, leaves
         )
         run = compiled.compiled
-    try:
-        if entry.plain:
-            out = run(*dynamic)
-        elif entry.wait:
-            out = _callbacks.call_and_wait(entry.wait, run, dynamic, __equinox_jit_id__)
-        elif entry.donates:
-            # Checked again with the dispatch: another thread may have donated an input
-            # since `prepare` checked it (see `dispatch_lock`).
-            with dispatch_lock:
-                if any_deleted(entry.layout, leaves, dynamic[0]):
-                    raise RuntimeError("An input was donated by another thread.")
-                if cache.filter_warning:
-                    with warnings.catch_warnings():
-                        warnings.filterwarnings(
-                            "ignore", message="Some donated buffers were not usable"
-                        )
-                        out = run(*dynamic)
-                else:
-                    out = run(*dynamic)
-        elif entry.serialize:
-            with dispatch_lock:
+    for retry in (False, True):
+        try:
+            if entry.plain:
                 out = run(*dynamic)
-        else:
-            out = run(*dynamic)
-    except eqx.EquinoxRuntimeError:
-        raise
-    except Exception:
-        _checks.diagnose(
-            cache.names,
-            args,
-            kwargs,
-            leaves,
-            entry.layout.dynamic,
-            entry.targets,
-            (cache.fun_name, fields["_dynamic_fun"]),
-        )
-        raise
+            elif entry.wait:
+                out = _callbacks.call_and_wait(
+                    entry.wait, run, dynamic, __equinox_jit_id__
+                )
+            elif entry.donates:
+                # Checked again with the dispatch: another thread may have donated an
+                # input since `prepare` checked it (see `dispatch_lock`).
+                with dispatch_lock:
+                    if any_deleted(layout, leaves, dynamic[0]):
+                        raise RuntimeError("An input was donated by another thread.")
+                    if cache.filter_warning:
+                        with warnings.catch_warnings():
+                            warnings.filterwarnings(
+                                "ignore", message="Some donated buffers were not usable"
+                            )
+                            out = run(*dynamic)
+                    else:
+                        out = run(*dynamic)
+            elif entry.serialize:
+                with dispatch_lock:
+                    out = run(*dynamic)
+            else:
+                out = run(*dynamic)
+            break
+        except eqx.EquinoxRuntimeError:
+            raise
+        except Exception:
+            if not retry and entry.targets and misplaced(leaves, entry.targets):
+                # `jax.jit` refuses a committed input on another sharding of the same
+                # devices, before running anything: it is moved, and called again.
+                leaves, dynamic = prepare(
+                    fields["_dynamic_fun"],
+                    cache,
+                    entry,
+                    layout,
+                    args,
+                    kwargs,
+                    leaves,
+                    True,
+                )
+                continue
+            _checks.diagnose(
+                cache.names,
+                args,
+                kwargs,
+                leaves,
+                entry.layout.dynamic,
+                entry.targets,
+                (cache.fun_name, fields["_dynamic_fun"]),
+            )
+            raise
     dynamic_out, static_out = out
     if static_out is None:
         return dynamic_out
@@ -146,7 +166,7 @@ def _compile(wrapper, cache, args, kwargs, leaves, treedef, dynamic=is_array):
         if entry is None:
             entry = new_entry(wrapper, cache, layout, args, kwargs, leaves)
         leaves, dynamic_trees = prepare(
-            wrapper._dynamic_fun, cache, entry, args, kwargs, leaves
+            wrapper._dynamic_fun, cache, entry, layout, args, kwargs, leaves, True
         )
         if entry.wait is None and not jax.config.jax_disable_jit:  # pyright: ignore
             with warnings.catch_warnings():
@@ -165,7 +185,7 @@ def _compile(wrapper, cache, args, kwargs, leaves, treedef, dynamic=is_array):
             cache.layouts[layout_key if dynamic is not is_array else layout_key[:2]] = (
                 layout
             )
-    return entry, leaves, dynamic_trees
+    return entry, layout, leaves, dynamic_trees
 
 
 #
@@ -191,13 +211,15 @@ class Compiled(Module):
     @property
     def input_shardings(self) -> tuple[tuple, dict]:
         """The shardings of the array arguments, as `(args, kwargs)` in the structure of
-        the bound arguments; `None` at non-array leaves."""
+        the bound arguments; non-array arguments appear as themselves."""
         (_, kwargs, *args), _ = self.compiled.input_shardings
         layout = self._entry.layout
-        shardings = [None] * layout.treedef.num_leaves
+        leaves: list = [None] * layout.treedef.num_leaves
+        for i, x in zip(layout.static, self._entry.static):
+            leaves[i] = x
         for i, sharding in zip(layout.dynamic, layout.packing.unpack(kwargs, args)):
-            shardings[i] = sharding
-        return layout.treedef.unflatten(shardings)
+            leaves[i] = sharding
+        return layout.treedef.unflatten(leaves)
 
     @property
     def output_shardings(self) -> Any:
@@ -254,7 +276,7 @@ class _JitWrapper(Module):
         cache = self._cache
         args, kwargs = _bind(cache, args, kwargs)
         leaves, treedef = jtu.tree_flatten((args, kwargs))
-        entry, leaves, dynamic = _compile(
+        entry, _, leaves, dynamic = _compile(
             self, cache, args, kwargs, leaves, treedef, _is_array_or_struct
         )
         try:

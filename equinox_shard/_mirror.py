@@ -14,10 +14,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax.tree_util as jtu
-from equinox import Module
 
 
-class _KeyPath:
+class KeyPath:
     """A key whose `str` is a whole key path: JAX prints `name + str(key)`."""
 
     __slots__ = ("path",)
@@ -31,7 +30,7 @@ class _KeyPath:
     __repr__ = __str__
 
 
-class _Names:
+class Names:
     """The key paths of a `Named`'s leaves; compared by identity, so that `jax.jit`'s
     cache lookup does not compare paths."""
 
@@ -46,7 +45,7 @@ class Named:
 
     __slots__ = ("leaves", "names")
 
-    def __init__(self, leaves: tuple, names: _Names):
+    def __init__(self, leaves: tuple, names: Names):
         self.leaves = leaves
         self.names = names
 
@@ -69,12 +68,17 @@ def getter(indices: tuple[int, ...]) -> Callable[[Any], tuple]:
     return operator.itemgetter(*indices)
 
 
-def _builtin_structure(treedef: Any, mask: list[bool]) -> Any:
-    """The structure of a subtree with `None` at its static leaves, if JAX flattens
-    that in C++ (no Modules), else `None`."""
-    tree = treedef.unflatten([0 if m else None for m in mask])
-    structure = jtu.tree_structure(tree)
-    return structure if jtu.tree_structure(mirror(tree)) == structure else None
+def _is_builtin(treedef: Any) -> bool:
+    """Whether JAX flattens a structure in C++ (tuples, lists, dicts, namedtuples):
+    read from the structure itself, so no user class is rebuilt to find out."""
+    if treedef.num_nodes == 1:
+        return True
+    kind = treedef.node_data()[0]
+    if kind not in (tuple, list, dict) and not (
+        issubclass(kind, tuple) and hasattr(kind, "_fields")
+    ):
+        return False
+    return all(map(_is_builtin, treedef.children()))
 
 
 class Packing:
@@ -90,12 +94,13 @@ class Packing:
             treedef = jtu.tree_structure(value)
             indices = range(start, start + treedef.num_leaves)
             start += treedef.num_leaves
-            tree = treedef.unflatten([0 if mask[i] else None for i in indices])
-            if jtu.tree_structure(mirror(tree)) != jtu.tree_structure(tree):
+            if _is_builtin(treedef):
+                tree = treedef.unflatten([0 if mask[i] else None for i in indices])
+            else:
                 # Key paths after `args[p]` / `kwargs`.
-                keys = [_KeyPath(jtu.keystr(paths[i][skip:])) for i in indices]
+                keys = [KeyPath(jtu.keystr(paths[i][skip:])) for i in indices]
                 keys = tuple(k for i, k in zip(indices, keys) if mask[i])
-                tree = Named((0,) * len(keys), _Names(keys))
+                tree = Named((0,) * len(keys), Names(keys))
             parts.append(tree)
         packed = (tuple(parts[:-1]), parts[-1])
         self.structure = jtu.tree_structure(packed)
@@ -131,10 +136,30 @@ def _namedtuple(cls: type, names: tuple[str, ...]) -> type:
     return nt
 
 
+class _Node:
+    """The mirror of a node that is neither a builtin nor all attributes: its children
+    under their own keys, so that key paths are unchanged."""
+
+    __slots__ = ("children", "aux")
+
+    def __init__(self, children: tuple, aux: tuple):
+        self.children = children
+        self.aux = aux  # (the node's type, its children's keys)
+
+
+jtu.register_pytree_with_keys(
+    _Node,
+    lambda x: (tuple(zip(x.aux[1], x.children)), x.aux),
+    lambda aux, children: _Node(tuple(children), aux),
+    flatten_func=lambda x: (x.children, x.aux),
+)
+
+
 def mirror(tree: Any, is_leaf=None) -> Any:
-    """`tree` with every Module replaced by a namedtuple of its children (named by its
-    field names, so key paths are unchanged); other nodes are rebuilt around mirrored
-    children, and leaves are kept."""
+    """`tree` in node types that JAX owns, with the same leaves and key paths: a Module
+    (or any node whose children are attributes) as a namedtuple of its children, a
+    tuple, list or dict as itself, any other node as a `_Node`. Nothing of `tree`'s own
+    classes is constructed, so their constructors' checks never see placeholders."""
     if tree is None or (is_leaf is not None and is_leaf(tree)):
         return tree
     kind = type(tree)
@@ -146,8 +171,8 @@ def mirror(tree: Any, is_leaf=None) -> Any:
     if jtu.treedef_is_leaf(node):
         return tree
     mirrored = [mirror(x, is_leaf) for _, x in children]
-    keys = [path[0] for path, _ in children]
-    if isinstance(tree, Module) and all(isinstance(k, jtu.GetAttrKey) for k in keys):
+    keys = tuple(path[0] for path, _ in children)
+    if keys and all(isinstance(k, jtu.GetAttrKey) for k in keys):
         names = tuple(k.name for k in keys)  # pyright: ignore[reportAttributeAccessIssue]
         return _namedtuple(kind, names)(*mirrored)
-    return node.unflatten(mirrored)
+    return _Node(tuple(mirrored), (kind, keys))

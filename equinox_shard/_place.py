@@ -32,7 +32,7 @@ def is_default_memory(sharding: Sharding) -> bool:
     return sharding.memory_kind in (None, "device")
 
 
-def _same_mesh(current: Sharding, target: Sharding) -> bool:
+def same_mesh(current: Sharding, target: Sharding) -> bool:
     """Whether an array placed on `current` may stand for one placed on `target`, given
     that the two are equivalent: the mesh is part of an array's type (Explicit axes
     appear in it, and JAX requires the inputs of one computation to share a mesh), so
@@ -48,6 +48,19 @@ def _same_mesh(current: Sharding, target: Sharding) -> bool:
     return True
 
 
+def is_placed(x: jax.Array, sharding: Sharding) -> bool:
+    """Whether the committed array `x` may stand for one placed on `sharding`."""
+    current = x.sharding
+    if current == sharding:
+        return True
+    try:
+        return current.is_equivalent_to(sharding, x.ndim) and same_mesh(
+            current, sharding
+        )
+    except Exception:  # Not equivalent; a later `check` names the problem if any.
+        return False
+
+
 def raise_if_deleted(value: Any, leaves: list, indices, value_name: str) -> None:
     """Raises `RuntimeError`, naming the key path, if `leaves[i]` for any `i` in
     `indices` is a deleted (e.g. donated) array."""
@@ -61,7 +74,7 @@ def raise_if_deleted(value: Any, leaves: list, indices, value_name: str) -> None
                 )
 
 
-def _shares_source_buffer(leaf: Any, sharding: Sharding) -> bool:
+def shares_source_buffer(leaf: Any, sharding: Sharding) -> bool:
     """Whether `jax.device_put(leaf, sharding, may_alias=False)` may still hand back one
     of `leaf`'s own buffers as a shard of the result. JAX reuses a buffer wherever the
     result's shard on a device is exactly `leaf`'s shard on that device (a
@@ -135,16 +148,8 @@ def device_put_leaves(
         if flag is not False and _is_committed_array(leaf):
             if leaf.is_deleted():
                 raise_if_deleted(value, leaves, (i,), value_name)
-            current = leaf.sharding
-            if current == sharding:
+            if is_placed(leaf, sharding):
                 continue
-            try:
-                if current.is_equivalent_to(sharding, leaf.ndim) and _same_mesh(
-                    current, sharding
-                ):
-                    continue
-            except Exception:
-                pass  # Not equivalent; `check` below names the problem if any.
         check(leaf.shape, sharding, lambda i=i: leaf_path(value, i, value_name))
         indices.append(i)
         targets.append(sharding)
@@ -179,7 +184,7 @@ def device_put_leaves(
     early = [
         k
         for k, (x, t) in enumerate(zip(sources, targets))
-        if copy[k] and _shares_source_buffer(x, t)
+        if copy[k] and shares_source_buffer(x, t)
     ]
     if early:
         # A private copy on the source device first, whose buffer may then be shared.

@@ -12,13 +12,27 @@ from ._cache import Cache, Entry, Layout
 from ._place import private_copies
 
 
-def prepare(dynamic_fun, cache: Cache, entry: Entry, args, kwargs, leaves):
-    """Checks and placements before execution; returns the dynamic trees to call."""
-    layout = entry.layout
+def prepare(
+    dynamic_fun,
+    cache: Cache,
+    entry: Entry,
+    layout: Layout,
+    args,
+    kwargs,
+    leaves,
+    place_all: bool = False,
+):
+    """Checks and placements before execution; returns the dynamic trees to call.
+    `layout` is the one of this call's leaf types, which checks for deleted inputs: an
+    entry is shared by layouts that differ in them (arrays, tracers, NumPy), and its
+    own layout packs the leaves as its traced function unpacks them. Committed inputs
+    on another sharding are moved if `place_all` or the call donates (else `jax.jit`
+    moves them, or raises and the call is made again with `place_all`)."""
     changed = False
     # XLA crashes on a deleted multi-device input, donated or not.
     if _inputs_deleted(layout, leaves):
         _checks.raise_if_deleted(cache.names, args, kwargs, leaves, layout.dynamic)
+    layout = entry.layout
     if entry.donates:
         # Donation: copy what is reachable twice, so that nothing kept is lost.
         fun_leaves = jtu.tree_leaves(dynamic_fun) if cache.donate_rest else ()
@@ -40,13 +54,18 @@ def prepare(dynamic_fun, cache: Cache, entry: Entry, args, kwargs, leaves):
             leaves = list(leaves)
             private_copies(leaves, copies)
             changed = True
-    if entry.targets and not _commit.all_committed(entry.get_targets(leaves)):
+    if entry.targets and (
+        place_all
+        or entry.donates
+        or not _commit.all_committed(entry.get_targets(leaves))
+    ):
         leaves = list(leaves)
         try:
             _commit.commit(
                 leaves,
                 entry.targets,
                 lambda i: _checks.arg_path(cache.names, args, kwargs, i),
+                layout.donated if entry.donates else (),
             )
         except Exception:
             # The entry was checked for the shapes of the call that made it.
@@ -65,7 +84,7 @@ def prepare(dynamic_fun, cache: Cache, entry: Entry, args, kwargs, leaves):
 def _inputs_deleted(layout: Layout, leaves) -> bool:
     try:
         return layout.any_deleted(leaves)
-    except TypeError:  # a `Compiled` called with leaves of another type
+    except (TypeError, AttributeError):  # a `Compiled` called with other leaf types
         return layout._any_deleted(leaves)
 
 

@@ -10,6 +10,7 @@ from equinox import is_array
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
+from ._mirror import KeyPath, Named, Names
 from ._spec import broadcast_specs, call_rule, check, flatten_specs, leaf_path
 from ._spec_leaves import (
     _describe_leaf,
@@ -273,7 +274,9 @@ def filter_shard_map(
         if indices and all(types.get(a) == AxisType.Explicit for a in manual):
             leaves = list(leaves)
             _to_explicit(mesh_, leaves, specs, indices)
-        out_specs_flat: list = []  # filled in by `body`, which `jax.shard_map` traces
+        # Filled in by `body`, which `jax.shard_map` traces; named by the outputs' key
+        # paths, which JAX's errors print (`out_specs['loss']`).
+        out_specs_named = Named((), Names(()))
         out_static: list = [None]
 
         def body(dynamic):
@@ -301,21 +304,27 @@ def filter_shard_map(
             # `jax.shard_map` reads `out_specs` only after tracing `body`, so this list
             # can be filled here (tests/test_jax_facts.py::
             # test_shard_map_reads_out_specs_after_tracing).
-            out_specs_flat[:] = [per_leaf[i] for i in positions]
+            paths = jtu.tree_flatten_with_path(out)[0]
+            names = Names(tuple(KeyPath(jtu.keystr(paths[i][0])) for i in positions))
+            out_specs_named.leaves = tuple(per_leaf[i] for i in positions)
+            out_specs_named.names = names
             static = [None if is_array(x) else x for x in out_leaves]
             out_static[0] = (out_def, static, positions)
-            return [out_leaves[i] for i in positions]
+            return Named(tuple(out_leaves[i] for i in positions), names)
+
+        # JAX's errors name the function it maps: the user's.
+        body.__name__ = getattr(fun, "__name__", type(fun).__name__)
 
         dynamic_out = jax.shard_map(
             body,
             mesh=mesh_,
             in_specs=([specs[i] for i in indices],),
-            out_specs=out_specs_flat,
+            out_specs=out_specs_named,
             axis_names=frozenset(axis_names),
             check_vma=check_vma,
         )([leaves[i] for i in indices])
         out_def, static, positions = out_static[0]  # pyright: ignore
-        for i, x in zip(positions, dynamic_out):
+        for i, x in zip(positions, dynamic_out.leaves):
             static[i] = x
         return jtu.tree_unflatten(out_def, static)
 

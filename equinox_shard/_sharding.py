@@ -39,9 +39,11 @@ def resolve_leaves(
     *,
     abstract_ok: bool,
     dynamic: Callable[[Any], bool] = is_array,
+    mesh=None,
 ) -> list[tuple[int, Sharding]]:
     """Returns `(leaf index, sharding)` for every dynamic leaf of `value` whose
-    specification resolves to a sharding (i.e. not `None`)."""
+    specification resolves to a sharding (i.e. not `None`); bare `PartitionSpec`s
+    against `mesh` if given, else the context mesh."""
     if isinstance(specs, Sharding):  # the common case: nothing to broadcast or resolve
         return [(i, specs) for i, leaf in enumerate(leaves) if dynamic(leaf)]
     spec_leaves, spec_def = flatten_specs(specs, spec_name)
@@ -69,6 +71,7 @@ def resolve_leaves(
             leaf,
             lambda i=i: leaf_path(value, i, value_name),
             abstract_ok=abstract_ok,
+            mesh=mesh,
         )
         if sharding is not None:
             out.append((i, sharding))
@@ -203,9 +206,10 @@ def filter_device_put(
     **Returns:**
 
     A PyTree with the structure of `x`: array leaves placed (committed), with the same
-    shapes and dtypes; other leaves the same objects. Each array is either the very
-    object of `x` (already placed) or owns its buffers, so that donating it later
-    never deletes an array of `x` (unless `may_alias=True`).
+    shapes and dtypes; other leaves the same objects. An array already placed is the
+    very object of `x`, so donating it later donates the array of `x`; every other
+    array owns its buffers (unless `may_alias=True`), so donating it later never
+    deletes an array of `x`.
 
     **Raises:**
 

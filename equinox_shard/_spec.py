@@ -95,17 +95,22 @@ def _first_mismatch(spec: Any, value: Any, path: tuple) -> tuple[tuple, str] | N
         and isinstance(value, dict)
         and spec.keys() != value.keys()
     ):
-        for key in sorted(value.keys() | spec.keys(), key=repr):
-            if key not in spec:
-                return (
-                    path + (jtu.DictKey(key),),
-                    "the value has this key but the specification does not",
-                )
-            if key not in value:
-                return (
-                    path + (jtu.DictKey(key),),
-                    "the specification has this key but the value does not",
-                )
+        missing = sorted(value.keys() - spec.keys(), key=repr)
+        extra = sorted(spec.keys() - value.keys(), key=repr)
+        # Both sides are named: a key on each side is usually one misspelt.
+        others = ", ".join(map(repr, extra))
+        if missing:
+            also = f"; the specification has {others}, which the value does not" * bool(
+                extra
+            )
+            return (
+                path + (jtu.DictKey(missing[0]),),
+                f"the value has this key but the specification does not{also}",
+            )
+        return (
+            path + (jtu.DictKey(extra[0]),),
+            "the specification has this key but the value does not",
+        )
     if spec_def.node_data() != value_def.node_data():
         if type(spec) is type(value) and is_pytree_node(spec):
             spec_data = spec_def.node_data()[1]  # pyright: ignore[reportOptionalSubscript]
@@ -205,11 +210,12 @@ def call_rule(rule: Callable, leaf: Any, where: Callable[[], str]) -> Any:
 
 
 def resolve(
-    spec: Any, leaf: Any, where: Callable[[], str], *, abstract_ok: bool
+    spec: Any, leaf: Any, where: Callable[[], str], *, abstract_ok: bool, mesh=None
 ) -> Sharding | None:
     """Resolves one spec leaf against one array leaf to a `Sharding`, or `None`.
 
     `where()` returns the leaf's key path; it is only called to build an error message.
+    A bare `PartitionSpec` resolves against `mesh` if given, else the context mesh.
     """
     if spec is None:
         return None
@@ -227,7 +233,8 @@ def resolve(
     if isinstance(spec, jax.Device):
         return SingleDeviceSharding(spec)
     if isinstance(spec, PartitionSpec):
-        mesh = context_mesh(abstract_ok=abstract_ok)
+        if mesh is None:
+            mesh = context_mesh(abstract_ok=abstract_ok)
         if mesh is None:
             raise ValueError(
                 f"{where()}: got the bare PartitionSpec {spec}, but no mesh is set. "

@@ -18,27 +18,26 @@ from ._cache import Cache, Entry, Layout, unset
 from ._mirror import getter, mirror
 from ._place import device_put_leaves
 from ._sharding import resolve_leaves
-from ._spec import check, resolve
+from ._spec import check, context_mesh, resolve
 from ._spec_leaves import is_rule, is_spec_leaf, PathRules
 
 
 def hashable_partition(tree: Any) -> tuple[Any, tuple[tuple, Any]]:
-    """Splits `tree` into a PyTree of the same structure holding its arrays (`None` at
-    every other leaf), and a hashable `(leaves, treedef)` holding everything else."""
+    """Splits `tree` into its arrays, in its `mirror` (`None` at every other leaf), and
+    a hashable `(leaves, treedef)` holding everything else (`None` at the arrays)."""
     leaves, treedef = jtu.tree_flatten(tree)
-    dynamic = [x if is_array(x) else None for x in leaves]
+    mirrored = mirror(tree)
+    mirror_leaves, mirror_def = jtu.tree_flatten(mirrored)
+    dynamic = mirror_def.unflatten([x if is_array(x) else None for x in mirror_leaves])
     static = tuple(None if is_array(x) else x for x in leaves)
-    return treedef.unflatten(dynamic), (static, treedef)
+    return dynamic, (static, treedef)
 
 
 def hashable_combine(dynamic: Any, static: tuple[tuple, Any]) -> Any:
     """The inverse of `hashable_partition`."""
     static_leaves, treedef = static
-    if dynamic is None:
-        return treedef.unflatten(static_leaves)
-    dynamic_leaves = treedef.flatten_up_to(dynamic)
-    leaves = [d if s is None else s for d, s in zip(dynamic_leaves, static_leaves)]
-    return treedef.unflatten(leaves)
+    arrays = iter(jtu.tree_leaves(dynamic))
+    return treedef.unflatten([next(arrays) if s is None else s for s in static_leaves])
 
 
 #
@@ -80,7 +79,7 @@ jtu.register_static(OutStatic)
 
 
 def _traced_function(
-    cache: Cache, static_fun, layout: Layout, leaves, targets, out_specs, found
+    cache: Cache, static_fun, layout: Layout, leaves, targets, mesh, out_specs, found
 ):
     static_leaves = tuple(
         None if i in set(layout.dynamic) else x for i, x in enumerate(leaves)
@@ -103,15 +102,16 @@ def _traced_function(
         args, kwargs = treedef.unflatten(flat)
         out = fun(*args, **kwargs)
         if out_specs is not unset:
-            out = _out_shardings(out, out_specs, found, structured)
+            out = _out_shardings(out, out_specs, found, structured, mesh)
         leaves, out_def = jtu.tree_flatten(out)
         static = tuple(None if is_array(x) else x for x in leaves)
         if structured:
             # The output's mirror, of which the mirrored `out_shardings` is a prefix.
-            dynamic = out_def.unflatten(
+            mirror_def = jtu.tree_structure(mirror(out))
+            dynamic = mirror_def.unflatten(
                 [x if s is None else None for x, s in zip(leaves, static)]
             )
-            return mirror(dynamic), OutStatic(static, out_def, True)
+            return dynamic, OutStatic(static, out_def, True)
         if out_specs is unset and all(x is None for x in static):
             return out, None
         # Flat: then `jax.jit` does not walk the output's Modules.
@@ -143,13 +143,14 @@ def _is_single(specs) -> bool:
     return jtu.tree_structure(specs, is_leaf=is_spec_leaf).num_nodes == 1
 
 
-def _out_shardings(out, out_specs, found: list | None, structured: bool):
+def _out_shardings(out, out_specs, found: list | None, structured: bool, mesh):
     """At trace time: checks `out_shardings` against the output, naming `out[...]`, and
-    (for callable spec leaves) records the resolved shardings in `found`. Under
-    `jax.disable_jit()` places the output instead, as `jax.jit` would have."""
+    (for callable spec leaves) records the resolved shardings in `found`, on `mesh`:
+    the mesh of the call, concrete where it was. Under `jax.disable_jit()` places the
+    output instead, as `jax.jit` would have."""
     out_leaves, out_def = jtu.tree_flatten(out)
     todo = resolve_leaves(
-        out, out_leaves, out_specs, "out_shardings", "out", abstract_ok=True
+        out, out_leaves, out_specs, "out_shardings", "out", abstract_ok=True, mesh=mesh
     )
     for i, sharding in todo:
         check(
@@ -162,7 +163,7 @@ def _out_shardings(out, out_specs, found: list | None, structured: bool):
         by_index = dict(todo)
         shardings = [by_index.get(i) for i in range(len(out_leaves))]
         if structured:
-            found.append(mirror(out_def.unflatten(shardings)))
+            found.append(jtu.tree_structure(mirror(out)).unflatten(shardings))
         else:
             found.append(tuple(s for s, x in zip(shardings, out_leaves) if is_array(x)))
     if jax.config.jax_disable_jit and todo:  # pyright: ignore
@@ -190,7 +191,7 @@ def _static_out_shardings(out_specs):
 
 
 def new_entry(wrapper, cache: Cache, layout: Layout, args, kwargs, leaves) -> Entry:
-    """Resolves `in_shardings` for this call, checks committed inputs against them
+    """Resolves `in_shardings` for this call, checks each input's shape against them
     (before anything is traced), and builds the `jax.jit`."""
     names = cache.names
     targets = []
@@ -203,7 +204,6 @@ def new_entry(wrapper, cache: Cache, layout: Layout, args, kwargs, leaves) -> En
         if sharding is not None:
             check(jax.numpy.shape(leaves[i]), sharding, where)
             targets.append((i, sharding))
-    _checks.raise_if_committed_elsewhere(names, args, kwargs, leaves, targets)
     entry = Entry()
     entry.layout = layout
     entry.static = layout.static_of(leaves)
@@ -238,7 +238,12 @@ def new_entry(wrapper, cache: Cache, layout: Layout, args, kwargs, leaves) -> En
             mirrored = mirror(out_specs, is_leaf=is_spec_leaf)
             jit_kwargs["out_shardings"] = (mirrored, None)
     static_fun = wrapper._static_fun
-    make = ft.partial(_traced_function, cache, static_fun, layout, leaves, targets)
+    # Rules resolve on the call's mesh, which is concrete outside a trace: inside the
+    # trace only its abstract mesh is available.
+    mesh = context_mesh(abstract_ok=True) if cache.out_rules else None
+    make = ft.partial(
+        _traced_function, cache, static_fun, layout, leaves, targets, mesh
+    )
     entry.jitted = jax.jit(make(out_specs, None), **jit_kwargs)
     if cache.out_rules:
         entry.jitted = ResolveRules(make, out_specs, jit_kwargs)
@@ -255,6 +260,11 @@ class ResolveRules:
         self.make = make
         self.out_specs = out_specs
         self.jit_kwargs = jit_kwargs
+
+    def __call__(self, *args):
+        # Only under `jax.disable_jit()`, where nothing is traced: the function runs,
+        # and its outputs are placed as they come.
+        return jax.jit(self.make(self.out_specs, None), **self.jit_kwargs)(*args)
 
     def trace(self, *args):
         found: list = []

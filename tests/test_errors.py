@@ -802,39 +802,66 @@ def test_bad_shape_after_a_good_call(how, shape, match):
 
 
 #
-# `filter_jit`: committed inputs that do not match.
+# `filter_jit`: committed inputs elsewhere are moved where `in_shardings` asks (a
+# copy: the caller's arrays stay alive, unchanged and where they were).
 #
 
 
-def test_committed_with_other_sharding():
+def _moved(f, args, shardings):
+    intact = _Intact(args)
+    expected = jtu.tree_map(lambda a: a + 1, snapshot(args))
+    for _ in range(2):  # the first call, then the cache hit
+        out = f(*args)
+        assert_same_values(out, expected)
+        arrays = [x for x in jtu.tree_leaves(out) if eqx.is_array(x)]
+        for x, sharding in zip(arrays, shardings, strict=True):
+            assert x.sharding.is_equivalent_to(sharding, x.ndim), (x, sharding)
+        intact.check()
+
+
+@pytest.mark.parametrize("donate", ["none", "all"])
+def test_committed_with_other_sharding(donate):
     s, r = _sharded()
-    f = eqxs.filter_jit(_step, in_shardings=({"w": s, "b": None}, None))
+    f = eqxs.filter_jit(_step, in_shardings=({"w": s, "b": None}, None), donate=donate)
     model = {"w": jax.device_put(jnp.arange(8.0), r), "b": 1}
-    with _raises(ValueError, _kp("model", "w"), inputs=model, match="committed"):
-        f(model, 2)
+    _moved(f, (model, 2), [s])
 
 
-@pytest.mark.parametrize("where", ["other mesh", "one device"])
-def test_committed_outside_target_devices(where):
+@pytest.mark.parametrize("donate", ["none", "all"])
+@pytest.mark.parametrize("where", ["other mesh", "one device", "device order"])
+def test_committed_outside_target_devices(where, donate):
     s, _ = _sharded()
     if where == "other mesh":
         half = jax.sharding.Mesh(np.array(jax.devices()[4:]), ("x",))
         placed = jax.device_put(jnp.arange(8.0), NamedSharding(half, P("x")))
-    else:
+    elif where == "one device":
         placed = jax.device_put(jnp.arange(8.0), jax.devices()[5])
-    f = eqxs.filter_jit(_step, in_shardings=({"w": s, "b": None}, None))
-    model = {"w": placed, "b": 1}
-    with _raises(ValueError, _kp("model", "w"), inputs=model, match="committed"):
-        f(model, 2)
+    else:
+        reverse = jax.sharding.Mesh(np.array(jax.devices()[::-1]), ("x",))
+        placed = jax.device_put(jnp.arange(8.0), NamedSharding(reverse, P("x")))
+    f = eqxs.filter_jit(_step, in_shardings=({"w": s, "b": None}, None), donate=donate)
+    _moved(f, ({"w": placed, "b": 1}, 2), [s])  # `b` and `2` are static
+
+
+def test_committed_to_one_device_replicated_and_donated():
+    # Plain `jax.jit` deletes the caller's array here: its replicated copy shares the
+    # buffer on device 0, and donating the copy frees it.
+    _, r = _sharded()
+    f = eqxs.filter_jit(_step, in_shardings=(r, None), donate="all")
+    model = jax.device_put(jnp.arange(8.0), jax.devices()[0])
+    _moved(f, (model, None), [r])
 
 
 def test_committed_with_other_memory_kind():
     mesh = auto_mesh()
     pinned = NamedSharding(mesh, P("x"), memory_kind="pinned_host")
-    f = eqxs.filter_jit(_step, in_shardings=(pinned, None))
-    model = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
-    with _raises(ValueError, "model", inputs=model, match="pinned_host"):
-        f(model, None)
+    f = eqxs.filter_jit(lambda x: x, in_shardings=pinned, out_shardings=pinned)
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
+    intact = _Intact(x)
+    out = f(x)
+    assert out.sharding.memory_kind == "pinned_host"
+    assert_same_values(out, snapshot(x))
+    intact.check()
 
 
 @pytest.mark.parametrize("donate", ["none", "all"])
@@ -857,15 +884,19 @@ def test_in_shardings_from_two_device_sets():
         f(model, None)
 
 
-def test_committed_mismatch_donates_nothing():
-    # The first argument is fine and donated; the second is wrong: nothing may have
-    # been deleted when the error is raised.
+def test_committed_elsewhere_donates_the_copy():
+    # The first argument is in place and donated; the second is committed elsewhere:
+    # its copy is donated, and the caller's array stays alive.
     s, r = _sharded()
     f = eqxs.filter_jit(_step, in_shardings=(s, s), donate="all")
     model = jax.device_put(jnp.arange(8.0), s)
     batch = jax.device_put(jnp.arange(8.0), r)
-    with _raises(ValueError, "batch", inputs=(model, batch), match="committed"):
-        f(model, batch)
+    intact = _Intact(batch)
+    out = f(model, batch)
+    expected = np.arange(8.0, dtype=np.float32) + 1
+    assert_same_values(out, (expected, expected))
+    assert model.is_deleted()  # donated, as asked
+    intact.check()
 
 
 #

@@ -12,10 +12,12 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .helpers import (
+    assert_same_values,
     assert_shardings,
     auto_mesh,
     compiled_names,
     explicit_mesh,
+    snapshot,
     tree_allclose,
 )
 
@@ -267,20 +269,28 @@ def test_out_shardings_not_prefix_error():
         f(jnp.ones(8))
 
 
-def test_committed_mismatch_raises_naming_the_argument(getkey):
+def test_committed_elsewhere_is_moved_and_kept(getkey):
+    # `in_shardings` is the request to place: a model committed to another sharding
+    # of the same devices (which plain `jax.jit` refuses) is moved, and the donated
+    # copy is donated, not the caller's arrays.
     mesh = auto_mesh()
     batch = NamedSharding(mesh, P("x"))
     replicated = NamedSharding(mesh, P())
     model = eqxs.filter_device_put(eqx.nn.MLP(8, 8, 8, 1, key=getkey()), batch)
+    before = snapshot(model)
 
     @eqxs.filter_jit(in_shardings=(replicated,), donate="all")
     def f(model):
         return _add_one(model)
 
-    with pytest.raises(ValueError, match=r"model\.layers\[0\]\.weight"):
-        f(model)
-    for leaf in _arrays(model):
-        assert not leaf.is_deleted()
+    for _ in range(2):  # the first call, then the cache hit
+        out = f(model)
+        assert_shardings(out, replicated)
+        assert_same_values(out, _add_one(before))
+        for leaf in _arrays(model):
+            assert not leaf.is_deleted()
+            assert leaf.sharding.is_equivalent_to(batch, leaf.ndim)
+        assert_same_values(model, before)
 
 
 def test_uncommitted_feedback_loop_compiles_once():
@@ -434,7 +444,7 @@ def test_lower_with_shape_dtype_structs():
     (w_in, x_in, scale_in), kwargs_in = compiled.input_shardings
     assert w_in.is_equivalent_to(replicated, 2)
     assert x_in.is_equivalent_to(batch, 2)
-    assert scale_in is None and kwargs_in == {}
+    assert scale_in == 2.0 and kwargs_in == {}  # non-array arguments as themselves
     assert compiled.output_shardings.is_equivalent_to(batch, 2)
     w = jax.device_put(jnp.ones((4, 8)), replicated)
     x = jax.device_put(jnp.ones((16, 4)), batch)

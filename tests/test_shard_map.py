@@ -319,7 +319,9 @@ def test_error_not_a_prefix_names_path():
         lambda d: d, mesh=mesh, in_specs=({"a": P("x"), "b": P()},), out_specs=P()
     )
     with pytest.raises(
-        ValueError, match=r"at args\[0\]\['b'\] the specification has this key"
+        ValueError,
+        match=r"at args\[0\]\['c'\] the value has this key but the specification "
+        r"does not; the specification has 'b', which the value does not",
     ):
         f({"a": jnp.zeros(8), "c": jnp.zeros(8)})
 
