@@ -18,6 +18,8 @@ from statistics import median
 DEFAULT_JSON = pathlib.Path(__file__).parent / "results" / "latest.json"
 
 SECTIONS = ("dispatch", "placement", "compiles", "step", "shard_map")
+# Run only when asked for (`--only checkpoint`): it needs orbax-checkpoint.
+OPTIONAL_SECTIONS = ("checkpoint",)
 
 FULL = {
     "ns": [1, 10, 100, 1000],
@@ -38,6 +40,7 @@ FULL = {
         "reps": 30,
         "warmup": 2,
     },
+    "checkpoint": {"reps": 11, "warmup": 1, "vocab": 1024},  # 3.68M parameters
 }
 
 QUICK = {
@@ -59,6 +62,7 @@ QUICK = {
         "reps": 2,
         "warmup": 1,
     },
+    "checkpoint": {"reps": 2, "warmup": 1},
 }
 
 # (section, description, threshold, how the value is read from the results)
@@ -67,6 +71,7 @@ TARGET_DISPATCH_VS_EQX = 2.0
 TARGET_PLACE_UNCOMMITTED = 1.1
 TARGET_PLACE_PLACED = 0.5
 TARGET_STEP = 1.02
+TARGET_CHECKPOINT = 1.1
 
 
 def _targets(results: dict) -> list[dict]:
@@ -163,6 +168,16 @@ def _targets(results: dict) -> list[dict]:
             at_most=True,
             detail=f"{results['step']['n_params'] / 1e6:.2f}M parameters",
         )
+    if "checkpoint" in results:
+        for what in ("save", "restore"):
+            add(
+                f"checkpoint {what} eqxs/orbax",
+                results["checkpoint"][f"{what}_ratio_to_orbax"]["eqxs"],
+                TARGET_CHECKPOINT,
+                at_most=True,
+                detail=f"{results['checkpoint']['n_params'] / 1e6:.2f}M parameters "
+                "and Adam state",
+            )
     return out
 
 
@@ -227,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--only",
         nargs="+",
-        choices=SECTIONS,
+        choices=SECTIONS + OPTIONAL_SECTIONS,
         default=list(SECTIONS),
         help="run only these sections",
     )
@@ -242,6 +257,9 @@ def main(argv: list[str] | None = None) -> dict:
     jax.config.update("jax_num_cpu_devices", 8)
 
     from . import _harness as h, compiles, dispatch, placement, shard_map, step
+
+    if "checkpoint" in args.only:
+        from . import checkpoint
 
     cfg = dict(QUICK if args.quick else FULL)
     if args.reps is not None:
@@ -267,7 +285,9 @@ def main(argv: list[str] | None = None) -> dict:
         "step": step,
         "shard_map": shard_map,
     }
-    for name in SECTIONS:
+    if "checkpoint" in args.only:
+        sections["checkpoint"] = checkpoint  # pyright: ignore[reportPossiblyUnboundVariable]
+    for name in SECTIONS + OPTIONAL_SECTIONS:
         if name not in args.only:
             continue
         if cfg["verbose"]:
@@ -295,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"{_load(meta.get('loadavg_at_end'))} at the end. Medians of {cfg['reps']} "
         "interleaved repetitions; ratios are medians of per-round ratios."
     ]
-    for name in SECTIONS:
+    for name in SECTIONS + OPTIONAL_SECTIONS:
         if name in results:
             parts.append(sections[name].render(results[name]))
         if name == "placement" and scaling:

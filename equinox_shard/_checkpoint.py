@@ -14,6 +14,7 @@ import pathlib
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np

@@ -75,13 +75,13 @@ def clean(directory: pathlib.Path) -> None:
             eqxs.PathRules([(r"weight$", P("data", "model"))], default=P()),
         )
     for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(state)):
-        if eqx.is_array(a) and not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+        if eqx.is_array(a) and not jax.numpy.issubdtype(a.dtype, jax.dtypes.prng_key):
             assert np.array_equal(np.asarray(a), np.asarray(b))
     print("clean: ok", flush=True)
 
 
 def killed(directory: pathlib.Path) -> None:
-    jax = _setup()
+    _setup()
     import equinox_shard as eqxs
     import orbax.checkpoint as ocp
 
@@ -102,7 +102,7 @@ def _train(directory: pathlib.Path, layouts: list[str], resume: bool) -> None:
     import numpy as np
 
     sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "examples"))
-    import train_transformer as tt
+    import train_transformer as tt  # pyright: ignore[reportMissingImports]
 
     corpus = tt.load_corpus(200_000)
     cfg = tt.Config(steps=STEPS, depth=1)
@@ -179,9 +179,9 @@ def multiprocess(directory: pathlib.Path, process_id: int, num: int, coordinator
     for path, x in jax.tree_util.tree_flatten_with_path(out)[0]:
         if not eqx.is_array(x):
             continue
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        if jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key):
             x = jax.random.key_data(x)
-        assert x.sharding.mesh == two_d
+        assert x.sharding == jax.NamedSharding(two_d, x.sharding.spec)  # pyright: ignore
         for shard in x.addressable_shards:
             assert shard.device.process_index == process_id
             np.save(
