@@ -103,3 +103,35 @@ def test_quick_run(tmp_path):
             "met",
             "detail",
         }
+
+
+@pytest.mark.benchmark
+def test_checkpoint_quick_run(tmp_path):
+    # `python -m benchmarks --only checkpoint --quick`: every variant saves and
+    # restores the transformer state bit for bit into the same shardings; eqxs and
+    # orbax never hold more on one device than its share, whilst the usual
+    # deserialise-then-place holds the whole state on one device. Times not asserted.
+    pytest.importorskip("orbax.checkpoint")
+    out = tmp_path / "checkpoint.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--only", "checkpoint", "--quick"]
+        + ["--quiet", "--json", str(out)],
+        cwd=_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "### Checkpoints:" in proc.stdout
+    results = json.loads(out.read_text())
+    checkpoint = results["checkpoint"]
+    assert checkpoint["variants"] == ["eqxs", "orbax", "eqx"]
+    assert checkpoint["restored_equal"] == {"eqxs": True, "orbax": True, "eqx": True}
+    share = checkpoint["per_device_share_bytes"]
+    peaks = checkpoint["restore_peak_device_bytes"]
+    assert peaks["eqxs"] <= share and peaks["orbax"] <= share
+    assert peaks["eqx"] >= checkpoint["state_bytes"]
+    assert all(s > 0 for s in checkpoint["save_seconds"].values())
+    assert all(s > 0 for s in checkpoint["restore_seconds"].values())
+    targets = [t["target"] for t in results["targets"]]
+    assert targets == ["checkpoint save eqxs/orbax", "checkpoint restore eqxs/orbax"]
