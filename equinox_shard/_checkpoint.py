@@ -168,8 +168,9 @@ def save(
         checkpointer.save(
             path,
             ocp.args.Composite(
-                arrays=ocp.args.PyTreeSave(arrays),  # pyright: ignore[reportCallIssue]
                 leaves=ocp.args.JsonSave(record),  # pyright: ignore[reportCallIssue]
+                # orbax refuses an empty item: a tree of Python scalars has none.
+                **({"arrays": ocp.args.PyTreeSave(arrays)} if arrays else {}),  # pyright: ignore[reportCallIssue]
             ),
             force=overwrite,
         )
@@ -185,10 +186,10 @@ def _read_record(ocp, path: pathlib.Path) -> list[dict]:
             else ""
         )
         raise FileNotFoundError(f"No checkpoint at {path}.{hint}")
-    if not (path / "leaves").is_dir() or not (path / "arrays").is_dir():
+    if not (path / "leaves").is_dir():
         raise ValueError(
             f"{path} is not a checkpoint written by `equinox_shard.save` (it has no "
-            "'leaves' and 'arrays' items)."
+            "'leaves' item)."
         )
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         out = checkpointer.restore(
@@ -333,53 +334,48 @@ def restore(
     kinds = [_kind(x) for x in leaves]
     entries = _read_record(ocp, path)
     _match(path, entries, [(p, k, x) for p, k, x in zip(paths, kinds, leaves) if k])
-    index = {e["path"]: i for i, e in enumerate(entries)}
+    saved = {e["path"]: e for e in entries}
+    # The arrays are saved as "0", "1", ... in the order of the record.
+    names = {
+        e["path"]: str(n)
+        for n, e in enumerate(e for e in entries if e["kind"] != "scalar")
+    }
     # Each array's target sharding: from `shardings`, else from `like`'s own leaf.
     targets: dict[int, Sharding] = {}
     if shardings is not None:
-        dynamic = lambda x: _kind(x) in ("array", "key", "numpy")
-        for i, s in resolve_leaves(
-            like,
-            leaves,
-            shardings,
-            "shardings",
-            "like",
-            abstract_ok=False,
+        dynamic = lambda x: _kind(x) in ("array", "key")
+        todo = resolve_leaves(
+            like, leaves, shardings, "shardings", "like", abstract_ok=False,
             dynamic=dynamic,
-        ):
-            targets[i] = s
-    items, restore_args, places = {}, {}, []
-    array_number = {}
-    n = 0
-    for e in entries:
-        if e["kind"] != "scalar":
-            array_number[e["path"]] = str(n)
-            n += 1
+        )  # fmt: skip
+        targets = dict(todo)
+    items, restore_args = {}, {}
     for i, (p, kind, x) in enumerate(zip(paths, kinds, leaves)):
-        if kind is None or kind == "scalar":
+        if kind == "numpy":  # read onto the host, in its saved dtype
+            items[names[p]] = np.empty(np.shape(x), saved[p]["dtype"])
+            restore_args[names[p]] = ocp.RestoreArgs(restore_type=np.ndarray)
             continue
-        where = "like" + p
-        sharding = targets.get(i)
-        if sharding is None:
-            sharding = getattr(x, "sharding", None) if kind != "numpy" else None
-            if sharding is None:
-                sharding = SingleDeviceSharding(jax.local_devices()[0])
-        sharding = _concrete(sharding, where)
+        if kind not in ("array", "key"):
+            continue
+        sharding = targets[i] if i in targets else getattr(x, "sharding", None)
+        if sharding is None:  # a ShapeDtypeStruct without one
+            sharding = SingleDeviceSharding(jax.local_devices()[0])
+        sharding = _concrete(sharding, "like" + p)
         shape = tuple(np.shape(x))
-        check(shape, sharding, lambda where=where: where)
-        e = entries[index[p]]
-        dtype = np.dtype("uint32") if kind == "key" else np.dtype(e["dtype"])
-        if kind == "key":
+        check(shape, sharding, lambda p=p: "like" + p)
+        if kind == "key":  # its key data: one more, unsplit, dimension
             data = jax.eval_shape(
                 jax.random.key_data, jax.ShapeDtypeStruct(shape, x.dtype)
             )
             shape, dtype = data.shape, data.dtype
-        name = array_number[p]
-        items[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-        restore_args[name] = ocp.ArrayRestoreArgs(
+        else:
+            dtype = np.dtype(saved[p]["dtype"])
+        items[names[p]] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        restore_args[names[p]] = ocp.ArrayRestoreArgs(
             sharding=sharding, global_shape=shape, dtype=dtype
         )
-        places.append((i, kind, name, e, sharding))
+    if not items:
+        return _fill(treedef, leaves, paths, kinds, saved, {}, names)
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         out = checkpointer.restore(
             path,
@@ -389,20 +385,21 @@ def restore(
                 )
             ),
         )
-    arrays = out["arrays"]
+    return _fill(treedef, leaves, paths, kinds, saved, out["arrays"], names)
+
+
+def _fill(treedef, leaves, paths, kinds, saved, arrays, names) -> Any:
+    """`like`'s leaves, with the restored arrays and the saved Python scalars."""
     new = list(leaves)
-    for i, kind, name, e, sharding in places:
-        value = arrays[name]
-        if kind == "key":
-            value = jax.random.wrap_key_data(value, impl=e["impl"])
-        elif kind == "numpy":
-            value = np.asarray(value)
-            if isinstance(leaves[i], np.generic):
-                value = value[()]
-        new[i] = value
     for i, (p, kind) in enumerate(zip(paths, kinds)):
         if kind == "scalar":
-            e = entries[index[p]]
-            value = e["value"]
-            new[i] = complex(*value) if e["type"] == "complex" else value
+            e = saved[p]
+            new[i] = complex(*e["value"]) if e["type"] == "complex" else e["value"]
+        elif kind == "key":
+            new[i] = jax.random.wrap_key_data(arrays[names[p]], impl=saved[p]["impl"])
+        elif kind == "numpy":
+            value = np.asarray(arrays[names[p]])
+            new[i] = value[()] if isinstance(leaves[i], np.generic) else value
+        elif kind == "array":
+            new[i] = arrays[names[p]]
     return jtu.tree_unflatten(treedef, new)
