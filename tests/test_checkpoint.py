@@ -235,6 +235,27 @@ def test_like_from_filter_jit_eval_shape(tmp_path):
             eqxs.restore(tmp_path / "ckpt", like)
 
 
+def test_like_on_an_abstract_mesh(tmp_path):
+    # `jax.eval_shape` inside `jax.set_mesh` reports shardings on an AbstractMesh
+    # (orbax alone fails on them with "_device_assignment is not implemented").
+    mesh = auto_mesh((4, 2), ("data", "model"))
+    x = jax.device_put(np.arange(64.0, dtype=np.float32).reshape(8, 8))
+    eqxs.save(tmp_path / "ckpt", {"x": x, "n": 1})
+    spec = P("data", "model")
+    abstract = NamedSharding(mesh.abstract_mesh, spec)
+    like = {"x": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=abstract), "n": 0}
+    with jax.set_mesh(mesh):
+        out = eqxs.restore(tmp_path / "ckpt", like)
+    assert out["x"].sharding == NamedSharding(mesh, spec)
+    np.testing.assert_array_equal(np.asarray(out["x"]), np.asarray(x))
+    assert out["n"] == 1
+    with pytest.raises(ValueError, match=r"like\['x'\]: its sharding .* abstract mesh"):
+        eqxs.restore(tmp_path / "ckpt", like)
+    with jax.set_mesh(auto_mesh((2, 4), ("data", "model"))):
+        with pytest.raises(ValueError, match=r"the mesh set now is Mesh\('data': 2"):
+            eqxs.restore(tmp_path / "ckpt", like)
+
+
 #
 # No device ever holds a whole array that its target splits.
 #
