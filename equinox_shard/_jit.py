@@ -367,9 +367,10 @@ def filter_jit(
         [`equinox_shard.filter_device_put`][]: `Sharding`, `jax.Device`, bare
         `PartitionSpec` (with `jax.set_mesh`), `None`, or a callable `leaf -> spec`.
         `None` (and any argument not covered) is "unspecified" to `jax.jit`: a committed
-        array keeps its sharding, an uncommitted one is placed by `jax.jit`.
-        Uncommitted JAX arrays with a specified sharding are committed to it before the
-        call, so that `x = f(x)` compiles once.
+        array keeps its sharding, an uncommitted one is placed by `jax.jit`. An array
+        with a specified sharding that is not on it (uncommitted, or committed
+        elsewhere) is moved there before the call: a copy, so the caller's array is
+        kept as it was, and a donated argument donates the copy.
     - `out_shardings`: a PyTree prefix of the output, in the same language, passed to
         `jax.jit`'s own `out_shardings` (so `.lower()`, `jax.eval_shape` and
         `Compiled.output_shardings` report it). Non-array outputs are returned as
@@ -392,9 +393,8 @@ def filter_jit(
     number of entries, a dict at the top level, a bad spec leaf) or `donate`. At call
     time, before anything runs, errors that name the argument's key path (e.g.
     `model.layers[0].weight`): a specification that is not a prefix of its argument,
-    a rank or divisibility mismatch, a bare `PartitionSpec` without a mesh, a deleted
-    (already donated) array, or a committed argument whose sharding differs from its
-    `in_shardings` entry.
+    a rank or divisibility mismatch, a bare `PartitionSpec` without a mesh, or a
+    deleted (already donated) array.
 
     !!! example
 

@@ -250,23 +250,23 @@ def test_filter_jit_out_shardings_indivisible_raises():
         eqxs.filter_jit(lambda a: a * 2, out_shardings=s)(jnp.arange(10.0))
 
 
-def test_filter_jit_arrays_created_under_set_mesh_are_committed():
-    """Arrays created under `jax.set_mesh` are committed (replicated), so a bare
-    `PartitionSpec` in `in_shardings` does not move them: the call raises, naming the
-    argument, as `jax.jit` does. Arrays created outside the mesh context are moved."""
+def test_filter_jit_arrays_created_under_set_mesh_are_moved():
+    """Arrays created under `jax.set_mesh` are committed (replicated). `jax.jit` refuses
+    them under `in_shardings=P("x")`; `filter_jit` moves them (a copy), as it moves
+    arrays created outside the mesh context."""
     mesh = auto_mesh()
     outside = jnp.arange(64.0)
     f = eqxs.filter_jit(lambda a: a * 2, in_shardings=P("x"))
     with jax.set_mesh(mesh):
         inside = jnp.arange(64.0)
-        with pytest.raises(ValueError, match="^a: this argument is committed"):
-            f(inside)
+        assert inside.committed
         with pytest.raises(ValueError, match="does not match the sharding"):
             jax.jit(lambda a: a * 2, in_shardings=P("x"))(inside)
-        out = f(outside)
-        moved = f(eqxs.filter_device_put(inside, P("x")))
-    for y in (out, moved):
+        results = [f(inside), f(outside), f(eqxs.filter_device_put(inside, P("x")))]
+    for y in results:
         assert_shardings(y, NamedSharding(mesh, P("x")))
+        assert np.array_equal(np.asarray(y), 2 * np.arange(64.0, dtype=np.float32))
+    assert inside.sharding.is_equivalent_to(NamedSharding(mesh, P()), 1)
 
 
 def test_filter_jit_keyword_only_parameters_unspecified_by_tuple():
