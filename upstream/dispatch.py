@@ -4,6 +4,10 @@ the series: one process per version, the versions alternating.
     python upstream/dispatch.py ROUNDS NUMBER REPEAT base=/eqx/at/v0.13.8 p1=... p2=...
 
 Each `NAME=DIR` is a folder holding an `equinox/` package, put first on `PYTHONPATH`.
+Times are the process's CPU time (all its threads) per call, so that other jobs on a
+shared machine slow the run down without adding to what is measured. Each case also
+reports how many Python function calls one dispatch makes (`sys.setprofile`), which
+does not depend on the machine at all.
 """
 
 import json
@@ -11,6 +15,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 import timeit
 
 
@@ -51,9 +56,27 @@ def worker(number: int, repeat: int) -> None:
     for name, (f, args) in cases.items():
         for _ in range(50):
             f(*args)
-        times = timeit.repeat(lambda: f(*args), number=number, repeat=repeat)
+        call = lambda: f(*args)  # noqa: E731
+        cpu = time.process_time
+        times = timeit.repeat(call, timer=cpu, number=number, repeat=repeat)
         out[name] = [t / number * 1e6 for t in times]
+        out[name + " (Python calls)"] = [float(python_calls(call))]
     print(json.dumps(out))
+
+
+def python_calls(fn) -> int:
+    count = 0
+
+    def profile(frame, event, arg):
+        nonlocal count
+        count += event == "call"
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count
 
 
 def main() -> None:
