@@ -77,6 +77,8 @@ def added_test_lines(patch: str) -> dict[str, list[str]]:
     for diff in re.split(r"^diff --git ", patch, flags=re.M)[1:]:
         name = re.match(r"a/(\S+) b/", diff)
         if name and re.fullmatch(r"tests/test_\w+\.py", name[1]):
+            if re.search(r"^-(?!-- )", diff, re.M):
+                sys.exit(f"{name[1]}: `check` runs appended tests only, not edits")
             lines = re.findall(r"^\+(?!\+\+ )(.*)$", diff, re.M)
             added.setdefault(name[1], []).extend(lines)
     return added
