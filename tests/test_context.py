@@ -590,7 +590,10 @@ def _run_cell(fn, mesh, context, kind, spec, fresh) -> list[str]:
         if mesh == "none" and spec in ("P", "callable", "rules") and kind != "sds":
             problems.append("no mesh: a bare PartitionSpec did not raise")
         elif ref[0] == "ok":
-            problems.extend(_check_result(fn, context, kind, out, ref[1], host))
+            try:
+                problems.extend(_check_result(fn, context, kind, out, ref[1], host))
+            except Exception as e:  # e.g. a key array whose sharding JAX rejects
+                problems.append(f"output unusable: {_first_line(e)}")
         else:  # plain JAX raised; we did not: check the values at least
             ok_ref = {
                 k: ("array" if isinstance(v, jax.Array) else "other",) + (None,) * 3
