@@ -20,6 +20,7 @@ from jax.sharding import Sharding
 
 from . import _multiprocess
 from ._place import is_placed, private_copies, shares_source_buffer
+from ._spec import is_abstract
 
 
 _committed = operator.attrgetter("committed")
@@ -39,6 +40,7 @@ def misplaced(leaves: list, targets: list[tuple[int, Sharding]]) -> bool:
         isinstance(x := leaves[i], jax.Array)
         and not isinstance(x, jax.core.Tracer)
         and x.committed
+        and not is_abstract(s)
         and not is_placed(x, s)
         for i, s in targets
     )
@@ -53,6 +55,8 @@ def commit(
     """Places each `leaves[i]` that is not on `sharding` onto it, for `(i, sharding)` in
     `targets`, in place. The copies are never returned to the caller, so they may share
     buffers with their source, except those in `donated`, which share none."""
+    # Inside a trace (a sharding on the abstract mesh), the enclosing call places.
+    targets = [(i, s) for i, s in targets if not is_abstract(s)]
     multiprocess = any(not s.is_fully_addressable for _, s in targets)
     donated = frozenset(donated)
     todo = []

@@ -17,7 +17,14 @@ from jax.sharding import (
 from jaxtyping import PyTree
 
 from ._place import device_put_leaves, is_default_memory
-from ._spec import broadcast_specs, check, flatten_specs, leaf_path, resolve
+from ._spec import (
+    broadcast_specs,
+    check,
+    flatten_specs,
+    for_jax,
+    leaf_path,
+    resolve,
+)
 from ._spec_leaves import match_path_rules
 
 
@@ -150,6 +157,7 @@ def constrain_leaves(
             memory.append((i, sharding))
     for kind, (indices, targets) in groups.items():
         inputs = [leaves[i] for i in indices]
+        targets = list(map(for_jax, targets))
         if kind == "reshard":
             out = jax.sharding.reshard(inputs, targets)
         else:
@@ -260,7 +268,7 @@ def filter_device_put(
         indices = [i for i, _ in todo]
         out = jax.device_put(
             [leaves[i] for i in indices],
-            [s for _, s in todo],
+            [for_jax(s) for _, s in todo],
             donate=_select(_broadcast_flags(donate, x, leaves, "donate"), indices),
             may_alias=_select(
                 _broadcast_flags(may_alias, x, leaves, "may_alias"), indices

@@ -250,6 +250,20 @@ def resolve(
     return spec
 
 
+def is_abstract(sharding: Any) -> bool:
+    """Whether `sharding` is on an `AbstractMesh` (resolved inside a trace)."""
+    return isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh)
+
+
+def for_jax(sharding: Any) -> Any:
+    """What to give JAX for a resolved sharding: one on the abstract mesh (resolved
+    inside a trace) as its bare `PartitionSpec`, which JAX resolves against the
+    concrete mesh where there is one; no public API reaches that mesh in a trace."""
+    if is_abstract(sharding) and sharding.memory_kind in (None, "device"):
+        return sharding.spec
+    return sharding
+
+
 def _spec_entry_size(entry: Any, mesh_shape: dict) -> int:
     if entry is None or entry is PartitionSpec.UNCONSTRAINED:
         return 1

@@ -18,7 +18,7 @@ from ._cache import Cache, Entry, Layout, unset
 from ._mirror import getter, mirror
 from ._place import device_put_leaves
 from ._sharding import resolve_leaves
-from ._spec import check, context_mesh, resolve
+from ._spec import check, context_mesh, for_jax, is_abstract, resolve
 from ._spec_leaves import is_rule, is_spec_leaf, PathRules
 
 
@@ -185,7 +185,7 @@ def _static_out_shardings(out_specs):
     def resolve_leaf(spec):
         if spec is None or is_rule(spec) or isinstance(spec, PathRules):
             return spec  # resolved per output leaf, at trace time
-        return resolve(spec, None, lambda: "out_shardings", abstract_ok=False)
+        return for_jax(resolve(spec, None, lambda: "out_shardings", abstract_ok=False))
 
     return jtu.tree_map(resolve_leaf, out_specs, is_leaf=is_spec_leaf)
 
@@ -222,7 +222,7 @@ def new_entry(wrapper, cache: Cache, layout: Layout, args, kwargs, leaves) -> En
     if cache.in_shardings is not unset:
         shardings: list = [None] * len(leaves)
         for i, sharding in targets:
-            shardings[i] = sharding
+            shardings[i] = for_jax(sharding)
         jit_kwargs["in_shardings"] = (None, *layout.packing.pack(shardings))
     n_args = len(args)
     donate = [0, 1] if cache.donate_rest else []
@@ -279,7 +279,7 @@ class ResolveRules:
         del outer.__wrapped__
         if hasattr(fun_wrapped, "__wrapped__"):  # the user's function
             outer.__wrapped__ = fun_wrapped.__wrapped__  # pyright: ignore
-        out_shardings = (found[0], None)
+        out_shardings = (jtu.tree_map(for_jax, found[0]), None)
         return jax.jit(outer, **self.jit_kwargs, out_shardings=out_shardings)
 
 
@@ -298,6 +298,8 @@ dispatch_lock = threading.RLock()
 
 def serialize_dispatch(shardings: list) -> bool:
     return jax.default_backend() == "cpu" and any(
-        isinstance(s, jax.sharding.Sharding) and len(s.device_set) > 1
+        isinstance(s, jax.sharding.Sharding)
+        and not is_abstract(s)  # inside a trace: the outer call dispatches
+        and len(s.device_set) > 1
         for s in shardings
     )

@@ -222,6 +222,8 @@ def _is_explicit(sharding) -> bool:
 
 
 def _plain_constrain(x, sharding):
+    if isinstance(sharding, P):
+        return jax.lax.with_sharding_constraint(x, sharding)
     if not isinstance(x, jax.core.Tracer):
         return jax.device_put(x, sharding)
     if _is_explicit(sharding):
@@ -288,6 +290,12 @@ def _plain_op(fn: str, spec: str, mesh: str, context: str) -> Callable:
             }
 
     elif fn == "shard":
+        if context in ("vmap", "grad") and spec in ("P", "callable", "rules"):
+            # The user gave a bare `PartitionSpec` (or a rule that returns one), which
+            # plain JAX resolves in a trace against the abstract mesh only: under a
+            # `vmap` or `grad` outside `jit`, `with_sharding_constraint(x, P(...))` of
+            # an uncommitted array raises (RFC §13), and so may we.
+            shardings = {k: None if s is None else s.spec for k, s in shardings.items()}
 
         def op(a):
             return {
