@@ -6,8 +6,8 @@ the series: one process per version, the versions alternating.
 Each `NAME=DIR` is a folder holding an `equinox/` package, put first on `PYTHONPATH`.
 Times are the process's CPU time (all its threads) per call, so that other jobs on a
 shared machine slow the run down without adding to what is measured. Each case also
-reports how many Python function calls one dispatch makes (`sys.setprofile`), which
-does not depend on the machine at all.
+reports how many Python function calls and bytecode instructions one dispatch runs
+(`sys.settrace`), which does not depend on the machine at all.
 """
 
 import json
@@ -60,23 +60,31 @@ def worker(number: int, repeat: int) -> None:
         cpu = time.process_time
         times = timeit.repeat(call, timer=cpu, number=number, repeat=repeat)
         out[name] = [t / number * 1e6 for t in times]
-        out[name + " (Python calls)"] = [float(python_calls(call))]
+        calls, opcodes = python_work(call)
+        out[name + " (Python calls)"] = [float(calls)]
+        out[name + " (bytecodes)"] = [float(opcodes)]
     print(json.dumps(out))
 
 
-def python_calls(fn) -> int:
-    count = 0
+def python_work(fn) -> tuple[int, int]:
+    """Python function calls and bytecode instructions that one call of `fn` runs."""
+    calls = opcodes = 0
 
-    def profile(frame, event, arg):
-        nonlocal count
-        count += event == "call"
+    def trace(frame, event, arg):
+        nonlocal calls, opcodes
+        if event == "call":
+            calls += 1
+            frame.f_trace_opcodes = True
+        elif event == "opcode":
+            opcodes += 1
+        return trace
 
-    sys.setprofile(profile)
+    sys.settrace(trace)
     try:
         fn()
     finally:
-        sys.setprofile(None)
-    return count
+        sys.settrace(None)
+    return calls, opcodes
 
 
 def main() -> None:
@@ -96,7 +104,7 @@ def main() -> None:
     for case, by in times.items():
         base = by.get(names[0])
         for name, ts in by.items():
-            q1, _, q3 = statistics.quantiles(ts, n=4)
+            q1, _, q3 = statistics.quantiles(ts, n=4) if len(ts) > 1 else ts * 3
             best, median = min(ts), statistics.median(ts)
             ratios = "| |"
             if base:
