@@ -307,7 +307,9 @@ class _JitWrapper(Module):
         without running the function; arguments as for `.lower`. Unlike
         `jax.eval_shape(f, ...)`, this reports `out_shardings` on `Auto` mesh axes too:
         JAX reports a `jax.jit`'s own `out_shardings` only for a `jax.jit` object passed
-        to it directly."""
+        to it directly. Called under `jax.set_mesh(mesh)` (outside a trace), shardings
+        are on `mesh` itself, not its abstract mesh, so the result can be passed to
+        `equinox_shard.restore` or `equinox_shard.sharding_table` as it is."""
         _, traced = self._ahead(
             args, kwargs, lambda jitted, dynamic: jitted.trace(*dynamic)
         )

@@ -36,8 +36,8 @@ Cells per ordering (`test_cell_counts`): filter_device_put 792, filter_shard 792
 filter_jit in_shardings 1008, filter_jit out_shardings 1008, filter_shard_map 768. The
 default run calls every cell of `filter_device_put` and `filter_shard` in two orders,
 and the float, key and SDS cells of the others (552, 552, 408) in one order: 4680 calls
-of the package. The `slow` tests add every cell of the last three in two orders (5568
-calls). Plain JAX's reference is computed once per cell.
+of the package. The `slow` tests add every cell of the last three in another order
+(2784 calls), meeting the entries that the quick run made. Plain JAX's reference is computed once per cell.
 """
 
 import contextlib
@@ -669,21 +669,21 @@ def test_filter_shard_map_context_matrix():
     _run_matrix("shard_map", QUICK_KINDS, seeds=(0,))
 
 
-# The whole matrix of the last three, in two orders (after the quick ones, in the same
-# process: their cache entries are met again here).
+# The whole matrix of the last three, in another order (after the quick ones, in the
+# same process: their cache entries are met again here).
 @pytest.mark.slow
 def test_filter_jit_in_shardings_context_matrix_full():
-    _run_matrix("jit_in")
+    _run_matrix("jit_in", seeds=(1,))
 
 
 @pytest.mark.slow
 def test_filter_jit_out_shardings_context_matrix_full():
-    _run_matrix("jit_out")
+    _run_matrix("jit_out", seeds=(1,))
 
 
 @pytest.mark.slow
 def test_filter_shard_map_context_matrix_full():
-    _run_matrix("shard_map")
+    _run_matrix("shard_map", seeds=(1,))
 
 
 _FUNCTIONS = ("device_put", "shard", "jit_in", "jit_out", "shard_map")
