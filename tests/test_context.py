@@ -37,7 +37,8 @@ filter_jit in_shardings 1008, filter_jit out_shardings 1008, filter_shard_map 76
 default run calls every cell of `filter_device_put` and `filter_shard` in two orders,
 and the float, key and SDS cells of the others (552, 552, 408) in one order: 4680 calls
 of the package. The `slow` tests add every cell of the last three in another order
-(2784 calls), meeting the entries that the quick run made. Plain JAX's reference is computed once per cell.
+(2784 calls), meeting the entries that the quick run made. Plain JAX's reference is
+computed once per cell.
 """
 
 import contextlib
