@@ -322,6 +322,7 @@ class Entry:
         "jitted",
         "targets",
         "get_targets",
+        "placed",  # `(True, sharding)` per target: committed there
         "wait",
         "serialize",
         "donates",  # donates an input: dispatched under the dispatch lock

@@ -23,27 +23,18 @@ from ._place import is_placed, private_copies, shares_source_buffer
 from ._spec import is_abstract
 
 
-_committed = operator.attrgetter("committed")
+_placement = operator.attrgetter("committed", "sharding")
 
 
-def all_committed(values) -> bool:
-    """Whether every value is a committed `jax.Array` (at C speed)."""
+def all_placed(values, expected: tuple) -> bool:
+    """Whether every value is a committed `jax.Array` whose sharding equals its target,
+    `expected` holding `(True, sharding)` per value (one C-speed pass). `False` means
+    `commit` must look: `jax.jit` may not be given an array on another sharding
+    (upstream/jax-reports/jit-committed-device-order)."""
     try:
-        return all(map(_committed, values))
+        return all(map(operator.eq, map(_placement, values), expected))
     except (AttributeError, TypeError):  # NumPy, a tracer, a `ShapeDtypeStruct`
         return False
-
-
-def misplaced(leaves: list, targets: list[tuple[int, Sharding]]) -> bool:
-    """Whether an array among `targets` is committed to another sharding."""
-    return any(
-        isinstance(x := leaves[i], jax.Array)
-        and not isinstance(x, jax.core.Tracer)
-        and x.committed
-        and not is_abstract(s)
-        and not is_placed(x, s)
-        for i, s in targets
-    )
 
 
 def commit(

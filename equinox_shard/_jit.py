@@ -17,7 +17,6 @@ from equinox import field, is_array, Module, module_update_wrapper, Partial
 
 from . import _callbacks, _checks
 from ._cache import Cache, Entry, get_cache, Layout, unset
-from ._commit import misplaced
 from ._prepare import any_deleted, prepare
 from ._trace import (
     dispatch_lock,
@@ -90,61 +89,43 @@ def _call(wrapper, args, kwargs, compiled=None):
             fields["_dynamic_fun"], cache, entry, layout, args, kwargs, leaves
         )
         run = compiled.compiled
-    for retry in (False, True):
-        try:
-            if entry.plain:
-                out = run(*dynamic)
-            elif entry.wait:
-                out = _callbacks.call_and_wait(
-                    entry.wait, run, dynamic, __equinox_jit_id__
-                )
-            elif entry.donates:
-                # Checked again with the dispatch: another thread may have donated an
-                # input since `prepare` checked it (see `dispatch_lock`).
-                with dispatch_lock:
-                    if any_deleted(layout, leaves, dynamic[0]):
-                        raise RuntimeError("An input was donated by another thread.")
-                    if cache.filter_warning:
-                        with warnings.catch_warnings():
-                            warnings.filterwarnings(
-                                "ignore", message="Some donated buffers were not usable"
-                            )
-                            out = run(*dynamic)
-                    else:
+    try:
+        if entry.plain:
+            out = run(*dynamic)
+        elif entry.wait:
+            out = _callbacks.call_and_wait(entry.wait, run, dynamic, __equinox_jit_id__)
+        elif entry.donates:
+            # Checked again with the dispatch: another thread may have donated an input
+            # since `prepare` checked it (see `dispatch_lock`).
+            with dispatch_lock:
+                if any_deleted(layout, leaves, dynamic[0]):
+                    raise RuntimeError("An input was donated by another thread.")
+                if cache.filter_warning:
+                    with warnings.catch_warnings():
+                        warnings.filterwarnings(
+                            "ignore", message="Some donated buffers were not usable"
+                        )
                         out = run(*dynamic)
-            elif entry.serialize:
-                with dispatch_lock:
+                else:
                     out = run(*dynamic)
-            else:
+        elif entry.serialize:
+            with dispatch_lock:
                 out = run(*dynamic)
-            break
-        except eqx.EquinoxRuntimeError:
-            raise
-        except Exception:
-            if not retry and entry.targets and misplaced(leaves, entry.targets):
-                # `jax.jit` refuses a committed input on another sharding of the same
-                # devices, before running anything: it is moved, and called again.
-                leaves, dynamic = prepare(
-                    fields["_dynamic_fun"],
-                    cache,
-                    entry,
-                    layout,
-                    args,
-                    kwargs,
-                    leaves,
-                    True,
-                )
-                continue
-            _checks.diagnose(
-                cache.names,
-                args,
-                kwargs,
-                leaves,
-                entry.layout.dynamic,
-                entry.targets,
-                (cache.fun_name, fields["_dynamic_fun"]),
-            )
-            raise
+        else:
+            out = run(*dynamic)
+    except eqx.EquinoxRuntimeError:
+        raise
+    except Exception:
+        _checks.diagnose(
+            cache.names,
+            args,
+            kwargs,
+            leaves,
+            entry.layout.dynamic,
+            entry.targets,
+            (cache.fun_name, fields["_dynamic_fun"]),
+        )
+        raise
     dynamic_out, static_out = out
     if static_out is None:
         return dynamic_out
@@ -166,7 +147,7 @@ def _compile(wrapper, cache, args, kwargs, leaves, treedef, dynamic=is_array):
         if entry is None:
             entry = new_entry(wrapper, cache, layout, args, kwargs, leaves)
         leaves, dynamic_trees = prepare(
-            wrapper._dynamic_fun, cache, entry, layout, args, kwargs, leaves, True
+            wrapper._dynamic_fun, cache, entry, layout, args, kwargs, leaves
         )
         if entry.wait is None and not jax.config.jax_disable_jit:  # pyright: ignore
             with warnings.catch_warnings():

@@ -20,14 +20,11 @@ def prepare(
     args,
     kwargs,
     leaves,
-    place_all: bool = False,
 ):
     """Checks and placements before execution; returns the dynamic trees to call.
     `layout` is the one of this call's leaf types, which checks for deleted inputs: an
     entry is shared by layouts that differ in them (arrays, tracers, NumPy), and its
-    own layout packs the leaves as its traced function unpacks them. Committed inputs
-    on another sharding are moved if `place_all` or the call donates (else `jax.jit`
-    moves them, or raises and the call is made again with `place_all`)."""
+    own layout packs the leaves as its traced function unpacks them."""
     changed = False
     # XLA crashes on a deleted multi-device input, donated or not.
     if _inputs_deleted(layout, leaves):
@@ -54,10 +51,8 @@ def prepare(
             leaves = list(leaves)
             private_copies(leaves, copies)
             changed = True
-    if entry.targets and (
-        place_all
-        or entry.donates
-        or not _commit.all_committed(entry.get_targets(leaves))
+    if entry.targets and not _commit.all_placed(
+        entry.get_targets(leaves), entry.placed
     ):
         leaves = list(leaves)
         try:

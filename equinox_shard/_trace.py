@@ -182,12 +182,13 @@ def _static_out_shardings(out_specs):
     """`out_shardings` with every spec leaf that needs no output resolved to a
     `Sharding`: a `jax.Device`, or a bare `PartitionSpec` against the context mesh."""
 
-    def resolve_leaf(spec):
+    def resolve_leaf(path, spec):
         if spec is None or is_rule(spec) or isinstance(spec, PathRules):
             return spec  # resolved per output leaf, at trace time
-        return for_jax(resolve(spec, None, lambda: "out_shardings", abstract_ok=False))
+        where = lambda: "out_shardings" + jtu.keystr(path)
+        return for_jax(resolve(spec, None, where, abstract_ok=False))
 
-    return jtu.tree_map(resolve_leaf, out_specs, is_leaf=is_spec_leaf)
+    return jtu.tree_map_with_path(resolve_leaf, out_specs, is_leaf=is_spec_leaf)
 
 
 def new_entry(wrapper, cache: Cache, layout: Layout, args, kwargs, leaves) -> Entry:
@@ -209,6 +210,7 @@ def new_entry(wrapper, cache: Cache, layout: Layout, args, kwargs, leaves) -> En
     entry.static = layout.static_of(leaves)
     entry.targets = targets
     entry.get_targets = getter(tuple(i for i, _ in targets))
+    entry.placed = tuple((True, s) for _, s in targets)
     entry.wait = None
     entry.plain = False
     entry.donates = bool(layout.donated) or (

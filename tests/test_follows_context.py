@@ -212,3 +212,9 @@ def test_placed_result_is_the_callers_array():
     assert placed.is_deleted()  # donated through the result that is it
     assert not moved.is_deleted()
     assert np.array_equal(np.array(moved, copy=True), np.arange(8.0, dtype=np.float32))
+
+
+def test_out_shardings_without_a_mesh_names_the_entry():
+    f = eqxs.filter_jit(lambda a, b: (a, b), out_shardings=(P(), P("data")))
+    with pytest.raises(ValueError, match=r"^out_shardings\[0\]: got the bare"):
+        f(jnp.ones(2), jnp.ones(2))
