@@ -3,15 +3,17 @@ the first call moves it, a later one runs the executable on its buffers as if pl
 
 import jax
 
+
 jax.config.update("jax_num_cpu_devices", 8)
-import numpy as np, jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P, AxisType, Mesh
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
 
 mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
 s = NamedSharding(mesh, P("x"))
-placed = jax.device_put(
-    jnp.arange(8.0), NamedSharding(Mesh(np.array(jax.devices()[::-1]), ("x",)), P("x"))
-)
+reverse = Mesh(np.array(jax.devices()[::-1]), ("x",))
+placed = jax.device_put(jnp.arange(8.0), NamedSharding(reverse, P("x")))
 f = jax.jit(lambda m: m + 1, in_shardings=s)
 for i in range(4):
     out = f(placed)
