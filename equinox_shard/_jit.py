@@ -68,7 +68,13 @@ def _call(wrapper, args, kwargs, compiled=None):
             )
         else:
             leaves, dynamic = prepare(
-                fields["_dynamic_fun"], cache, entry, layout, args, kwargs, leaves
+                fields["_dynamic_fun"],
+                cache,
+                entry,
+                layout,  # pyright: ignore[reportArgumentType]  (found: not None)
+                args,
+                kwargs,
+                leaves,
             )
         run = entry.jitted
     else:
@@ -98,7 +104,7 @@ def _call(wrapper, args, kwargs, compiled=None):
             # Checked again with the dispatch: another thread may have donated an input
             # since `prepare` checked it (see `dispatch_lock`).
             with dispatch_lock:
-                if any_deleted(layout, leaves, dynamic[0]):
+                if any_deleted(layout, leaves, dynamic[0]):  # pyright: ignore
                     raise RuntimeError("An input was donated by another thread.")
                 if cache.filter_warning:
                     with warnings.catch_warnings():
