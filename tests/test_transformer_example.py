@@ -5,6 +5,7 @@ match an unsharded run; and the whole script checks itself (slow)."""
 import dataclasses
 import importlib.util
 import pathlib
+import signal
 import subprocess
 import sys
 
@@ -128,12 +129,23 @@ def test_a_few_steps_match_one_device(name):
 @pytest.mark.slow
 def test_script_checks_itself():
     pytest.importorskip("orbax.checkpoint")
-    proc = subprocess.run(
-        [sys.executable, str(_path)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+
+    def run():
+        return subprocess.run(
+            [sys.executable, str(_path)], capture_output=True, text=True, timeout=900
+        )
+
+    proc = run()
+    if (
+        jax.__version_info__ < (0, 11)
+        and proc.returncode == -signal.SIGABRT
+        and "rendezvous" in proc.stderr
+    ):
+        # JAX 0.10.2's CPU backend can deadlock when another thread (orbax's) runs a
+        # multi-device computation beside ours, and XLA aborts after 40 s
+        # (upstream/jax-reports/cpu-multidevice-dispatch-threads); seen only under
+        # heavy load. Once more, so that a red run is ours, not that one.
+        proc = run()
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     out = proc.stdout
     assert "FAIL" not in out
