@@ -10,33 +10,14 @@ import weakref
 from typing import Any
 
 import equinox._caches
-import jax
-import jax.core
 import jax.tree_util as jtu
 from equinox import Module
 
 from ._checks import arg_path
+from ._donate import deleted_test, DONATE_MODES
 from ._mirror import getter, Packing
-from ._spec import broadcast_specs, context_mesh, flatten_specs
-from ._spec_leaves import is_rule, is_spec_leaf, match_path_rules, PathRules
-
-
-class _Unset:
-    def __repr__(self):
-        return "<unset>"
-
-
-unset: Any = _Unset()
-
-
-# mode -> (donate_first, donate_rest, filter_warning)
-DONATE_MODES = {
-    "all": (True, True, True),
-    "all-except-first": (False, True, True),
-    "warn": (True, True, False),
-    "warn-except-first": (False, True, False),
-    "none": (False, False, False),
-}
+from ._spec import context_mesh, flatten_specs, needs_leaf, needs_mesh, spread
+from ._spec_leaves import is_spec_leaf, PathRules, unset
 
 
 class Cache:
@@ -97,10 +78,10 @@ class Cache:
         if out_shardings is not unset:
             out_leaves, _ = flatten_specs(out_shardings, "out_shardings")
         # Callables and path rules need the output: resolved from the first trace.
-        self.out_rules = any(is_rule(x) or isinstance(x, PathRules) for x in out_leaves)
-        # Bare `PartitionSpec`s, and rules (which may return one), resolve against the
-        # context mesh: an entry keys on it (RFC §6, "What an entry depends on").
-        self.out_mesh = self.out_rules or any(isinstance(x, jax.P) for x in out_leaves)
+        self.out_rules = any(
+            needs_leaf(x) or isinstance(x, PathRules) for x in out_leaves
+        )
+        self.out_mesh = any(map(needs_mesh, out_leaves))
         self.fun_names = fn_names(fun)
         self.fun_source = fn_source(fun)
         self.layouts: dict = {}
@@ -220,35 +201,15 @@ class Layout:
             if (cache.donate_first if i < n_first else cache.donate_rest)
         )
         self.specs = _in_specs(cache, args, kwargs, leaves, dynamic)
-        in_rules = tuple(i for i in self.dynamic if is_rule(self.specs[i]))
-        # The leaves whose shapes and dtypes resolving depends on: the rules' own, or
-        # every traced leaf when `out_shardings` rules see the output.
-        self.rules = self.dynamic if cache.out_rules else in_rules
-        self.needs_mesh = (
-            cache.out_mesh
-            or bool(in_rules)
-            or any(isinstance(s, jax.P) for s in self.specs)
-        )
         # The entry key of a call's leaves: its static leaves, and what resolving
-        # callable specs or bare `PartitionSpec`s depends on.
+        # its specs depends on (RFC §13): the shapes and dtypes of the leaves that
+        # rules see (every traced leaf when `out_shardings` rules see the output), and
+        # the context mesh.
+        in_rules = tuple(i for i in self.dynamic if needs_leaf(self.specs[i]))
+        self.rules = self.dynamic if cache.out_rules else in_rules
+        self.needs_mesh = cache.out_mesh or any(map(needs_mesh, self.specs))
         self.key = self._key if self.rules or self.needs_mesh else self.static_of
-        # Whether an input has been deleted; for leaves of one array type, the type's
-        # own unbound `is_deleted` mapped at C speed (a call checks the leaf types
-        # first, but a `Compiled` is called with the leaves of its own call).
-        kinds = {type(leaves[i]) for i in self.dynamic}
-        (kind,) = kinds if len(kinds) == 1 else (None,)
-        if (
-            kind is not None
-            and issubclass(kind, jax.Array)
-            and not issubclass(kind, jax.core.Tracer)
-        ):
-            is_deleted = kind.is_deleted
-            dynamic_leaves = self.dynamic_leaves
-            self.any_deleted = lambda leaves: any(
-                map(is_deleted, dynamic_leaves(leaves))
-            )
-        else:
-            self.any_deleted = self._any_deleted
+        self.deleted = deleted_test(leaves, self.dynamic)
         # Shared by every layout with the same traced leaves (e.g. NumPy or JAX).
         self.entries = cache.entries.setdefault((treedef, mask), {})
 
@@ -256,15 +217,6 @@ class Layout:
         avals = tuple((leaves[i].shape, leaves[i].dtype) for i in self.rules)
         mesh = context_mesh(abstract_ok=True) if self.needs_mesh else None
         return (self.static_of(leaves), avals, mesh)
-
-    def _any_deleted(self, leaves: list) -> bool:
-        # Leaf by leaf: NumPy arrays, `ShapeDtypeStruct`s, arrays of several types.
-        return any(
-            isinstance(x, jax.Array)
-            and not isinstance(x, jax.core.Tracer)
-            and x.is_deleted()
-            for x in self.dynamic_leaves(leaves)
-        )
 
 
 def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, dynamic) -> list:
@@ -293,38 +245,9 @@ def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, dynamic) ->
     groups += [("in_shardings", specs[0], kwargs[k], k) for k in named]
     out = []
     for name, spec, arg, arg_name in groups:
-        spec_leaves, spec_def = flatten_specs(spec, name)
-        arg_leaves = jtu.tree_leaves(arg)
-        per_leaf = broadcast_specs(
-            spec_leaves, spec_def, spec, arg, len(arg_leaves), name, arg_name
-        )
         start = len(out)
+        where = lambda j, s=start: arg_path(names, args, kwargs, s + j)
         out.extend(
-            match_path_rules(
-                per_leaf,
-                spec_leaves,
-                spec_def,
-                arg,
-                arg_leaves,
-                lambda j, s=start: arg_path(names, args, kwargs, s + j),
-                dynamic,
-            )
+            spread(spec, arg, jtu.tree_leaves(arg), name, arg_name, where, dynamic)
         )
     return out + [None] * (len(leaves) - len(out))  # keyword arguments
-
-
-class Entry:
-    """One compiled function: a `jax.jit` for one static part of the arguments."""
-
-    __slots__ = (
-        "layout",
-        "static",
-        "jitted",
-        "targets",
-        "get_targets",
-        "placed",  # `(True, sharding)` per target: committed there
-        "wait",
-        "serialize",
-        "donates",  # donates an input: dispatched under the dispatch lock
-        "plain",  # none of the above: `jitted(*dynamic)` is the whole call
-    )

@@ -25,16 +25,16 @@ import equinox as eqx
 # `last_error_info` and `_on_error_msg`, read here and nowhere else.
 import equinox._jit as eqx_jit
 import jax
+import jax._src.traceback_util as traceback_util
 import jax.core
 import jax.extend.core as jc
 import jax.tree_util as jtu
 import numpy as np
 
 
-try:
-    _JaxRuntimeError = jax.errors.JaxRuntimeError  # pyright: ignore
-except AttributeError:  # pragma: no cover
-    _JaxRuntimeError = RuntimeError
+traceback_util.register_exclusion(__file__)
+
+_JaxRuntimeError = jax.errors.JaxRuntimeError
 
 
 def has_callback(jaxpr: Any) -> bool:
@@ -240,3 +240,14 @@ def call_and_wait(guarded: GuardedCall, jitted, args: tuple, jit_id: bytes):
         raise error from None
     finally:
         callback_logger.removeFilter(log_filter)
+
+
+def waiting(guarded: GuardedCall) -> Callable:
+    """The dispatch (see `_donate.plain`) of an entry that contains callbacks."""
+
+    def dispatch(run, dynamic, deleted, leaves, jit_id):
+        del deleted, leaves
+        __tracebackhide__ = True
+        return call_and_wait(guarded, run, dynamic, jit_id)
+
+    return dispatch

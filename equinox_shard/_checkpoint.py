@@ -15,13 +15,13 @@ from typing import Any
 
 import jax
 import jax.core
-import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from equinox import is_array
 from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
 from jaxtyping import PyTree
 
+from ._donate import is_key_array, raise_if_deleted
 from ._sharding import resolve_leaves
 from ._spec import check
 
@@ -43,10 +43,6 @@ def _orbax():
     return ocp
 
 
-def _is_key(x: Any) -> bool:
-    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
 def _is_abstract(x: Any) -> bool:
     return isinstance(x, jax.ShapeDtypeStruct)
 
@@ -55,7 +51,7 @@ def _kind(x: Any) -> str | None:
     """What is saved of a leaf: `array`, `key` (a typed PRNG key array), `numpy`,
     `scalar` (a Python bool/int/float/complex), or `None` (taken from `like`)."""
     if isinstance(x, jax.Array) or _is_abstract(x):
-        return "key" if _is_key(x) else "array"
+        return "key" if is_key_array(x) else "array"
     if is_array(x):  # NumPy arrays and NumPy scalars
         return "numpy"
     if isinstance(x, _SCALARS):
@@ -146,11 +142,9 @@ def save(
         kind = _kind(x)
         if kind is None:
             continue
-        if isinstance(x, jax.Array) and x.is_deleted():
-            raise ValueError(
-                f"{where}: this array has been deleted (donated to an earlier call?), "
-                "so it cannot be saved."
-            )
+        raise_if_deleted(
+            [x], (0,), lambda _: where, then=", so it cannot be saved", error=ValueError
+        )
         entry = _entry(kind, x)
         entry["path"] = jtu.keystr(key_path)
         if kind != "scalar":

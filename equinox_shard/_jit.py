@@ -3,7 +3,6 @@ from a call to `jax.jit` (bind, flatten, look up, check, place, call)."""
 
 import functools as ft
 import os
-import warnings
 from collections.abc import Callable
 from typing import Any, Literal, overload, TypeVar
 from typing_extensions import ParamSpec
@@ -15,16 +14,12 @@ import jax.core
 import jax.tree_util as jtu
 from equinox import field, is_array, Module, module_update_wrapper, Partial
 
-from . import _callbacks, _checks
-from ._cache import Cache, Entry, get_cache, Layout, unset
-from ._prepare import any_deleted, prepare
-from ._trace import (
-    dispatch_lock,
-    hashable_combine,
-    hashable_partition,
-    new_entry,
-    ResolveRules,
-)
+from . import _checks
+from ._cache import Cache, get_cache, Layout
+from ._donate import unusable_donations_ignored
+from ._prepare import prepare
+from ._spec_leaves import unset
+from ._trace import build_entry, Entry, mirror_combine, mirror_partition
 
 
 traceback_util.register_exclusion(__file__)
@@ -41,7 +36,7 @@ def _is_array_or_struct(x: Any) -> bool:
 
 
 #
-# The call path: bind, flatten, look up, check, place, call `jax.jit`.
+# The call path: bind, flatten, look up, prepare, dispatch, postprocess.
 #
 
 
@@ -62,74 +57,38 @@ def _call(wrapper, args, kwargs, compiled=None):
     if compiled is None:
         layout = cache.layouts.get((treedef, tuple(map(type, leaves))))
         entry = None if layout is None else layout.entries.get(layout.key(leaves))
-        if entry is None:
-            entry, layout, leaves, dynamic = _compile(
-                wrapper, cache, args, kwargs, leaves, treedef
-            )
-        else:
-            leaves, dynamic = prepare(
-                fields["_dynamic_fun"],
-                cache,
-                entry,
-                layout,  # pyright: ignore[reportArgumentType]  (found: not None)
-                args,
-                kwargs,
-                leaves,
-            )
-        run = entry.jitted
     else:
         entry = compiled._entry
-        if (
-            treedef != entry.layout.treedef
-            or entry.layout.static_of(leaves) != entry.static
-        ):
-            raise TypeError(
-                "This function was compiled for arguments of structure "
-                f"{entry.layout.treedef} with static (non-array) leaves "
-                f"{entry.static}, but was called with {treedef} and "
-                f"{entry.layout.static_of(leaves)}. Lower and compile it again for "
-                "these arguments."
-            )
         layout = entry.layout
+        _check_compiled(entry, treedef, leaves)
+    if entry is None:
+        entry, layout, leaves, dynamic = _compile(
+            wrapper, cache, args, kwargs, leaves, treedef
+        )
+    else:
         leaves, dynamic = prepare(
             fields["_dynamic_fun"], cache, entry, layout, args, kwargs, leaves
         )
-        run = compiled.compiled
+    run = entry.jitted if compiled is None else compiled.compiled
     try:
-        if entry.plain:
-            out = run(*dynamic)
-        elif entry.wait:
-            out = _callbacks.call_and_wait(entry.wait, run, dynamic, __equinox_jit_id__)
-        elif entry.donates:
-            # Checked again with the dispatch: another thread may have donated an input
-            # since `prepare` checked it (see `dispatch_lock`).
-            with dispatch_lock:
-                if any_deleted(layout, leaves, dynamic[0]):  # pyright: ignore
-                    raise RuntimeError("An input was donated by another thread.")
-                if cache.filter_warning:
-                    with warnings.catch_warnings():
-                        warnings.filterwarnings(
-                            "ignore", message="Some donated buffers were not usable"
-                        )
-                        out = run(*dynamic)
-                else:
-                    out = run(*dynamic)
-        elif entry.serialize:
-            with dispatch_lock:
-                out = run(*dynamic)
-        else:
-            out = run(*dynamic)
+        out = entry.dispatch(
+            run,
+            dynamic,
+            layout.deleted,  # pyright: ignore[reportOptionalMemberAccess]
+            leaves,
+            __equinox_jit_id__,
+        )
     except eqx.EquinoxRuntimeError:
         raise
     except Exception:
         _checks.diagnose(
-            cache.names,
+            cache,
             args,
             kwargs,
             leaves,
             entry.layout.dynamic,
             entry.targets,
-            (cache.fun_name, fields["_dynamic_fun"]),
+            fields["_dynamic_fun"],
         )
         raise
     dynamic_out, static_out = out
@@ -138,41 +97,39 @@ def _call(wrapper, args, kwargs, compiled=None):
     return static_out.combine(dynamic_out)
 
 
-def _compile(wrapper, cache, args, kwargs, leaves, treedef, dynamic=is_array):
-    """The slow path of a call (or a `.lower()`): makes the layout and the entry,
-    places the inputs and traces, once per static part, under the cache's lock."""
-    layout_key = (treedef, tuple(map(type, leaves)), dynamic)
-    with cache.lock:
-        layout = cache.layouts.get(
-            layout_key if dynamic is not is_array else layout_key[:2]
+def _check_compiled(entry: Entry, treedef, leaves) -> None:
+    static = entry.layout.static_of(leaves)
+    if treedef != entry.layout.treedef or static != entry.static:
+        raise TypeError(
+            "This function was compiled for arguments of structure "
+            f"{entry.layout.treedef} with static (non-array) leaves {entry.static}, "
+            f"but was called with {treedef} and {static}. Lower and compile it again "
+            "for these arguments."
         )
+
+
+def _compile(wrapper, cache, args, kwargs, leaves, treedef, dynamic=is_array):
+    """The slow path of a call (or of `.lower()`): finds or makes the layout and the
+    entry, under the cache's lock."""
+    layout_key = (treedef, tuple(map(type, leaves)))
+    if dynamic is not is_array:
+        layout_key += (dynamic,)
+    with cache.lock:
+        layout = cache.layouts.get(layout_key)
         if layout is None:
             layout = Layout(cache, args, kwargs, leaves, treedef, dynamic)
         key = layout.key(leaves)
         entry = layout.entries.get(key)
-        if entry is None:
-            entry = new_entry(wrapper, cache, layout, args, kwargs, leaves)
-        leaves, dynamic_trees = prepare(
-            wrapper._dynamic_fun, cache, entry, layout, args, kwargs, leaves
-        )
-        if entry.wait is None and not jax.config.jax_disable_jit:  # pyright: ignore
-            with warnings.catch_warnings():
-                warnings.filterwarnings(
-                    "ignore", message="Some donated buffers were not usable"
-                )
-                if isinstance(entry.jitted, ResolveRules):
-                    entry.jitted = entry.jitted.trace(*dynamic_trees)
-                traced = entry.jitted.trace(*dynamic_trees)
-                # A function with callbacks is waited for, its callbacks guarded.
-                entry.wait = _callbacks.has_callback(
-                    traced.jaxpr.jaxpr
-                ) and _callbacks.guard(entry.jitted, dynamic_trees)
-                entry.plain = not (entry.wait or entry.serialize or entry.donates)
-            layout.entries[key] = entry
-            cache.layouts[layout_key if dynamic is not is_array else layout_key[:2]] = (
-                layout
+        if entry is not None:  # made by another thread meanwhile
+            leaves, trees = prepare(
+                wrapper._dynamic_fun, cache, entry, layout, args, kwargs, leaves
             )
-    return entry, layout, leaves, dynamic_trees
+            return entry, layout, leaves, trees
+        entry, leaves, trees = build_entry(wrapper, cache, layout, args, kwargs, leaves)
+        if not jax.config.jax_disable_jit:  # pyright: ignore
+            layout.entries[key] = entry
+            cache.layouts[layout_key] = layout
+    return entry, layout, leaves, trees
 
 
 #
@@ -247,7 +204,7 @@ class _JitWrapper(Module):
 
     @property
     def __wrapped__(self):
-        return hashable_combine(self._dynamic_fun, self._static_fun)
+        return mirror_combine(self._dynamic_fun, self._static_fun)
 
     def __call__(self, /, *args, **kwargs):
         __tracebackhide__ = True
@@ -271,7 +228,7 @@ class _JitWrapper(Module):
         except Exception:
             # The entry was checked for the shapes of the call that made it.
             _checks.diagnose(
-                cache.names, args, kwargs, leaves, entry.layout.dynamic, entry.targets
+                cache, args, kwargs, leaves, entry.layout.dynamic, entry.targets
             )
             raise
 
@@ -280,10 +237,7 @@ class _JitWrapper(Module):
         replaced by `jax.ShapeDtypeStruct`s (optionally carrying a `sharding`)."""
 
         def lower(jitted, dynamic):
-            with warnings.catch_warnings():
-                warnings.filterwarnings(
-                    "ignore", message="Some donated buffers were not usable"
-                )
+            with unusable_donations_ignored():
                 return jitted.lower(*dynamic)
 
         entry, lowered = self._ahead(args, kwargs, lower)
@@ -409,7 +363,7 @@ def filter_jit(
             out_shardings=out_shardings,
             donate=donate,
         )
-    dynamic_fun, static_fun = hashable_partition(fun)
+    dynamic_fun, static_fun = mirror_partition(fun)
     cache = get_cache(fun, static_fun, donate, in_shardings, out_shardings)
     if not jtu.tree_leaves(dynamic_fun):
         dynamic_fun = None

@@ -26,14 +26,12 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, Sharding
 
+from ._donate import is_key_array, raise_if_deleted
+
 
 #
 # Host-local values.
 #
-
-
-def _is_key(x: Any) -> bool:
-    return jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def is_host_local(x: Any) -> bool:
@@ -54,12 +52,8 @@ def to_host(x: Any, where: Callable[[], str]) -> tuple[np.ndarray, Any]:
     array (whose data is then the `uint32` key data)."""
     impl = None
     if isinstance(x, jax.Array):
-        if x.is_deleted():
-            raise RuntimeError(
-                f"{where()}: this array has been deleted (was it donated to an earlier "
-                "call?), so it cannot be placed."
-            )
-        if _is_key(x):
+        raise_if_deleted([x], (0,), lambda _: where(), then=", so it cannot be placed")
+        if is_key_array(x):
             impl = jax.random.key_impl(x)
             x = jax.random.key_data(x)
     data = np.asarray(x)

@@ -15,6 +15,13 @@ from jax.sharding import (
 )
 
 from . import _multiprocess
+from ._donate import (
+    is_deleted,
+    is_key_array,
+    private_copies,
+    raise_if_deleted,
+    shares_source_buffer,
+)
 from ._spec import check, leaf_path
 
 
@@ -61,64 +68,10 @@ def is_placed(x: jax.Array, sharding: Sharding) -> bool:
         return False
 
 
-def raise_if_deleted(value: Any, leaves: list, indices, value_name: str) -> None:
-    """Raises `RuntimeError`, naming the key path, if `leaves[i]` for any `i` in
-    `indices` is a deleted (e.g. donated) array."""
-    for i in indices:
-        leaf = leaves[i]
-        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
-            if leaf.is_deleted():  # pyright: ignore[reportAttributeAccessIssue]
-                raise RuntimeError(
-                    f"{leaf_path(value, i, value_name)}: this array has been deleted "
-                    "(was it donated to an earlier call?), so it cannot be placed."
-                )
-
-
-def shares_source_buffer(leaf: Any, sharding: Sharding) -> bool:
-    """Whether `jax.device_put(leaf, sharding, may_alias=False)` may still hand back one
-    of `leaf`'s own buffers as a shard of the result. JAX reuses a buffer wherever the
-    result's shard on a device is exactly `leaf`'s shard on that device (a
-    single-device array onto a replicated sharding; a replicated array onto one of its
-    devices), whatever `may_alias` says: upstream/jax-reports/
-    device-put-may-alias-replicated."""
-    if not isinstance(leaf, jax.Array):
-        return False
-    source = leaf.sharding
-    if source.device_set.isdisjoint(sharding.device_set):
-        return False
-    if len(source.device_set) == 1:
-        # Onto its own device alone, JAX does copy.
-        return len(sharding.device_set) > 1 and sharding.is_fully_replicated
-    source_map = source.devices_indices_map(leaf.shape)
-    return any(
-        source_map.get(device) == index
-        for device, index in sharding.devices_indices_map(leaf.shape).items()
-    )
-
-
-def _is_key_array(x: Any) -> bool:
-    return isinstance(x, jax.Array) and jax.numpy.issubdtype(
-        x.dtype, jax.dtypes.prng_key
-    )
-
-
 def _is_committed_array(x: Any) -> bool:
     return (
         isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed  # pyright: ignore[reportAttributeAccessIssue]
     )
-
-
-def private_copies(leaves: list, indices: list[int]) -> None:
-    """Replaces each `leaves[i]`, `i` in `indices`, by a copy with the same sharding
-    that shares no buffer with it.
-    """
-    copies = jax.device_put(
-        [leaves[i] for i in indices],
-        [leaves[i].sharding for i in indices],
-        may_alias=False,
-    )
-    for i, x in zip(indices, copies):
-        leaves[i] = x
 
 
 def device_put_leaves(
@@ -135,6 +88,7 @@ def device_put_leaves(
     sharding are left as the same object (unless `may_alias=False`). Every other
     result owns its buffers, unless donated or `may_alias=True`: donating it later
     never deletes the input."""
+    where = lambda i: leaf_path(value, i, value_name)
     indices = []
     targets = []
     for i, sharding in todo:
@@ -146,21 +100,21 @@ def device_put_leaves(
             sharding = _without_unconstrained(sharding)
         flag = may_alias if not isinstance(may_alias, list) else may_alias[i]
         if flag is not False and _is_committed_array(leaf):
-            if leaf.is_deleted():
-                raise_if_deleted(value, leaves, (i,), value_name)
+            if is_deleted(leaf):
+                raise_if_deleted(leaves, (i,), where, then=", so it cannot be placed")
             if is_placed(leaf, sharding):
                 continue
-        check(leaf.shape, sharding, lambda i=i: leaf_path(value, i, value_name))
+        check(leaf.shape, sharding, lambda i=i: where(i))
         indices.append(i)
         targets.append(sharding)
     if not indices:
         return
     # Before any transfer, so that a failure cannot leave earlier leaves donated.
-    raise_if_deleted(value, leaves, indices, value_name)
+    raise_if_deleted(leaves, indices, where, then=", so it cannot be placed")
     if jax.process_count() > 1:
         # Host-local arrays onto shardings that span several processes.
         indices, targets = _multiprocess.place_host_local(
-            leaves, indices, targets, lambda i: leaf_path(value, i, value_name)
+            leaves, indices, targets, where
         )
         if not indices:
             return
@@ -189,23 +143,19 @@ def device_put_leaves(
     if early:
         # A private copy on the source device first, whose buffer may then be shared.
         private_copies(sources, early)
-    if donate is not False and any(map(_is_key_array, sources)):
-        # Donating a typed PRNG key array to `jax.device_put` frees it without
-        # marking it deleted, so touching it afterwards segfaults (JAX 0.10.2 and
-        # 0.12): upstream/jax-reports/device-put-donate-single-device-sharding.
-        # Donation is best-effort: key arrays are never donated here.
+    if donate is not False and any(map(is_key_array, sources)):
+        # Key arrays are never donated here (JAX frees them without marking them
+        # deleted): upstream/jax-reports/device-put-donate-single-device-sharding.
         flags = donate if isinstance(donate, list) else [donate] * len(sources)
-        donate = [d and not _is_key_array(x) for d, x in zip(flags, sources)]
+        donate = [d and not is_key_array(x) for d, x in zip(flags, sources)]
         if not isinstance(may_alias, list):
             may_alias = [may_alias] * len(sources)
         may_alias = [
             False if f is None and not d else f for f, d in zip(may_alias, donate)
         ]
     if donate is not False:
-        # JAX 0.10.2: donating to a `SingleDeviceSharding` frees the input without
-        # marking it deleted, so touching it afterwards segfaults; donating to the
-        # `jax.Device` itself is handled correctly. See `tests/test_jax_facts.py::`
-        # `test_device_put_donate_to_single_device_sharding_crashes`.
+        # The device itself, not its `SingleDeviceSharding` (JAX 0.10.2):
+        # upstream/jax-reports/device-put-donate-single-device-sharding.
         targets = [
             next(iter(s.device_set))
             if type(s) is SingleDeviceSharding and is_default_memory(s)
@@ -214,7 +164,7 @@ def device_put_leaves(
         ]
     first = targets[0]
     if all(t is first for t in targets):
-        targets = first  # likewise: one sharding is not broadcast over the tree
+        targets = first  # one sharding, which `jax.device_put` need not broadcast
     out = jax.device_put(sources, targets, donate=donate, may_alias=may_alias)
     for i, leaf in zip(indices, out):
         leaves[i] = leaf

@@ -1,95 +1,123 @@
 """What happens to a `filter_jit` call's inputs between the cache look-up and `jax.jit`:
-the checks that must run before anything executes (deleted inputs, one buffer
-reachable twice under donation), private copies for donation, and committing
-uncommitted inputs to their `in_shardings`."""
+the checks that must run before anything executes, private copies for donation, and
+placing inputs on their `in_shardings`.
+
+`in_shardings` is the request to place: an input that is not yet there (uncommitted, or
+committed elsewhere) is moved first, so that `jax.jit` always sees inputs on their
+shardings, `x = f(x)` compiles once, and a committed input is moved where plain
+`jax.jit` would refuse (the same devices, another sharding). A move is a copy: the
+caller's array stays alive and unchanged. A donated input that moves is copied into
+buffers of its own, and the copy is donated. Where a sharding spans several processes
+(`jax.distributed`), host-local values are placed as `filter_device_put` places them:
+checked to be the same on every process.
+"""
+
+import operator
+from collections.abc import Callable, Collection
+from typing import Any
 
 import jax
+import jax._src.traceback_util as traceback_util
 import jax.core
-import jax.tree_util as jtu
+import numpy as np
+from jax.sharding import Sharding
 
-from . import _checks, _commit
-from ._cache import Cache, Entry, Layout
-from ._place import private_copies
+from . import _checks, _donate, _multiprocess
+from ._place import is_placed
+from ._spec import is_abstract
 
 
-def prepare(
-    dynamic_fun,
-    cache: Cache,
-    entry: Entry,
-    layout: Layout,
-    args,
-    kwargs,
-    leaves,
-):
-    """Checks and placements before execution; returns the dynamic trees to call.
-    `layout` is the one of this call's leaf types, which checks for deleted inputs: an
-    entry is shared by layouts that differ in them (arrays, tracers, NumPy), and its
-    own layout packs the leaves as its traced function unpacks them."""
-    changed = False
+traceback_util.register_exclusion(__file__)
+
+
+def prepare(dynamic_fun, cache, entry, layout, args, kwargs, leaves) -> tuple:
+    """Checks and placements before execution: returns the leaves as placed and the
+    dynamic trees to call. `layout` is the one of this call's leaf types, which tests
+    for deleted inputs: an entry is shared by layouts that differ in them (arrays,
+    tracers, NumPy); its own layout packs the leaves as its function unpacks them."""
+    where = lambda i: _checks.arg_path(cache.names, args, kwargs, i)
     # XLA crashes on a deleted multi-device input, donated or not.
-    if _inputs_deleted(layout, leaves):
-        _checks.raise_if_deleted(cache.names, args, kwargs, leaves, layout.dynamic)
+    if layout.deleted(leaves):
+        _donate.raise_if_deleted(leaves, layout.dynamic, where)
     layout = entry.layout
+    placed = leaves
     if entry.donates:
-        # Donation: copy what is reachable twice, so that nothing kept is lost.
-        fun_leaves = jtu.tree_leaves(dynamic_fun) if cache.donate_rest else ()
-        if _any_deleted_array(fun_leaves):
-            _checks.raise_if_fun_deleted(cache.fun_name, dynamic_fun)
-        copies = _checks.donation_copies(
-            cache.names,
-            args,
-            kwargs,
-            leaves,
-            layout.donated,
-            layout.dynamic,
-            fun_leaves,
+        fun = dynamic_fun if cache.donate_rest else None
+        placed = _donate.keep_undonated(
+            leaves, layout.donated, layout.dynamic, fun, where, cache.fun_name
         )
-        # NumPy inputs are copied onto the device by every call anyway.
-        copies = [i for i in copies or () if isinstance(leaves[i], jax.Array)]
-        if copies:
-            # The caller's buffer is kept; the executable donates a private copy.
-            leaves = list(leaves)
-            private_copies(leaves, copies)
-            changed = True
-    if entry.targets and not _commit.all_placed(
-        entry.get_targets(leaves), entry.placed
-    ):
-        leaves = list(leaves)
+    if entry.targets and not all_placed(entry.get_targets(placed), entry.placed):
+        placed = list(placed)
         try:
-            _commit.commit(
-                leaves,
-                entry.targets,
-                lambda i: _checks.arg_path(cache.names, args, kwargs, i),
-                layout.donated if entry.donates else (),
+            commit(
+                placed, entry.targets, where, layout.donated if entry.donates else ()
             )
         except Exception:
             # The entry was checked for the shapes of the call that made it.
-            _checks.diagnose(
-                cache.names, args, kwargs, leaves, layout.dynamic, entry.targets
-            )
+            _checks.diagnose(cache, args, kwargs, placed, layout.dynamic, entry.targets)
             raise
-        changed = True
     if not layout.packing.trivial:
-        return leaves, (dynamic_fun, *layout.packing.pack(leaves))
-    if changed:
-        args, kwargs = layout.treedef.unflatten(leaves)
-    return leaves, (dynamic_fun, kwargs, *args)
+        return placed, (dynamic_fun, *layout.packing.pack(placed))
+    if placed is not leaves:
+        args, kwargs = layout.treedef.unflatten(placed)
+    return placed, (dynamic_fun, kwargs, *args)
 
 
-def _inputs_deleted(layout: Layout, leaves) -> bool:
+_placement = operator.attrgetter("committed", "sharding")
+
+
+def all_placed(values, expected: tuple) -> bool:
+    """Whether every value is a committed `jax.Array` whose sharding equals its target,
+    `expected` holding `(True, sharding)` per value (one C-speed pass). `False` means
+    `commit` must look: `jax.jit` may not be given an array on another sharding
+    (upstream/jax-reports/jit-committed-device-order)."""
     try:
-        return layout.any_deleted(leaves)
-    except (TypeError, AttributeError):  # a `Compiled` called with other leaf types
-        return layout._any_deleted(leaves)
+        return all(map(operator.eq, map(_placement, values), expected))
+    except (AttributeError, TypeError):  # NumPy, a tracer, a `ShapeDtypeStruct`
+        return False
 
 
-def _any_deleted_array(leaves) -> bool:
-    return any(x.is_deleted() for x in leaves if _checks.is_concrete_array(x))
-
-
-def any_deleted(layout: Layout, leaves, dynamic_fun) -> bool:
-    """Whether an input of a donating call is deleted: among `leaves` (as placed by
-    `prepare`), or among the arrays of the function itself (donated with the rest)."""
-    return _inputs_deleted(layout, leaves) or (
-        dynamic_fun is not None and _any_deleted_array(jtu.tree_leaves(dynamic_fun))
-    )
+def commit(
+    leaves: list,
+    targets: list[tuple[int, Sharding]],
+    where: Callable[[int], str],
+    donated: Collection[int] = (),
+) -> None:
+    """Places each `leaves[i]` that is not on `sharding` onto it, for `(i, sharding)` in
+    `targets`, in place. The copies are never returned to the caller, so they may share
+    buffers with their source, except those in `donated`, which share none."""
+    # Inside a trace (a sharding on the abstract mesh), the enclosing call places.
+    targets = [(i, s) for i, s in targets if not is_abstract(s)]
+    multiprocess = any(not s.is_fully_addressable for _, s in targets)
+    donated = frozenset(donated)
+    todo: list[tuple[int, Any]] = []
+    for i, sharding in targets:
+        x = leaves[i]
+        if isinstance(x, jax.core.Tracer):
+            continue
+        if isinstance(x, jax.Array):
+            if not (x.committed and is_placed(x, sharding)):
+                todo.append((i, sharding))
+        elif multiprocess and isinstance(x, (np.ndarray, np.generic)):
+            todo.append((i, sharding))
+    if not todo:
+        return
+    indices = [i for i, _ in todo]
+    shardings = [s for _, s in todo]
+    if multiprocess:
+        indices, shardings = _multiprocess.place_host_local(
+            leaves, indices, shardings, where
+        )
+    # A donated input is first copied where it is, so that donating the result frees
+    # only the copy (`_donate.shares_source_buffer`).
+    private = [
+        i
+        for i, s in zip(indices, shardings)
+        if i in donated and _donate.shares_source_buffer(leaves[i], s)
+    ]
+    if private:
+        _donate.private_copies(leaves, private)
+    if indices:
+        moved = jax.device_put([leaves[i] for i in indices], shardings)
+        for i, x in zip(indices, moved):
+            leaves[i] = x

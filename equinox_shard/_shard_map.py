@@ -11,14 +11,13 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._mirror import KeyPath, Named, Names
-from ._spec import broadcast_specs, call_rule, check, flatten_specs, leaf_path
+from ._spec import call_rule, check, flatten_specs, leaf_path, resolve_each, spread
 from ._spec_leaves import (
     _describe_leaf,
-    _no_default,
     is_rule,
     is_spec_leaf,
-    match_path_rules,
     PathRules,
+    unset,
 )
 
 
@@ -28,21 +27,13 @@ traceback_util.register_exclusion(__file__)
 _T = TypeVar("_T", bound=Callable)
 
 
-class _Sentinel:
-    def __repr__(self):
-        return "sentinel"
-
-
-_sentinel: Any = _Sentinel()
-
-
 def _check_specs(specs: Any, name: str) -> None:
     """`filter_shard_map`'s specs are `PartitionSpec`s over its own mesh: no sharding
     or device leaves."""
     for path, leaf in jtu.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)[0]:
         if isinstance(leaf, PathRules):
             inner = [spec for _, spec in leaf.rules]
-            if leaf.default is not _no_default:
+            if leaf.default is not unset:
                 inner.append(leaf.default)
         else:
             inner = [leaf]
@@ -71,21 +62,13 @@ def _leaf_specs(
     specs: Any, value: Any, leaves: list, spec_name: str, value_name: str
 ) -> list:
     """One `PartitionSpec | None` per leaf of `value`; `None` for non-array leaves."""
-    spec_leaves, spec_def = flatten_specs(specs, spec_name)
-    per_leaf = broadcast_specs(
-        spec_leaves, spec_def, specs, value, len(leaves), spec_name, value_name
-    )
-
-    def where(i):
-        return leaf_path(value, i, value_name)
-
-    per_leaf = match_path_rules(
-        per_leaf, spec_leaves, spec_def, value, leaves, where, is_array
-    )
-    return [
-        _resolve(spec, leaf, lambda i=i: where(i)) if is_array(leaf) else None
-        for i, (spec, leaf) in enumerate(zip(per_leaf, leaves))
-    ]
+    where = lambda i: leaf_path(value, i, value_name)
+    per_leaf = spread(specs, value, leaves, spec_name, value_name, where, is_array)
+    indices = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
+    out: list = [None] * len(leaves)
+    for i, spec in resolve_each(per_leaf, leaves, indices, where, _resolve):
+        out[i] = spec
+    return out
 
 
 def _get_mesh(mesh):
@@ -156,7 +139,7 @@ def filter_shard_map(
 
 
 def filter_shard_map(
-    fun=_sentinel,
+    fun=unset,
     *,
     in_specs: PyTree[Any],
     out_specs: PyTree[Any],
@@ -242,7 +225,7 @@ def filter_shard_map(
         y = row_parallel(linear.weight, jnp.ones(16)) + linear.bias
         ```
     """
-    if fun is _sentinel:
+    if fun is unset:
         return ft.partial(
             filter_shard_map,
             in_specs=in_specs,

@@ -1,10 +1,12 @@
 """`filter_device_put` and `filter_shard`: resolving a specification against a PyTree
 and placing (eagerly) or constraining (inside a trace) its array leaves."""
 
+import functools as ft
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax._src.traceback_util as traceback_util
 import jax.core
 import jax.lax as lax
 import jax.tree_util as jtu
@@ -20,21 +22,16 @@ from ._place import device_put_leaves, is_default_memory
 from ._spec import (
     broadcast_specs,
     check,
-    flatten_specs,
     for_jax,
+    in_trace,
     leaf_path,
     resolve,
+    resolve_each,
+    spread,
 )
-from ._spec_leaves import match_path_rules
 
 
-def _in_trace() -> bool:
-    # Inside a trace only the abstract mesh is available: `get_mesh` raises.
-    try:
-        jax.sharding.get_mesh()
-    except ValueError:
-        return True
-    return False
+traceback_util.register_exclusion(__file__)
 
 
 def resolve_leaves(
@@ -53,36 +50,11 @@ def resolve_leaves(
     against `mesh` if given, else the context mesh."""
     if isinstance(specs, Sharding):  # the common case: nothing to broadcast or resolve
         return [(i, specs) for i, leaf in enumerate(leaves) if dynamic(leaf)]
-    spec_leaves, spec_def = flatten_specs(specs, spec_name)
-    per_leaf = broadcast_specs(
-        spec_leaves, spec_def, specs, value, len(leaves), spec_name, value_name
-    )
-    per_leaf = match_path_rules(
-        per_leaf,
-        spec_leaves,
-        spec_def,
-        value,
-        leaves,
-        lambda i: leaf_path(value, i, value_name),
-        dynamic,
-    )
-    out = []
-    for i, (spec, leaf) in enumerate(zip(per_leaf, leaves)):
-        if spec is None or not dynamic(leaf):
-            continue
-        if isinstance(spec, Sharding):  # nothing to resolve
-            out.append((i, spec))
-            continue
-        sharding = resolve(
-            spec,
-            leaf,
-            lambda i=i: leaf_path(value, i, value_name),
-            abstract_ok=abstract_ok,
-            mesh=mesh,
-        )
-        if sharding is not None:
-            out.append((i, sharding))
-    return out
+    where = lambda i: leaf_path(value, i, value_name)
+    per_leaf = spread(specs, value, leaves, spec_name, value_name, where, dynamic)
+    indices = [i for i, leaf in enumerate(leaves) if dynamic(leaf)]
+    resolver = ft.partial(resolve, abstract_ok=abstract_ok, mesh=mesh)
+    return resolve_each(per_leaf, leaves, indices, where, resolver)
 
 
 def _broadcast_flags(
@@ -357,7 +329,7 @@ def filter_shard(x: PyTree[Any], device_or_shardings: Any) -> PyTree[Any]:
     # `jax.disable_jit()` such constants are placed instead, as
     # `with_sharding_constraint` would do nothing.
     traced = _is_traced_tree(leaves) or (
-        _in_trace() and not jax.config.jax_disable_jit  # pyright: ignore
+        in_trace() and not jax.config.jax_disable_jit  # pyright: ignore
     )
     todo = resolve_leaves(
         x, leaves, device_or_shardings, "device_or_shardings", "x", abstract_ok=traced

@@ -38,6 +38,8 @@ from ._spec_leaves import (
     is_pytree_node,
     is_rule,
     is_spec_leaf,
+    match_path_rules,
+    PathRules,
 )
 
 
@@ -171,22 +173,85 @@ def broadcast_specs(
     return out
 
 
-def context_mesh(*, abstract_ok: bool):
-    """The mesh set by `jax.set_mesh`, or `None` if there is none.
+def spread(
+    specs: Any,
+    value: Any,
+    leaves: list,
+    spec_name: str,
+    value_name: str,
+    where: Callable[[int], str],
+    dynamic: Callable[[Any], bool],
+) -> list:
+    """The first half of the pipeline, which depends only on structure: one spec leaf
+    per leaf of `value` (`leaves`, flattened), each spec leaf broadcast over its subtree
+    and each `PathRules` replaced by the spec leaf it chooses; `None` at the leaves
+    that are not `dynamic`. `where(i)` names leaf `i` in errors."""
+    spec_leaves, spec_def = flatten_specs(specs, spec_name)
+    per_leaf = broadcast_specs(
+        spec_leaves, spec_def, specs, value, len(leaves), spec_name, value_name
+    )
+    return match_path_rules(
+        per_leaf, spec_leaves, spec_def, value, leaves, where, dynamic
+    )
 
-    Outside a trace this is the concrete mesh. The abstract mesh is returned if
-    `abstract_ok`, or if JAX is tracing: then `jax.sharding.get_mesh` raises and only
-    the abstract mesh is available, also for leaves that are not tracers (constants).
-    """
+
+def resolve_each(
+    per_leaf: list,
+    leaves: list,
+    indices,
+    where: Callable[[int], str],
+    resolver: Callable[[Any, Any, Callable[[], str]], Any],
+) -> list[tuple[int, Any]]:
+    """The second half, which depends on the leaves: `(i, resolver(spec, leaf,
+    where))` for every `i` in `indices` whose spec leaf is not `None` and resolves to
+    something other than `None`."""
+    out = []
+    for i in indices:
+        spec = per_leaf[i]
+        if spec is None:
+            continue
+        if not isinstance(spec, Sharding):  # a `Sharding` needs no resolving
+            spec = resolver(spec, leaves[i], lambda i=i: where(i))
+            if spec is None:
+                continue
+        out.append((i, spec))
+    return out
+
+
+def needs_leaf(spec: Any) -> bool:
+    """Whether resolving `spec` depends on the leaf's shape and dtype: part of a cache
+    key."""
+    return is_rule(spec)
+
+
+def needs_mesh(spec: Any) -> bool:
+    """Whether resolving `spec` may depend on the context mesh (`jax.set_mesh`): part
+    of a cache key."""
+    return isinstance(spec, (PartitionSpec, PathRules)) or is_rule(spec)
+
+
+def concrete_mesh():
+    """The mesh set by `jax.set_mesh` (empty if none), or `None` while JAX traces,
+    where only the abstract mesh exists and `jax.sharding.get_mesh` raises: the
+    package's one test of "are we tracing?"."""
     try:
-        mesh = jax.sharding.get_mesh()
+        return jax.sharding.get_mesh()
     except ValueError:
-        # Inside `jax.jit` only the abstract mesh is available.
-        mesh = None
-        abstract_ok = True
+        return None
+
+
+def in_trace() -> bool:
+    return concrete_mesh() is None
+
+
+def context_mesh(*, abstract_ok: bool):
+    """The mesh set by `jax.set_mesh`, or `None` if there is none: the concrete mesh
+    outside a trace, the abstract mesh if `abstract_ok` or inside a trace (where only
+    the abstract mesh is available, also for leaves that are not tracers)."""
+    mesh = concrete_mesh()
     if mesh is not None and not mesh.empty:
         return mesh
-    if abstract_ok:
+    if abstract_ok or mesh is None:
         abstract_mesh = jax.sharding.get_abstract_mesh()
         if not abstract_mesh.empty:
             return abstract_mesh

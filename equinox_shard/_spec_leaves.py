@@ -67,12 +67,13 @@ def _check_spec_leaf(x: Any, where: str) -> None:
         )
 
 
-class _NoDefault:
+class _Unset:
     def __repr__(self):
-        return "<no default>"
+        return "<unset>"
 
 
-_no_default = _NoDefault()
+# The package's one sentinel: an argument not given.
+unset: Any = _Unset()
 
 
 class PathRules:
@@ -137,7 +138,7 @@ class PathRules:
         self,
         rules: Sequence[tuple[str | re.Pattern, Any]],
         *,
-        default: Any = _no_default,
+        default: Any = unset,
     ):
         patterns = []
         specs = []
@@ -166,7 +167,7 @@ class PathRules:
             )
             patterns.append(pattern)
             specs.append(spec)
-        if default is not _no_default:
+        if default is not unset:
             _check_rule_spec(default, "PathRules: `default`")
         self._patterns = tuple(patterns)
         self._rules = tuple(zip((p.pattern for p in patterns), specs))
@@ -188,7 +189,7 @@ class PathRules:
         for k, pattern in enumerate(self._patterns):
             if pattern.search(path) is not None:
                 return k
-        return len(self._rules) if self._default is not _no_default else None
+        return len(self._rules) if self._default is not unset else None
 
     def lookup(self, path: str, where: Callable[[], str]) -> Any:
         """The spec leaf for the array whose relative key path is `path`."""
@@ -216,7 +217,7 @@ class PathRules:
         return hash((PathRules, self._rules, self._default))
 
     def __repr__(self):
-        default = "" if self._default is _no_default else f", default={self._default!r}"
+        default = "" if self._default is unset else f", default={self._default!r}"
         return f"PathRules({list(self._rules)!r}{default})"
 
 

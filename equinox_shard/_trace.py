@@ -1,28 +1,32 @@
-"""The function that `filter_jit` gives to `jax.jit`, and the `jax.jit` itself: the
-dynamic trees keep the user's structure (`None` at non-array leaves), so that
+"""An `Entry` of `filter_jit`'s cache, built, traced and frozen in one place: the
+function given to `jax.jit` (its dynamic trees keep the user's structure, so that
 `in_shardings` and `out_shardings` are prefixes that `jax.jit` applies, and JAX's errors
-name the user's arguments."""
+name the user's arguments), the `jax.jit` itself, and the dispatch of its calls."""
 
 import functools as ft
 import inspect
-import threading
 from typing import Any
 
 import jax
+import jax._src.traceback_util as traceback_util
 import jax.core
 import jax.tree_util as jtu
 from equinox import is_array
 
-from . import _checks
-from ._cache import Cache, Entry, Layout, unset
+from . import _callbacks, _checks, _donate
+from ._cache import Cache, Layout
 from ._mirror import getter, mirror
 from ._place import device_put_leaves
+from ._prepare import prepare
 from ._sharding import resolve_leaves
-from ._spec import check, context_mesh, for_jax, is_abstract, resolve
-from ._spec_leaves import is_rule, is_spec_leaf, PathRules
+from ._spec import check, context_mesh, for_jax, resolve, resolve_each
+from ._spec_leaves import is_rule, is_spec_leaf, PathRules, unset
 
 
-def hashable_partition(tree: Any) -> tuple[Any, tuple[tuple, Any]]:
+traceback_util.register_exclusion(__file__)
+
+
+def mirror_partition(tree: Any) -> tuple[Any, tuple[tuple, Any]]:
     """Splits `tree` into its arrays, in its `mirror` (`None` at every other leaf), and
     a hashable `(leaves, treedef)` holding everything else (`None` at the arrays)."""
     leaves, treedef = jtu.tree_flatten(tree)
@@ -33,8 +37,8 @@ def hashable_partition(tree: Any) -> tuple[Any, tuple[tuple, Any]]:
     return dynamic, (static, treedef)
 
 
-def hashable_combine(dynamic: Any, static: tuple[tuple, Any]) -> Any:
-    """The inverse of `hashable_partition`."""
+def mirror_combine(dynamic: Any, static: tuple[tuple, Any]) -> Any:
+    """The inverse of `mirror_partition`."""
     static_leaves, treedef = static
     arrays = iter(jtu.tree_leaves(dynamic))
     return treedef.unflatten([next(arrays) if s is None else s for s in static_leaves])
@@ -81,15 +85,14 @@ jtu.register_static(OutStatic)
 def _traced_function(
     cache: Cache, static_fun, layout: Layout, leaves, targets, mesh, out_specs, found
 ):
-    static_leaves = tuple(
-        None if i in set(layout.dynamic) else x for i, x in enumerate(leaves)
-    )
+    dynamic = set(layout.dynamic)
+    static_leaves = tuple(None if i in dynamic else x for i, x in enumerate(leaves))
     treedef = layout.treedef
     # A single spec leaf is a prefix of any output, also of its flat arrays.
     structured = out_specs is not unset and not _is_single(out_specs)
 
     def fun_wrapped(dynamic_fun, dynamic_kwargs, *dynamic_args):
-        fun = hashable_combine(dynamic_fun, static_fun)
+        fun = mirror_combine(dynamic_fun, static_fun)
         flat = list(static_leaves)
         dynamic = layout.packing.unpack(dynamic_kwargs, dynamic_args)
         for i, x in zip(layout.dynamic, dynamic):
@@ -191,65 +194,93 @@ def _static_out_shardings(out_specs):
     return jtu.tree_map_with_path(resolve_leaf, out_specs, is_leaf=is_spec_leaf)
 
 
-def new_entry(wrapper, cache: Cache, layout: Layout, args, kwargs, leaves) -> Entry:
-    """Resolves `in_shardings` for this call, checks each input's shape against them
-    (before anything is traced), and builds the `jax.jit`."""
-    names = cache.names
-    targets = []
-    for i in layout.dynamic:
-        spec = layout.specs[i]
-        if spec is None:
-            continue
-        where = lambda i=i: _checks.arg_path(names, args, kwargs, i)
-        sharding = resolve(spec, leaves[i], where, abstract_ok=True)
-        if sharding is not None:
-            check(jax.numpy.shape(leaves[i]), sharding, where)
-            targets.append((i, sharding))
+class Entry:
+    """One compiled function: a `jax.jit` for one static part of the arguments, and
+    `dispatch(run, dynamic, deleted, leaves, jit_id)`, which calls it (`_donate.plain`,
+    `_donate.serialized`, `_donate.donating`, `_callbacks.waiting`)."""
+
+    __slots__ = (
+        "layout",
+        "static",
+        "targets",
+        "get_targets",
+        "placed",  # `(True, sharding)` per target: committed there
+        "donates",
+        "jitted",
+        "dispatch",
+    )
+
+
+def build_entry(wrapper, cache: Cache, layout: Layout, args, kwargs, leaves) -> tuple:
+    """Resolves `in_shardings` for this call and checks each input against them
+    (before anything runs), builds the `jax.jit`, places this call's inputs and
+    traces it (not under `jax.disable_jit`): the entry, and this call's leaves and
+    dynamic trees, as `prepare` returns them."""
+    where = lambda i: _checks.arg_path(cache.names, args, kwargs, i)
+    resolver = ft.partial(resolve, abstract_ok=True)
+    targets = resolve_each(layout.specs, leaves, layout.dynamic, where, resolver)
+    for i, sharding in targets:
+        check(jax.numpy.shape(leaves[i]), sharding, lambda i=i: where(i))
     entry = Entry()
     entry.layout = layout
     entry.static = layout.static_of(leaves)
     entry.targets = targets
     entry.get_targets = getter(tuple(i for i, _ in targets))
     entry.placed = tuple((True, s) for _, s in targets)
-    entry.wait = None
-    entry.plain = False
     entry.donates = bool(layout.donated) or (
         cache.donate_rest and wrapper._dynamic_fun is not None
     )
-    entry.serialize = serialize_dispatch(
-        [s for _, s in targets]
-        + [getattr(leaves[i], "sharding", None) for i in layout.dynamic]
+    jitted = entry.jitted = _jit(wrapper, cache, layout, args, leaves, targets)
+    leaves, dynamic = prepare(
+        wrapper._dynamic_fun, cache, entry, layout, args, kwargs, leaves
     )
+    waits = None
+    if not jax.config.jax_disable_jit:  # pyright: ignore
+        with _donate.unusable_donations_ignored():
+            if isinstance(jitted, ResolveRules):
+                jitted = entry.jitted = jitted.trace(*dynamic)
+            traced = jitted.trace(*dynamic)
+            if _callbacks.has_callback(traced.jaxpr.jaxpr):
+                waits = _callbacks.guard(jitted, dynamic)
+    shardings = [s for _, s in targets]
+    shardings += [getattr(leaves[i], "sharding", None) for i in layout.dynamic]
+    if waits is not None:
+        entry.dispatch = _callbacks.waiting(waits)
+    elif entry.donates:
+        entry.dispatch = _donate.donating(cache.filter_warning)
+    elif _donate.serialize_dispatch(shardings):
+        entry.dispatch = _donate.serialized
+    else:
+        entry.dispatch = _donate.plain
+    return entry, leaves, dynamic
+
+
+def _jit(wrapper, cache: Cache, layout: Layout, args, leaves, targets):
+    """The `jax.jit` of an entry (a `ResolveRules` for rules in `out_shardings`)."""
     jit_kwargs: dict = {}
     if cache.in_shardings is not unset:
         shardings: list = [None] * len(leaves)
         for i, sharding in targets:
             shardings[i] = for_jax(sharding)
         jit_kwargs["in_shardings"] = (None, *layout.packing.pack(shardings))
-    n_args = len(args)
-    donate = [0, 1] if cache.donate_rest else []
-    if n_args and cache.donate_first:
-        donate.append(2)
-    if cache.donate_rest:
-        donate.extend(range(3, 2 + n_args))
-    jit_kwargs["donate_argnums"] = tuple(donate)
+    jit_kwargs["donate_argnums"] = _donate.donate_argnums(
+        cache.donate_first, cache.donate_rest, len(args)
+    )
     out_specs = cache.out_shardings
     if out_specs is not unset:
         out_specs = _static_out_shardings(out_specs)
         if not cache.out_rules:
             mirrored = mirror(out_specs, is_leaf=is_spec_leaf)
             jit_kwargs["out_shardings"] = (mirrored, None)
-    static_fun = wrapper._static_fun
     # Rules resolve on the call's mesh, which is concrete outside a trace: inside the
     # trace only its abstract mesh is available.
     mesh = context_mesh(abstract_ok=True) if cache.out_rules else None
     make = ft.partial(
-        _traced_function, cache, static_fun, layout, leaves, targets, mesh
+        _traced_function, cache, wrapper._static_fun, layout, leaves, targets, mesh
     )
-    entry.jitted = jax.jit(make(out_specs, None), **jit_kwargs)
     if cache.out_rules:
-        entry.jitted = ResolveRules(make, out_specs, jit_kwargs)
-    return entry
+        return ResolveRules(make, out_specs, jit_kwargs)
+    return jax.jit(make(out_specs, None), **jit_kwargs)
 
 
 class ResolveRules:
@@ -283,25 +314,3 @@ class ResolveRules:
             outer.__wrapped__ = fun_wrapped.__wrapped__  # pyright: ignore
         out_shardings = (jtu.tree_map(for_jax, found[0]), None)
         return jax.jit(outer, **self.jit_kwargs, out_shardings=out_shardings)
-
-
-# JAX 0.10.2, CPU backend: several threads dispatching multi-device executables at once
-# deadlock inside XLA (plain `jax.jit` too). Reproduction:
-# tests/test_concurrency.py::test_threads_sharded (8 threads x 1000 calls: killed at its
-# 90 s deadline on 0.10.2 without this lock; passes in 8 s on JAX 0.12.0.1 either way).
-# Dispatch is asynchronous, so the lock serialises only the launch.
-# On any backend, a donating call checks its inputs again and dispatches under this
-# lock: JAX 0.10.2 crashes (SIGSEGV) on an input that another thread donated after our
-# check (test_concurrency.py::test_same_array_donated_from_threads: every time without).
-# Re-entrant: under `jax.disable_jit` the dispatch runs the function, which may call
-# another `filter_jit` (test_concurrency.py::test_nested_call_under_disable_jit).
-dispatch_lock = threading.RLock()
-
-
-def serialize_dispatch(shardings: list) -> bool:
-    return jax.default_backend() == "cpu" and any(
-        isinstance(s, jax.sharding.Sharding)
-        and not is_abstract(s)  # inside a trace: the outer call dispatches
-        and len(s.device_set) > 1
-        for s in shardings
-    )
