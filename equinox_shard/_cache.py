@@ -10,6 +10,7 @@ import weakref
 from typing import Any
 
 import equinox._caches
+import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 from equinox import Module
 
@@ -18,6 +19,9 @@ from ._donate import deleted_test, DONATE_MODES
 from ._mirror import getter, Packing
 from ._spec import context_mesh, flatten_specs, needs_leaf, needs_mesh, spread
 from ._spec_leaves import is_spec_leaf, PathRules, unset
+
+
+traceback_util.register_exclusion(__file__)
 
 
 class Cache:

@@ -14,6 +14,7 @@ import pathlib
 from typing import Any
 
 import jax
+import jax._src.traceback_util as traceback_util
 import jax.core
 import jax.tree_util as jtu
 import numpy as np
@@ -24,6 +25,9 @@ from jaxtyping import PyTree
 from ._donate import is_key_array, raise_if_deleted
 from ._sharding import resolve_leaves
 from ._spec import check
+
+
+traceback_util.register_exclusion(__file__)
 
 
 _FORMAT = "equinox_shard.checkpoint"

@@ -6,11 +6,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 from jax.sharding import Sharding
 
 from ._donate import raise_if_deleted, raise_if_fun_deleted
 from ._spec import check
+
+
+traceback_util.register_exclusion(__file__)
 
 
 def arg_path(names: Sequence[str], args: tuple, kwargs: dict, index: int) -> str:

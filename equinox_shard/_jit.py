@@ -293,51 +293,31 @@ def filter_jit(
     donate: _DonateMode = "none",
 ):
     """An easier-to-use version of `jax.jit` that also takes shardings. All JAX and
-    NumPy arrays are traced, and all other types are held static, exactly as in
-    `equinox.filter_jit`; `in_shardings` and `out_shardings` are PyTree prefixes of the
-    arguments and of the output, with non-array leaves ignored.
+    NumPy arrays are traced and all other types are held static, exactly as in
+    `equinox.filter_jit`.
 
     **Arguments:**
 
     - `fun`: a pure function to JIT compile.
-    - `in_shardings`: where the array arguments live. Either a single specification
-        leaf, applied to every array of every argument (positional and keyword); or a
-        tuple with one entry per positional parameter of `fun` (after binding the call
-        to `fun`'s signature, so an argument passed by keyword gets the same entry as
-        when passed by position), each entry a PyTree prefix of that argument.
-        Keyword-only parameters and `**kwargs` are only addressed by the single-leaf
-        form; with a tuple they are unspecified. Spec leaves are those of
-        [`equinox_shard.filter_device_put`][]: `Sharding`, `jax.Device`, bare
-        `PartitionSpec` (with `jax.set_mesh`), `None`, or a callable `leaf -> spec`.
-        `None` (and any argument not covered) is "unspecified" to `jax.jit`: a committed
-        array keeps its sharding, an uncommitted one is placed by `jax.jit`. An array
-        with a specified sharding that is not on it (uncommitted, or committed
-        elsewhere) is moved there before the call: a copy, so the caller's array is
-        kept as it was, and a donated argument donates the copy.
-    - `out_shardings`: a PyTree prefix of the output, in the same language, passed to
-        `jax.jit`'s own `out_shardings` (so `.lower()`, `jax.eval_shape` and
-        `Compiled.output_shardings` report it). Non-array outputs are returned as
-        static values, untouched.
+    - `in_shardings`: where the array arguments live: a single specification for every
+        array argument, or a tuple with one PyTree prefix per positional parameter of
+        `fun` (after binding the call to its signature). Spec leaves are those of
+        [`equinox_shard.filter_device_put`][]; `None`, and any argument not covered,
+        is unspecified. An array not yet on its sharding is moved there first, as a
+        copy: the caller's array is kept, and a donated argument donates the copy.
+    - `out_shardings`: a PyTree prefix of the output, in the same language, given to
+        `jax.jit`'s own `out_shardings`. Non-array outputs are returned untouched.
     - `donate`: as in `equinox.filter_jit`: `'all'`, `'all-except-first'`, `'warn'`,
         `'warn-except-first'` or `'none'` (the default). An array reachable twice in
-        one call (tied weights, or one array in a donated and in a kept argument) is
-        not donated, so the process never crashes and no kept array is deleted.
+        one call is not donated, so no kept array is ever deleted.
 
     **Returns:**
 
-    The JIT'd version of `fun`. It has a `.lower(*args, **kwargs)` method for
-    ahead-of-time compilation (arrays may be `jax.ShapeDtypeStruct`s), whose result
-    has `.as_text()` and `.compile()`; and `.eval_shape(*args, **kwargs)`, which, unlike
-    `jax.eval_shape`, reports `out_shardings` on `Auto` mesh axes too.
+    The JIT'd version of `fun`, with `.lower(*args, **kwargs)` (arrays may be
+    `jax.ShapeDtypeStruct`s) and `.eval_shape(*args, **kwargs)`.
 
-    **Raises:**
-
-    At decoration, `ValueError`/`TypeError` for a malformed `in_shardings` (wrong
-    number of entries, a dict at the top level, a bad spec leaf) or `donate`. At call
-    time, before anything runs, errors that name the argument's key path (e.g.
-    `model.layers[0].weight`): a specification that is not a prefix of its argument,
-    a rank or divisibility mismatch, a bare `PartitionSpec` without a mesh, or a
-    deleted (already donated) array.
+    Errors are raised before anything runs, naming the array by its key path in the
+    caller's argument names (e.g. `model.layers[0].weight`).
 
     !!! example
 

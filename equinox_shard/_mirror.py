@@ -13,7 +13,11 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
+
+
+traceback_util.register_exclusion(__file__)
 
 
 class KeyPath:

@@ -21,12 +21,16 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax._src.traceback_util as traceback_util
 import jax.core
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, Sharding
 
 from ._donate import is_key_array, raise_if_deleted
+
+
+traceback_util.register_exclusion(__file__)
 
 
 #

@@ -5,6 +5,7 @@ source, or free one it was not given, the source is copied first or not donated.
 from typing import Any
 
 import jax
+import jax._src.traceback_util as traceback_util
 import jax.core
 from jax.sharding import (
     AxisType,
@@ -23,6 +24,9 @@ from ._donate import (
     shares_source_buffer,
 )
 from ._spec import check, leaf_path
+
+
+traceback_util.register_exclusion(__file__)
 
 
 _UNCONSTRAINED = PartitionSpec.UNCONSTRAINED

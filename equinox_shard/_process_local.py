@@ -4,6 +4,7 @@ filtered `jax.make_array_from_process_local_data`)."""
 from typing import Any
 
 import jax
+import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import NamedSharding
@@ -12,6 +13,9 @@ from jaxtyping import PyTree
 from . import _place, _sharding
 from ._multiprocess import check_identical, is_host_local, processes_of, to_host
 from ._spec import check, leaf_path
+
+
+traceback_util.register_exclusion(__file__)
 
 
 def _is_shape(x: Any) -> bool:

@@ -149,65 +149,31 @@ def filter_shard_map(
 ) -> Any:
     """Filtered version of `jax.shard_map`: maps a function over the shards of the
     arrays in any PyTree (an `eqx.Module`, an optax state, a batch), and holds every
-    other leaf static, as `equinox.filter_jit` does.
-
-    Inside `fun`, each mapped array is the block that one device holds, and mesh axis
-    names can be used in collectives (`jax.lax.psum`, `jax.lax.all_gather`,
-    `jax.lax.ppermute`, ...). Works eagerly, inside [`equinox_shard.filter_jit`][] or
-    `jax.jit`, under `jax.grad` and `jax.vmap`, on Auto and Explicit mesh axes.
+    other leaf static, as `equinox.filter_jit` does. Works eagerly, inside
+    `filter_jit` or `jax.jit`, under `jax.grad` and `jax.vmap`, on Auto and Explicit
+    mesh axes (on Explicit ones, inputs are resharded to their `in_specs`).
 
     **Arguments:**
 
-    - `fun`: the function to map. It is called with the positional arguments as
-        given, each array replaced by its block. Non-array leaves (activation
-        functions, Python scalars, strings, ...) are passed as the same objects. Arrays
-        inside `fun` itself (e.g. when `fun` is a Module) and in keyword arguments are
-        not mapped: `fun` sees them whole, as `jax.shard_map` treats closed-over
-        values.
-    - `in_specs`: a PyTree prefix of the tuple of positional arguments. Each leaf is a
-        `jax.sharding.PartitionSpec` over `mesh` (`P()` passes an array whole to every
-        device; `P("x")` splits its first dimension over mesh axis `"x"`), `None`, a
-        callable `leaf -> PartitionSpec | None` (called on each array beneath it), or
-        an [`equinox_shard.PathRules`][] of those. `None` means, as everywhere in
-        `equinox_shard`, *leave the array as it is*: it is not mapped, and `fun` sees
-        it whole, as a closed-over value (this is also what `None` means in
-        `jax.shard_map`'s own `in_specs`).
-    - `out_specs`: a PyTree prefix of `fun`'s output, in the same language. Each array
-        output's blocks are concatenated along the mesh axes its `PartitionSpec`
-        names; `P()` says that the output is the same on every device. Non-array
-        outputs are returned as the very objects `fun` returned, whatever spec sits
-        above them. `None` over an array output is an error: an output has no "as it
-        is" outside `fun`. A callable sees the output block, as `fun` returned it.
-    - `mesh`: a `jax.sharding.Mesh` or `jax.sharding.AbstractMesh`. Defaults to the
-        mesh set with `jax.set_mesh`.
-    - `axis_names`: as in `jax.shard_map`: the mesh axes that `fun` is mapped over
-        (manual); the others stay under the compiler's control. Defaults to all.
-    - `check_vma`: as in `jax.shard_map`: whether to track which values vary across
-        devices, to check `out_specs` (e.g. that a `P()` output really is the same on
-        every device) and to make the transpose of collectives efficient.
+    - `fun`: the function to map, called with the positional arguments, each array
+        replaced by the block one device holds. Arrays in `fun` itself and in keyword
+        arguments are not mapped: `fun` sees them whole.
+    - `in_specs`: a PyTree prefix of the tuple of positional arguments. Leaves are
+        `PartitionSpec`s over `mesh`, `None` (the array is not mapped: `fun` sees it
+        whole), callables `leaf -> PartitionSpec | None`, or
+        [`equinox_shard.PathRules`][] of those.
+    - `out_specs`: a PyTree prefix of `fun`'s output, in the same language; `None`
+        only over non-array outputs, which are returned as the very objects `fun`
+        returned.
+    - `mesh`: a `jax.sharding.Mesh` or `AbstractMesh`; defaults to the mesh set with
+        `jax.set_mesh`.
+    - `axis_names`, `check_vma`: as in `jax.shard_map`.
 
     **Returns:**
 
-    A function with the same signature as `fun`, returning `fun`'s output: arrays
-    assembled from their blocks according to `out_specs`, other leaves as returned by
-    `fun`. It can also be used as a decorator:
-    `@filter_shard_map(in_specs=..., out_specs=...)`.
-
-    **Raises:**
-
-    `ValueError` naming the argument's key path (`args[0].layers[1].weight`) if
-    `in_specs` is not a prefix of the arguments, a `PartitionSpec` has more entries
-    than the array has dimensions or splits a dimension that its mesh axes do not
-    divide, or names an unknown mesh axis; likewise for `out_specs`, naming
-    `out[...]`. `TypeError` for a spec leaf that is not a `PartitionSpec`, `None`, a
-    callable or a `PathRules`.
-
-    !!! info "Explicit mesh axes"
-
-        On Explicit axes `jax.shard_map` requires every input to be sharded, in its
-        type, exactly as its `in_specs` entry says. `filter_shard_map` reshards an
-        input that is not (`jax.sharding.reshard`), so that the same call works on Auto
-        and on Explicit axes.
+    A function with the same signature as `fun`, whose array outputs are assembled
+    from their blocks according to `out_specs`. Errors name the leaf's key path
+    (`args[0].layers[1].weight`, `out[...]`).
 
     !!! example
 

@@ -2,7 +2,7 @@
 deleted or changed by any call of this package, nor by a later call that donates an
 array this package returned*; and no call crashes the process.
 
-`NothingLost` keeps a pool of live PyTrees: random trees from tests/test_properties.py
+`NothingLost` keeps a pool of live PyTrees: random trees from tests/strategies.py
 (dicts, lists, tuples and Modules of JAX arrays, uncommitted or placed, NumPy arrays,
 typed PRNG keys and non-array leaves) and real Equinox models, plus every tree this
 package returned. Its rules place trees (`filter_device_put`, eager `filter_shard`),
@@ -46,16 +46,16 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from .helpers import make_module
 from .hypothesis_profiles import examples, LONG
 from .isolated import Isolated, run_isolated
-from .test_properties import (
-    _arrays,
-    _context,
-    _expected,
-    _fitting,
-    _is_node,
-    _mesh,
-    _MESHES,
-    _spec_leaves,
-    _trees,
+from .strategies import (
+    arrays_st,
+    cached_mesh,
+    expected_shardings,
+    fitting_pspecs,
+    is_node,
+    mesh_context,
+    MESHES,
+    spec_leaves_st,
+    trees_st,
 )
 
 
@@ -276,12 +276,12 @@ class NothingLost(RuleBasedStateMachine):
         placements = lambda shape: (
             [
                 NamedSharding(self.mesh, p)
-                for p in _fitting(self.mesh, self.kind, [shape])
+                for p in fitting_pspecs(self.mesh, self.kind, [shape])
             ]
             + [jax.sharding.SingleDeviceSharding(d) for d in jax.devices()[::3]]
         )
         model = data.draw(st.sampled_from(["none", "mlp", "linear"]), label=label)
-        tree = data.draw(_trees(_arrays(placements=placements)), label=label)
+        tree = data.draw(trees_st(arrays_st(placements=placements)), label=label)
         if model == "mlp":
             tree = {"model": make_module(eqx.nn.MLP, 8, 4, 16, 1), "rest": tree}
         elif model == "linear":
@@ -296,14 +296,14 @@ class NothingLost(RuleBasedStateMachine):
         return trees[data.draw(st.integers(0, 15), label="tree") % len(trees)]
 
     def _draw_spec(self, data, value, *, bare: bool, single_device: bool, label: str):
-        """A random valid specification for `value`, as `_specs` of
-        tests/test_properties.py draws them, except that an Equinox layer gets one
+        """A random valid specification for `value`, as `specs_st` of
+        tests/strategies.py draws them, except that an Equinox layer gets one
         spec leaf: a spec shaped like an `eqx.nn.MLP` is callable, and so would read
         as a callable spec leaf."""
 
         def spec_for(node):
             if (
-                _is_node(node)
+                is_node(node)
                 and not isinstance(node, (eqx.nn.MLP, eqx.nn.Linear))
                 and data.draw(st.booleans(), label=label)
             ):
@@ -312,7 +312,7 @@ class NothingLost(RuleBasedStateMachine):
                 return jtu.tree_unflatten(treedef, [spec_for(c) for c in children])
             arrays = [x for x in jtu.tree_leaves(node) if eqx.is_array(x)]
             return data.draw(
-                _spec_leaves(
+                spec_leaves_st(
                     arrays, self.mesh, self.kind, bare=bare, single_device=single_device
                 ),
                 label=label,
@@ -357,13 +357,13 @@ class NothingLost(RuleBasedStateMachine):
     # Rules.
 
     @initialize(
-        kind=st.sampled_from(list(_MESHES)),
+        kind=st.sampled_from(list(MESHES)),
         axis_type=st.sampled_from([AxisType.Auto, AxisType.Explicit]),
         data=st.data(),
     )
     def start(self, kind, axis_type, data):
         self.kind = kind
-        self.mesh = _mesh(kind, axis_type)
+        self.mesh = cached_mesh(kind, axis_type)
         self._add(self._draw_tree(data, "first tree"), self._name("user"), False)
 
     @rule(data=st.data())
@@ -381,8 +381,8 @@ class NothingLost(RuleBasedStateMachine):
         spec = self._draw_spec(data, tree, bare=bare, single_device=True, label="spec")
         donate = False
         note(f"{how}({name})")
-        with _context(self.mesh, bare):
-            targets = _expected(tree, spec)
+        with mesh_context(self.mesh, bare):
+            targets = expected_shardings(tree, spec)
             try:
                 if how == "put":
                     donate = data.draw(st.booleans(), label="donate")
@@ -436,7 +436,14 @@ class NothingLost(RuleBasedStateMachine):
         explicit = self.mesh.axis_types[0] == AxisType.Explicit
         transform = _doubled if what == "double" else _same
         label = f"{what}[{donate}]({names})"
-        return f, args, donate, transform, label, _context(self.mesh, bare or explicit)
+        return (
+            f,
+            args,
+            donate,
+            transform,
+            label,
+            mesh_context(self.mesh, bare or explicit),
+        )
 
     def _donated_by(self, donate: str, args: tuple) -> list:
         """The arrays a call donates: those in donated positions, except an array
