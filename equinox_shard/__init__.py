@@ -3,7 +3,7 @@
 `filter_device_put` transfers, `filter_shard` places or constrains (eagerly and inside a
 trace), `filter_jit` is `equinox.filter_jit` with `in_shardings`/`out_shardings`, and
 `filter_shard_map` is `jax.shard_map` over PyTrees of arrays and non-arrays. `PathRules`
-chooses a spec for each array by its key path.
+chooses a spec for each array by its key path; `explain_rules` says what it chose.
 """
 
 import importlib.metadata
@@ -13,6 +13,12 @@ from ._inspect import sharding_table as sharding_table
 from ._jit import Compiled as Compiled, filter_jit as filter_jit, Lowered as Lowered
 from ._process_local import (
     filter_make_array_from_process_local_data as filter_make_array_from_process_local_data,  # noqa: E501
+)
+from ._report import (
+    explain_rules as explain_rules,
+    RuleMatch as RuleMatch,
+    RuleOverlap as RuleOverlap,
+    RulesReport as RulesReport,
 )
 from ._shard_map import filter_shard_map as filter_shard_map
 from ._sharding import (

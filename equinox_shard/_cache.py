@@ -18,7 +18,7 @@ from ._checks import arg_path
 from ._donate import deleted_test, DONATE_MODES
 from ._mirror import getter, Packing
 from ._spec import context_mesh, flatten_specs, needs_leaf, needs_mesh, spread
-from ._spec_leaves import is_spec_leaf, PathRules, unset
+from ._spec_leaves import is_spec_leaf, PathRules, RulesUsage, unset
 
 
 traceback_util.register_exclusion(__file__)
@@ -248,10 +248,11 @@ def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, dynamic) ->
     ]
     groups += [("in_shardings", specs[0], kwargs[k], k) for k in named]
     out = []
+    usage = RulesUsage()  # strict rules: checked over all the arguments at once
     for name, spec, arg, arg_name in groups:
         start = len(out)
         where = lambda j, s=start: arg_path(names, args, kwargs, s + j)
-        out.extend(
-            spread(spec, arg, jtu.tree_leaves(arg), name, arg_name, where, dynamic)
-        )
+        leaves_ = jtu.tree_leaves(arg)
+        out.extend(spread(spec, arg, leaves_, name, arg_name, where, dynamic, usage))
+    usage.check()
     return out + [None] * (len(leaves) - len(out))  # keyword arguments

@@ -10,7 +10,7 @@ from equinox import is_array
 from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
 from jaxtyping import PyTree
 
-from ._spec_leaves import PathRules
+from ._report import explain_rules, RuleMatch, RulesReport
 
 
 _HEADER = ("path", "shape", "dtype", "sharding", "bytes/device")
@@ -66,9 +66,38 @@ def _shard_sizes(sharding: Sharding, shape: tuple[int, ...]) -> dict[Any, int]:
     }
 
 
-def sharding_table(
-    tree: PyTree[Any], *, name: str = "", rules: PathRules | None = None
-) -> str:
+def _rule_text(match: RuleMatch) -> str:
+    return "default" if match.index is None else f"#{match.index} {match.pattern}"
+
+
+def _rule_cell(report: RulesReport, key: str) -> str:
+    match = report.placed.get(key)
+    if match is None:
+        return "no rule" if key in report.unmatched else "-"
+    text = _rule_text(match)
+    overlap = report.overlaps.get(key)
+    if overlap is not None:
+        text += f" (over {', '.join(f'#{m.index}' for m in overlap.lost)})"
+    return text
+
+
+def _rule_notes(report: RulesReport) -> list[str]:
+    notes = []
+    if report.unused:
+        notes.append("unused rules (matched no array):")
+        notes += [f"  {_rule_text(m)}" for m in report.unused]
+    if report.overlaps:
+        notes.append("overlaps (first match wins):")
+        for key, (won, lost) in report.overlaps.items():
+            losers = ", ".join(map(_rule_text, lost))
+            notes.append(f"  {key or '(root)'}: {_rule_text(won)} won over {losers}")
+    if report.unmatched:
+        notes.append("no rule and no default (placing this tree would raise):")
+        notes.append("  " + ", ".join(k or "(root)" for k in report.unmatched))
+    return [""] + notes if notes else []
+
+
+def sharding_table(tree: PyTree[Any], *, name: str = "", rules: Any = None) -> str:
     """Describes how every array in a PyTree is laid out across devices, as a table
     with one row per array: its key path, shape, dtype, sharding, and how many bytes
     of it each device holds.
@@ -85,10 +114,16 @@ def sharding_table(
         leaves (activation functions, Python scalars, ...) are skipped.
     - `name`: prepended to every key path, e.g. `name="model"` gives rows such as
         `model.layers[0].weight`.
-    - `rules`: an [`equinox_shard.PathRules`][]. If given, a last column shows which
-        of its rules places each array: the pattern (as written) found in the key
-        path within `tree` (as when `rules` is the specification of all of `tree`),
-        `default`, or `-` for none.
+    - `rules`: an [`equinox_shard.PathRules`][], or any specification of `tree`
+        holding some (e.g. `(rules, rules, P("data"))` for a tuple `(model,
+        opt_state, batch)`), matched as [`equinox_shard.explain_rules`][] matches it.
+        If given, a last column shows which rule places each array: `#k pattern` for
+        rule `k` of its `PathRules` (followed by `(over #j)` when rule `j` matched
+        too but lost), `default`, `no rule` (no rule matched and there is no
+        default: placing `tree` would raise), or `-` for an array beneath no
+        `PathRules`. Below the table follow, if there are any, the rules that matched
+        no array, the arrays that more than one rule matched, and those that no rule
+        matched.
 
     **Returns:**
 
@@ -132,6 +167,7 @@ def sharding_table(
 
         The activation function, not being an array, has no row.
     """
+    report = None if rules is None else explain_rules(tree, rules, name=name)
     rows = []
     per_device: co.Counter = co.Counter()
     for path, leaf in jtu.tree_flatten_with_path(tree)[0]:
@@ -160,9 +196,8 @@ def sharding_table(
                     size_text = _format_bytes(max(sizes.values()) * itemsize)
         key = name + jtu.keystr(path)
         row = (key or "(root)", str(shape), str(leaf.dtype), sharding_text, size_text)
-        if rules is not None:
-            k = rules.match(jtu.keystr(path))
-            row = (*row, "-" if k is None else rules.describe(k))
+        if report is not None:
+            row = (*row, _rule_cell(report, key))
         rows.append(row)
     total = _format_bytes(max(per_device.values())) if per_device else "-"
     header = _HEADER if rules is None else (*_HEADER, "rule")
@@ -182,4 +217,6 @@ def sharding_table(
     rule = "-" * (sum(widths) + 2 * (len(widths) - 1))
     lines = [line(header), rule, *map(line, rows), rule]
     lines.append(line(total_row))
+    if report is not None:
+        lines += _rule_notes(report)
     return "\n".join(lines)

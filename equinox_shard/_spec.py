@@ -40,6 +40,7 @@ from ._spec_leaves import (
     is_spec_leaf,
     match_path_rules,
     PathRules,
+    RulesUsage,
 )
 
 
@@ -181,18 +182,29 @@ def spread(
     value_name: str,
     where: Callable[[int], str],
     dynamic: Callable[[Any], bool],
+    usage: RulesUsage | None = None,
 ) -> list:
     """The first half of the pipeline, which depends only on structure: one spec leaf
     per leaf of `value` (`leaves`, flattened), each spec leaf broadcast over its subtree
     and each `PathRules` replaced by the spec leaf it chooses; `None` at the leaves
-    that are not `dynamic`. `where(i)` names leaf `i` in errors."""
+    that are not `dynamic`. `where(i)` names leaf `i` in errors.
+
+    Strict `PathRules` are checked here, before anything is placed or traced: over
+    this one specification, or, given a `usage`, over every `spread` that shares it
+    (one call's arguments), when the caller calls `usage.check()`."""
     spec_leaves, spec_def = flatten_specs(specs, spec_name)
     per_leaf = broadcast_specs(
         spec_leaves, spec_def, specs, value, len(leaves), spec_name, value_name
     )
-    return match_path_rules(
-        per_leaf, spec_leaves, spec_def, value, leaves, where, dynamic
+    own = usage is None
+    if own:
+        usage = RulesUsage()
+    out = match_path_rules(
+        per_leaf, spec_leaves, spec_def, value, leaves, where, dynamic, spec_name, usage
     )
+    if own and usage.groups:  # pyright: ignore[reportOptionalMemberAccess]
+        usage.check()  # pyright: ignore[reportOptionalMemberAccess]
+    return out
 
 
 def resolve_each(

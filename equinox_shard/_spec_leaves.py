@@ -106,6 +106,18 @@ class PathRules:
         callable `leaf -> spec`.
     - `default`: the spec leaf for an array that no pattern matches. Without it, such
         an array is a `ValueError` naming its key path.
+    - `strict`: if `True`, every call that applies these rules first checks that
+        each rule matches at least one array and that no array is matched by more
+        than one rule, and raises a `ValueError` naming the patterns and the key
+        paths if not; before anything is placed or traced. Both are counted over
+        every subtree that equal rules cover in that call: `in_shardings=(rules,
+        rules, P("data"))` or `in_shardings=rules` over a model, its optimiser state
+        and a batch is fine when each rule matches somewhere in the model, though
+        none matches in the batch. In `filter_jit` the check runs once per argument
+        structure, with the rest of `in_shardings`, so a cached call pays nothing
+        for it (`out_shardings` are checked when the output is first traced). See
+        [`equinox_shard.explain_rules`][] for the same information as data, without
+        raising.
 
     !!! example
 
@@ -132,13 +144,14 @@ class PathRules:
         `[0].layers[0].weight` and `[1][0].mu.layers[0].weight`: both end alike.
     """
 
-    __slots__ = ("_default", "_patterns", "_rules")
+    __slots__ = ("_default", "_patterns", "_rules", "_strict")
 
     def __init__(
         self,
         rules: Sequence[tuple[str | re.Pattern, Any]],
         *,
         default: Any = unset,
+        strict: bool = False,
     ):
         patterns = []
         specs = []
@@ -169,9 +182,12 @@ class PathRules:
             specs.append(spec)
         if default is not unset:
             _check_rule_spec(default, "PathRules: `default`")
+        if not isinstance(strict, bool):
+            raise TypeError(f"PathRules: `strict` must be a bool; got {strict!r}.")
         self._patterns = tuple(patterns)
         self._rules = tuple(zip((p.pattern for p in patterns), specs))
         self._default = default
+        self._strict = strict
 
     @property
     def rules(self) -> tuple[tuple[str, Any], ...]:
@@ -181,6 +197,17 @@ class PathRules:
     @property
     def default(self) -> Any:
         return self._default
+
+    @property
+    def strict(self) -> bool:
+        return self._strict
+
+    def matches(self, path: str) -> tuple[int, ...]:
+        """The indices of every rule whose pattern is found in `path`, in order: the
+        first places the array, the others lose to it."""
+        return tuple(
+            k for k, pattern in enumerate(self._patterns) if pattern.search(path)
+        )
 
     def match(self, path: str) -> int | None:
         """The index of the first rule whose pattern is found in `path`; `len(rules)`
@@ -202,29 +229,119 @@ class PathRules:
             )
         return self._default if k == len(self._rules) else self._rules[k][1]
 
-    def describe(self, k: int) -> str:
-        """How rule `k` (as `match` returns it) is shown, e.g. by `sharding_table`."""
-        return "default" if k == len(self._rules) else self._rules[k][0]
-
     def __eq__(self, other):
         return (
             type(other) is PathRules
             and self._rules == other._rules
             and self._default == other._default
+            and self._strict == other._strict
         )
 
     def __hash__(self):
-        return hash((PathRules, self._rules, self._default))
+        return hash((PathRules, self._rules, self._default, self._strict))
 
     def __repr__(self):
         default = "" if self._default is unset else f", default={self._default!r}"
-        return f"PathRules({list(self._rules)!r}{default})"
+        strict = ", strict=True" if self._strict else ""
+        return f"PathRules({list(self._rules)!r}{default}{strict})"
 
 
 def _check_rule_spec(spec: Any, where: str) -> None:
     if isinstance(spec, PathRules):
         raise TypeError(f"{where}: a `PathRules` cannot hold another `PathRules`.")
     _check_spec_leaf(spec, where)
+
+
+class RulesUsage:
+    """What the `PathRules` of one call matched, gathered by `match_path_rules` over
+    every subtree they cover in that call (one `spread`, or every argument of a
+    `filter_jit` layout), then checked (`check`, for strict rules) or reported
+    (`equinox_shard.explain_rules`, with `everything=True`). Equal `PathRules` are
+    counted as one. Nothing is gathered for rules that are not strict unless
+    `everything`: a call without strict rules does no extra work."""
+
+    def __init__(self, *, everything: bool = False):
+        self.everything = everything
+        # `PathRules` -> [the spec names it sits at, [(where, path, matches), ...]]
+        self.groups: dict[Any, list] = {}
+
+    def wants(self, rules: "PathRules") -> bool:
+        return self.everything or rules.strict
+
+    def add(self, rules: "PathRules", spec_name: str) -> list:
+        """The list of `(where, path, matches)` to append rules' leaves to."""
+        try:
+            group = self.groups.setdefault(rules, [rules, [], []])
+        except TypeError:  # an unhashable spec inside: counted by identity
+            group = self.groups.setdefault(id(rules), [rules, [], []])
+        if spec_name not in group[1]:
+            group[1].append(spec_name)
+        return group[2]
+
+    def check(self) -> None:
+        """Raises for every strict `PathRules` with a rule that matched no array, or
+        an array that more than one rule matched."""
+        problems = []
+        names = []
+        for rules, spec_names, seen in self.groups.values():
+            if not rules.strict:
+                continue
+            found = _strict_problems(rules, seen)
+            if found:
+                problems += found
+                names += [n for n in spec_names if n not in names]
+        if problems:
+            lines = "\n".join(f"- {p}" for p in problems)
+            raise ValueError(
+                f"A `PathRules(..., strict=True)` in {', '.join(names)} does not "
+                "give each array exactly one rule:\n"
+                f"{lines}\n"
+                "With `strict=True` each rule must match the key path of at least "
+                "one array, and no array more than one rule, across every argument "
+                "the rules apply to in one call. Fix the patterns, or pass "
+                "`strict=False` (first match wins; a rule that matches nothing is "
+                "ignored); `equinox_shard.explain_rules` shows what each rule "
+                "matched."
+            )
+
+
+_SHOWN = 8
+
+
+def _some(names: list[str]) -> str:
+    more = len(names) - _SHOWN
+    text = ", ".join(names[:_SHOWN])
+    return text + f" (and {more} more)" if more > 0 else text
+
+
+def _strict_problems(rules: "PathRules", seen: list) -> list[str]:
+    problems = []
+    used = {k for _, _, matches in seen for k in matches}
+    fallen = [where() for where, _, matches in seen if not matches]
+    for k, (pattern, _) in enumerate(rules.rules):
+        if k in used:
+            continue
+        if fallen:
+            to = "the default" if rules.default is not unset else "no rule"
+            hint = f"; the arrays that fell to {to}: {_some(fallen)}"
+        elif seen:
+            hint = f"; every one of its {len(seen)} arrays is placed by another rule"
+        else:
+            hint = "; it covers no array"
+        problems.append(f"rule {k} {pattern!r} matched no key path{hint}.")
+    overlaps: dict[tuple[int, ...], list[str]] = {}
+    for where, _, matches in seen:
+        if len(matches) > 1:
+            overlaps.setdefault(matches, []).append(where())
+    for matches, names in overlaps.items():
+        won, *lost = (f"rule {k} {rules.rules[k][0]!r}" for k in matches)
+        them = "it" if len(names) == 1 else "them"
+        every = "both" if len(matches) == 2 else "all"
+        problems.append(
+            f"{won} and {' and '.join(lost)} {every} match {_some(names)}; {won} "
+            f"places {them} (first match wins)."
+        )
+    return problems
 
 
 def match_path_rules(
@@ -235,11 +352,16 @@ def match_path_rules(
     leaves: list,
     where: Callable[[int], str],
     dynamic: Callable[[Any], bool],
+    spec_name: str = "",
+    usage: RulesUsage | None = None,
 ) -> list:
     """Replaces every `PathRules` in `per_leaf` (one spec leaf per leaf of `value`, as
     `broadcast_specs` returns them) by the spec leaf it chooses for that leaf, from the
     leaf's key path relative to the subtree that the `PathRules` covers. Leaves that
-    are not `dynamic` get `None`. `where(i)` names leaf `i` in error messages."""
+    are not `dynamic` get `None`. `where(i)` names leaf `i` in error messages. What
+    the strict rules (all rules, if `usage.everything`) match is added to `usage`;
+    then a leaf that no rule matches, with no default, gets `None` if
+    `usage.everything` (it is reported, not raised)."""
     if not any(isinstance(s, PathRules) for s in spec_leaves):
         return per_leaf
     if spec_def.num_leaves == 1 and spec_def.num_nodes == 1:
@@ -252,11 +374,24 @@ def match_path_rules(
         if not isinstance(spec, PathRules):
             start += len(jtu.tree_leaves(subtree))
             continue
+        seen = None
+        if usage is not None and usage.wants(spec):
+            seen = usage.add(spec, spec_name)
         for path, _ in jtu.tree_flatten_with_path(subtree)[0]:
             i = start
             start += 1
             if not dynamic(leaves[i]):
                 out[i] = None
                 continue
-            out[i] = spec.lookup(jtu.keystr(path), lambda i=i: where(i))
+            key = jtu.keystr(path)
+            if seen is not None:
+                matches = spec.matches(key)
+                seen.append((lambda i=i: where(i), key, matches))
+                if matches:
+                    out[i] = spec.rules[matches[0]][1]
+                    continue
+                if spec.default is unset and usage.everything:  # pyright: ignore
+                    out[i] = None
+                    continue
+            out[i] = spec.lookup(key, lambda i=i: where(i))
     return out
