@@ -43,9 +43,9 @@ def donate_argnums(donate_first: bool, donate_rest: bool, n_args: int) -> tuple:
 
 
 def is_key_array(x: Any) -> bool:
-    return isinstance(x, jax.Array) and jax.numpy.issubdtype(
-        x.dtype, jax.dtypes.prng_key
-    )
+    """Whether `x` (an array or a `jax.ShapeDtypeStruct`) holds typed PRNG keys."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.numpy.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def is_deleted(x: Any) -> bool:

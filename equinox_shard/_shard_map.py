@@ -191,15 +191,15 @@ def filter_shard_map(
         y = row_parallel(linear.weight, jnp.ones(16)) + linear.bias
         ```
     """
+    options = dict(
+        in_specs=in_specs,
+        out_specs=out_specs,
+        mesh=mesh,
+        axis_names=axis_names,
+        check_vma=check_vma,
+    )
     if fun is unset:
-        return ft.partial(
-            filter_shard_map,
-            in_specs=in_specs,
-            out_specs=out_specs,
-            mesh=mesh,
-            axis_names=axis_names,
-            check_vma=check_vma,
-        )
+        return ft.partial(filter_shard_map, **options)
     flatten_specs(in_specs, "in_specs")
     flatten_specs(out_specs, "out_specs")
     _check_specs(in_specs, "in_specs")

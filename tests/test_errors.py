@@ -55,6 +55,8 @@ _INTERNAL = (
     "_place.py",
     "_jit.py",
     "_prepare.py",
+    "_donate.py",
+    "_checks.py",
     "_cache.py",
     "_trace.py",
     "_mirror.py",
