@@ -246,7 +246,6 @@ def waiting(guarded: GuardedCall) -> Callable:
     """The dispatch (see `_donate.plain`) of an entry that contains callbacks."""
 
     def dispatch(run, dynamic, deleted, leaves, jit_id):
-        del deleted, leaves
         __tracebackhide__ = True
         return call_and_wait(guarded, run, dynamic, jit_id)
 

@@ -199,19 +199,16 @@ dispatch_lock = threading.RLock()
 
 
 def plain(run, dynamic, deleted, leaves, jit_id):
-    del deleted, leaves, jit_id
     return run(*dynamic)
 
 
 def serialized(run, dynamic, deleted, leaves, jit_id):
-    del deleted, leaves, jit_id
     with dispatch_lock:
         return run(*dynamic)
 
 
 def donating(filter_warning: bool) -> Callable:
     def dispatch(run, dynamic, deleted, leaves, jit_id):
-        del jit_id
         with dispatch_lock:
             # Again under the lock: another thread may have donated an input since.
             if deleted(leaves) or any(map(is_deleted, jtu.tree_leaves(dynamic[0]))):

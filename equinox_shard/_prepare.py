@@ -35,23 +35,22 @@ def prepare(dynamic_fun, cache, entry, layout, args, kwargs, leaves) -> tuple:
     dynamic trees to call. `layout` is the one of this call's leaf types, which tests
     for deleted inputs: an entry is shared by layouts that differ in them (arrays,
     tracers, NumPy); its own layout packs the leaves as its function unpacks them."""
-    where = lambda i: _checks.arg_path(cache.names, args, kwargs, i)
     # XLA crashes on a deleted multi-device input, donated or not.
     if layout.deleted(leaves):
-        _donate.raise_if_deleted(leaves, layout.dynamic, where)
+        _donate.raise_if_deleted(leaves, layout.dynamic, _where(cache, args, kwargs))
     layout = entry.layout
     placed = leaves
     if entry.donates:
         fun = dynamic_fun if cache.donate_rest else None
+        where = _where(cache, args, kwargs)
         placed = _donate.keep_undonated(
             leaves, layout.donated, layout.dynamic, fun, where, cache.fun_name
         )
     if entry.targets and not all_placed(entry.get_targets(placed), entry.placed):
         placed = list(placed)
+        donated = layout.donated if entry.donates else ()
         try:
-            commit(
-                placed, entry.targets, where, layout.donated if entry.donates else ()
-            )
+            commit(placed, entry.targets, _where(cache, args, kwargs), donated)
         except Exception:
             # The entry was checked for the shapes of the call that made it.
             _checks.diagnose(cache, args, kwargs, placed, layout.dynamic, entry.targets)
@@ -61,6 +60,10 @@ def prepare(dynamic_fun, cache, entry, layout, args, kwargs, leaves) -> tuple:
     if placed is not leaves:
         args, kwargs = layout.treedef.unflatten(placed)
     return placed, (dynamic_fun, kwargs, *args)
+
+
+def _where(cache, args, kwargs) -> Callable[[int], str]:
+    return lambda i: _checks.arg_path(cache.names, args, kwargs, i)
 
 
 _placement = operator.attrgetter("committed", "sharding")
