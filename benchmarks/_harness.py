@@ -47,9 +47,11 @@ def sample_sync(fn: Callable, args: tuple, inner: int) -> float:
 
 
 def calibrate(fn: Callable, args: tuple, target_s: float, max_inner: int) -> int:
-    """How many calls make one sample last about `target_s` seconds."""
+    """How many calls make one sample last about `target_s` seconds. The median of
+    five short measurements: one, taken in a burst of load from elsewhere, made some
+    cells' samples a single call long for the whole run."""
     jax.block_until_ready(fn(*args))
-    per_call = sample_sync(fn, args, 3)
+    per_call = statistics.median(sample_sync(fn, args, 3) for _ in range(5))
     return max(1, min(max_inner, round(target_s / max(per_call, 1e-7))))
 
 

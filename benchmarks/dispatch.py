@@ -6,12 +6,17 @@ Variants, all called on the same placed (committed) inputs:
 - `floor`: `jax.jit` on the array partition, made once up front (the non-array part
     closed over): what a hand-written program pays at the least.
 - `jit+shard`: the same, with `in_shardings`/`out_shardings`.
+- `flat` (`flat sketch` in the tables): the ~35-line flat-leaf filtered jit of
+    `benchmarks/flat_jit.py`, what a careful user would write by hand: the peer.
 - `eqx`: `equinox.filter_jit`.
 - `eqxs`: `equinox_shard.filter_jit` without shardings.
 - `eqxs+shard`: `equinox_shard.filter_jit` with `in_shardings`/`out_shardings`.
 
 Modes: `async` is the calling thread's CPU time per call (`time.thread_time`) with
 asynchronous dispatch; `sync` is wall time per call, each call waited for.
+
+Targets (issue 23), per cell of asynchronous dispatch, every N and layout: `eqxs` at
+most 1.1x the flat sketch, and at most 1.15x the floor at N >= 10 (1.3x at N = 1).
 """
 
 import equinox as eqx
@@ -19,10 +24,20 @@ import equinox_shard as eqxs
 import jax
 
 from . import _harness as h, _trees as t
+from .flat_jit import flat_jit
 
 
-VARIANTS = ("floor", "jit+shard", "eqx", "eqxs", "eqxs+shard")
+VARIANTS = ("floor", "jit+shard", "flat", "eqx", "eqxs", "eqxs+shard")
 MODES = ("async", "sync")
+NAMES = {"flat": "flat sketch"}  # how a variant is named in the tables
+
+TARGET_FLAT = 1.1  # eqxs/flat, asynchronous dispatch, every cell
+TARGET_FLOOR = 1.15  # eqxs/floor, asynchronous dispatch, N >= 10
+TARGET_FLOOR_N1 = 1.3  # eqxs/floor, asynchronous dispatch, N = 1
+
+
+def floor_target(n: int) -> float:
+    return TARGET_FLOOR_N1 if n == 1 else TARGET_FLOOR
 
 
 def _variants(tree, s):
@@ -30,6 +45,9 @@ def _variants(tree, s):
 
     def on_partition(dynamic):
         return eqx.partition(t.add_one(eqx.combine(dynamic, static)), eqx.is_array)[0]
+
+    def add_one_flat(tree):
+        return t.add_one(tree)
 
     def add_one_eqx(tree):
         return t.add_one(tree)
@@ -46,6 +64,7 @@ def _variants(tree, s):
             jax.jit(on_partition, in_shardings=s, out_shardings=s),
             (dynamic,),
         ),
+        "flat": (flat_jit(add_one_flat), (tree,)),
         "eqx": (eqx.filter_jit(add_one_eqx), (tree,)),
         "eqxs": (eqxs.filter_jit(add_one_eqxs), (tree,)),
         "eqxs+shard": (
@@ -92,6 +111,8 @@ def run(cfg: dict) -> dict:
             to_floor = paired(VARIANTS, "floor")
             to_eqxs = paired(["eqx"], "eqxs")
             to_eqxs_shard = paired(["eqx"], "eqxs+shard")
+            to_flat = paired(["eqxs", "eqxs+shard"], "flat")
+            to_jit_shard = paired(["eqxs+shard"], "jit+shard")
             rows.append(
                 {
                     "tree": kind,
@@ -103,6 +124,10 @@ def run(cfg: dict) -> dict:
                     "ratio_to_floor": {v: to_floor[(v, mode)] for v in VARIANTS},
                     "eqx_over_eqxs": to_eqxs[("eqx", mode)],
                     "eqx_over_eqxs_shard": to_eqxs_shard[("eqx", mode)],
+                    "ratio_to_flat": {
+                        v: to_flat[(v, mode)] for v in ("eqxs", "eqxs+shard")
+                    },
+                    "eqxs_shard_over_jit_shard": to_jit_shard[("eqxs+shard", mode)],
                 }
             )
     return {"variants": list(VARIANTS), "modes": list(MODES), "rows": rows}
@@ -135,7 +160,18 @@ def scaling(result: dict) -> list[dict]:
     return out
 
 
+def _marked(value, threshold: float) -> str:
+    if value is None:
+        return "-"
+    return h.fmt(value, "x") + (" pass" if value <= threshold else " FAIL")
+
+
+def _name(v: str) -> str:
+    return NAMES.get(v, v)
+
+
 def render(result: dict) -> str:
+    variants = result["variants"]
     parts = []
     for mode in MODES:
         title = (
@@ -143,29 +179,61 @@ def render(result: dict) -> str:
             if mode == "async"
             else "wall µs per call, synchronous (block_until_ready)"
         )
+        marked = mode == "async"  # the targets are for asynchronous dispatch
         headers = [
             "layout",
             "tree",
             "N",
-            *VARIANTS,
-            *(f"{v}/floor" for v in VARIANTS[1:]),
+            *map(_name, variants),
+            "eqxs/flat sketch" + (f" (<= {TARGET_FLAT}x)" if marked else ""),
+            "eqxs/floor"
+            + (f" (<= {TARGET_FLOOR}x; {TARGET_FLOOR_N1}x at N=1)" if marked else ""),
+            *(f"{_name(v)}/floor" for v in variants if v not in ("floor", "eqxs")),
+            "eqxs+shard/flat sketch",
+            "eqxs+shard/jit+shard",
             "eqx/eqxs",
             "eqx/eqxs+shard",
         ]
         rows = []
+        met = {"flat": 0, "floor": 0}
+        cells = 0
         for r in result["rows"]:
             if r["mode"] != mode:
                 continue
+            cells += 1
+            to_flat = r["ratio_to_flat"]["eqxs"]
+            to_floor = r["ratio_to_floor"]["eqxs"]
+            met["flat"] += to_flat is not None and to_flat <= TARGET_FLAT
+            met["floor"] += to_floor is not None and to_floor <= floor_target(r["n"])
             rows.append(
                 [
                     r["layout"],
                     r["tree"],
                     r["n"],
-                    *(h.fmt(r["seconds"][v]) for v in VARIANTS),
-                    *(h.fmt(r["ratio_to_floor"][v], "x") for v in VARIANTS[1:]),
+                    *(h.fmt(r["seconds"][v]) for v in variants),
+                    _marked(to_flat, TARGET_FLAT) if marked else h.fmt(to_flat, "x"),
+                    _marked(to_floor, floor_target(r["n"]))
+                    if marked
+                    else h.fmt(to_floor, "x"),
+                    *(
+                        h.fmt(r["ratio_to_floor"][v], "x")
+                        for v in variants
+                        if v not in ("floor", "eqxs")
+                    ),
+                    h.fmt(r["ratio_to_flat"]["eqxs+shard"], "x"),
+                    h.fmt(r["eqxs_shard_over_jit_shard"], "x"),
                     h.fmt(r["eqx_over_eqxs"], "x"),
                     h.fmt(r["eqx_over_eqxs_shard"], "x"),
                 ]
             )
-        parts.append(f"### Dispatch: {title}\n\n" + h.table(headers, rows))
+        text = f"### Dispatch: {title}\n\n"
+        if marked:
+            text += (
+                "`floor` is `jax.jit` on the pre-partitioned leaves; `flat sketch` is "
+                "`benchmarks/flat_jit.py`. Targets (issue 23), per cell: eqxs/flat "
+                f"sketch <= {TARGET_FLAT}x ({met['flat']}/{cells} cells pass), "
+                f"eqxs/floor <= {TARGET_FLOOR}x at N >= 10 and <= {TARGET_FLOOR_N1}x "
+                f"at N = 1 ({met['floor']}/{cells} cells pass).\n\n"
+            )
+        parts.append(text + h.table(headers, rows))
     return "\n\n".join(parts)

@@ -56,7 +56,14 @@ def test_quick_run(tmp_path):
     assert all(row["equal"] for row in rows)  # the same numbers as jax.shard_map
 
     dispatch = results["dispatch"]
-    assert dispatch["variants"] == ["floor", "jit+shard", "eqx", "eqxs", "eqxs+shard"]
+    assert dispatch["variants"] == [
+        "floor",
+        "jit+shard",
+        "flat",
+        "eqx",
+        "eqxs",
+        "eqxs+shard",
+    ]
     ns = results["meta"]["config"]["ns"]
     layouts = results["meta"]["config"]["layouts"]
     assert len(dispatch["rows"]) == len(ns) * len(layouts) * 2 * 2
@@ -64,11 +71,23 @@ def test_quick_run(tmp_path):
         assert set(row["seconds"]) == set(dispatch["variants"])
         assert all(s > 0 for s in row["seconds"].values())
         assert row["ratio_to_floor"]["floor"] == 1.0
+        assert set(row["ratio_to_flat"]) == {"eqxs", "eqxs+shard"}
+        assert all(x > 0 for x in row["ratio_to_flat"].values())
+    # The flat sketch is a column of both tables, each async cell marked against the
+    # targets of issue 23.
+    assert proc.stdout.count("| flat sketch |") == 2
+    assert "eqxs/flat sketch (<= 1.1x)" in proc.stdout
+    async_table = proc.stdout.split("### Dispatch: wall")[0]
+    assert async_table.count(" pass |") + async_table.count(" FAIL |") == 2 * len(
+        [r for r in dispatch["rows"] if r["mode"] == "async"]
+    )
 
     placement = results["placement"]
     assert len(placement["rows"]) == len(ns) * len(layouts) * 2
+    assert "eqxs.fdp/device_put (target)" in proc.stdout
     for row in placement["rows"]:
         assert set(row["seconds"]) == set(placement["variants"])
+        assert row["fdp_over_copy"] > 0
         # Non-array leaves always come back as the same objects.
         assert set(row["same_object_non_array"].values()) == {1.0}
         if row["source"] == "placed":
@@ -78,6 +97,9 @@ def test_quick_run(tmp_path):
         else:
             # ...whilst uncommitted ones are transferred.
             assert row["same_object"]["eqxs.fdp"] == 0.0
+    assert proc.stdout.count("(<= 1.2x) pass") + proc.stdout.count(
+        "(<= 1.2x) FAIL"
+    ) == len([r for r in placement["rows"] if r["source"] == "uncommitted"])
 
     # `filter_jit` with shardings compiles once in every scenario.
     counts = results["compiles"]["counts"]
