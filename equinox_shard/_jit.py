@@ -19,7 +19,13 @@ from ._cache import Cache, get_cache, Layout
 from ._donate import unusable_donations_ignored
 from ._prepare import prepare
 from ._spec_leaves import unset
-from ._trace import build_entry, Entry, mirror_combine, mirror_partition
+from ._trace import (
+    AutoLayouts,
+    build_entry,
+    Entry,
+    mirror_combine,
+    mirror_partition,
+)
 
 
 traceback_util.register_exclusion(__file__)
@@ -156,7 +162,20 @@ class Compiled(Module):
     def input_shardings(self) -> tuple[tuple, dict]:
         """The shardings of the array arguments, as `(args, kwargs)` in the structure of
         the bound arguments; non-array arguments appear as themselves."""
-        (_, kwargs, *args), _ = self.compiled.input_shardings
+        return self._inputs(self.compiled.input_shardings)
+
+    @property
+    def input_formats(self) -> tuple[tuple, dict]:
+        """The formats (`jax.experimental.layout.Format`: layout and sharding) of the
+        array arguments, as `(args, kwargs)` in the structure of the bound arguments;
+        non-array arguments appear as themselves. Those that `in_shardings` left to
+        the compiler (`Layout.AUTO`) are the layouts it chose:
+        `eqxs.filter_device_put(args_tree, compiled.input_formats[0])` places
+        arguments exactly as this executable wants them."""
+        return self._inputs(self.compiled.input_formats)
+
+    def _inputs(self, per_input) -> tuple[tuple, dict]:
+        (_, kwargs, *args), _ = per_input
         layout = self._entry.layout
         leaves: list = [None] * layout.treedef.num_leaves
         for i, x in zip(layout.static, self._entry.static):
@@ -170,6 +189,13 @@ class Compiled(Module):
         """The shardings of the array outputs, in the structure of the output; non-array
         outputs appear as themselves."""
         dynamic, static = self.compiled.output_shardings
+        return dynamic if static is None else static.combine(dynamic)
+
+    @property
+    def output_formats(self) -> Any:
+        """The formats (layout and sharding) of the array outputs, in the structure of
+        the output; non-array outputs appear as themselves."""
+        dynamic, static = self.compiled.output_formats
         return dynamic if static is None else static.combine(dynamic)
 
 
@@ -187,6 +213,9 @@ class Lowered(Module):
         self, /, compiler_options: dict[str, str | bool] | None = None
     ) -> Compiled:
         compiled = self.lowered.compile(compiler_options=compiler_options)
+        if isinstance(self._entry.jitted, AutoLayouts):
+            # `jax.jit` refuses arrays for `Layout.AUTO`: calls run this executable.
+            self._entry.jitted.compiled = compiled
         return Compiled(compiled, self._wrapper, self._entry)
 
 

@@ -24,6 +24,7 @@ from ._donate import (
     shares_source_buffer,
 )
 from ._spec import check, leaf_path
+from ._spec_leaves import Format, Layout
 
 
 traceback_util.register_exclusion(__file__)
@@ -72,6 +73,84 @@ def is_placed(x: jax.Array, sharding: Sharding) -> bool:
         return False
 
 
+def _auto_error(where: str) -> ValueError:
+    return ValueError(
+        f"{where}: its spec is a `Format` with `Layout.AUTO`, a layout that only a "
+        "compiler chooses; an array cannot be placed on it. Lower and compile first, "
+        "`compiled = eqxs.filter_jit(f, in_shardings=...).lower(...).compile()` "
+        "(with `jax.ShapeDtypeStruct`s), then place with "
+        "`eqxs.filter_device_put(tree, compiled.input_formats)`."
+    )
+
+
+def _format_target(leaf: Any, fmt: Format, where) -> Any:
+    """What `jax.device_put` places `leaf` on for the spec `fmt`: the `Format`, or its
+    sharding alone where the layout is the default (`None`) or `leaf` is a typed PRNG
+    key array (`jax.device_put` cannot lay one out: its layout is that of the key
+    data, RFC §4)."""
+    if fmt.layout is Layout.AUTO:
+        raise _auto_error(where())
+    if fmt.layout is None or is_key_array(leaf):
+        return fmt.sharding
+    rank = len(fmt.layout.major_to_minor)  # pyright: ignore[reportAttributeAccessIssue]
+    if rank != leaf.ndim:
+        raise ValueError(
+            f"{where()}: the layout of {fmt} has rank {rank}, but the array has shape "
+            f"{tuple(leaf.shape)} (rank {leaf.ndim})."
+        )
+    return fmt
+
+
+def _is_formatted(x: jax.Array, fmt: Format) -> bool:
+    """Whether the committed array `x` has the layout and sharding of `fmt` (a layout
+    whose `tiling` is `None` asks for the default tiling: any)."""
+    try:
+        current = x.format  # pyright: ignore[reportAttributeAccessIssue]
+    except Exception:
+        return False
+    have, want = current.layout, fmt.layout
+    return (
+        is_placed(x, fmt.sharding)  # pyright: ignore[reportArgumentType]
+        and have.major_to_minor == want.major_to_minor  # pyright: ignore
+        and (want.tiling is None or have.tiling == want.tiling)  # pyright: ignore
+        and have.sub_byte_element_size_in_bits  # pyright: ignore
+        == want.sub_byte_element_size_in_bits  # pyright: ignore
+    )
+
+
+def _onto_format_shardings(leaves: list, indices: list, targets: list) -> tuple:
+    """Places each array whose target is a `Format` onto the `Format`'s sharding
+    first (`jax.device_put` onto a `Format` over other devices than the source's fails,
+    JAX 0.10.2 and 0.12), in place, as a copy that owns its buffers; returns the
+    `indices` and `targets` still to place: those whose layout then differs."""
+    move = [
+        k
+        for k, (i, t) in enumerate(zip(indices, targets))
+        if type(t) is Format
+        and isinstance(leaves[i], jax.Array)
+        and not (leaves[i].committed and is_placed(leaves[i], t.sharding))  # pyright: ignore
+    ]
+    if not move:
+        return indices, targets
+    sources = [leaves[indices[k]] for k in move]
+    shardings = [targets[k].sharding for k in move]
+    private_copies(
+        sources,
+        [
+            j
+            for j, (x, s) in enumerate(zip(sources, shardings))
+            if shares_source_buffer(x, s)
+        ],
+    )
+    done = set()
+    for k, x in zip(move, jax.device_put(sources, shardings)):
+        leaves[indices[k]] = x
+        if _is_formatted(x, targets[k]):
+            done.add(k)
+    keep = [k for k in range(len(indices)) if k not in done]
+    return [indices[k] for k in keep], [targets[k] for k in keep]
+
+
 def _is_committed_array(x: Any) -> bool:
     return (
         isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed  # pyright: ignore[reportAttributeAccessIssue]
@@ -81,7 +160,7 @@ def _is_committed_array(x: Any) -> bool:
 def device_put_leaves(
     value: Any,
     leaves: list,
-    todo: list[tuple[int, Sharding]],
+    todo: list[tuple[int, Any]],
     value_name: str,
     *,
     donate: list | bool | None = False,
@@ -97,6 +176,21 @@ def device_put_leaves(
     targets = []
     for i, sharding in todo:
         leaf = leaves[i]
+        if type(sharding) is Format:
+            check(leaf.shape, sharding.sharding, lambda i=i: where(i))
+            sharding = _format_target(leaf, sharding, lambda i=i: where(i))
+        if type(sharding) is Format:
+            flag = may_alias if not isinstance(may_alias, list) else may_alias[i]
+            if flag is not False and _is_committed_array(leaf):
+                if is_deleted(leaf):
+                    raise_if_deleted(
+                        leaves, (i,), where, then=", so it cannot be placed"
+                    )
+                if _is_formatted(leaf, sharding):
+                    continue
+            indices.append(i)
+            targets.append(sharding)
+            continue
         if isinstance(sharding, NamedSharding) and _UNCONSTRAINED in sharding.spec:
             # A transfer needs a concrete layout: an unconstrained dimension (which
             # only a compiler can choose) is placed replicated, as eager
@@ -122,6 +216,10 @@ def device_put_leaves(
         )
         if not indices:
             return
+    if any(type(t) is Format for t in targets):
+        indices, targets = _onto_format_shardings(leaves, indices, targets)
+        if not indices:
+            return
     if isinstance(donate, list):
         donate = [donate[i] for i in indices]
     # A result owns its buffers unless the caller donated the input or allowed
@@ -142,7 +240,7 @@ def device_put_leaves(
     early = [
         k
         for k, (x, t) in enumerate(zip(sources, targets))
-        if copy[k] and shares_source_buffer(x, t)
+        if copy[k] and shares_source_buffer(x, t.sharding if type(t) is Format else t)
     ]
     if early:
         # A private copy on the source device first, whose buffer may then be shared.

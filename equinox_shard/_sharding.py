@@ -29,6 +29,7 @@ from ._spec import (
     resolve_each,
     spread,
 )
+from ._spec_leaves import Format
 
 
 traceback_util.register_exclusion(__file__)
@@ -44,17 +45,29 @@ def resolve_leaves(
     abstract_ok: bool,
     dynamic: Callable[[Any], bool] = is_array,
     mesh=None,
-) -> list[tuple[int, Sharding]]:
+    formats: bool = False,
+) -> list[tuple[int, Any]]:
     """Returns `(leaf index, sharding)` for every dynamic leaf of `value` whose
     specification resolves to a sharding (i.e. not `None`); bare `PartitionSpec`s
-    against `mesh` if given, else the context mesh."""
+    against `mesh` if given, else the context mesh. A `Format` is returned as it is
+    if `formats`, else is a `TypeError` naming the leaf: every `sharding` is then a
+    `Sharding`."""
     if isinstance(specs, Sharding):  # the common case: nothing to broadcast or resolve
         return [(i, specs) for i, leaf in enumerate(leaves) if dynamic(leaf)]
     where = lambda i: leaf_path(value, i, value_name)
     per_leaf = spread(specs, value, leaves, spec_name, value_name, where, dynamic)
     indices = [i for i, leaf in enumerate(leaves) if dynamic(leaf)]
     resolver = ft.partial(resolve, abstract_ok=abstract_ok, mesh=mesh)
-    return resolve_each(per_leaf, leaves, indices, where, resolver)
+    out = resolve_each(per_leaf, leaves, indices, where, resolver)
+    if not formats:
+        for i, sharding in out:
+            if type(sharding) is Format:
+                raise TypeError(
+                    f"{where(i)}: a `Format` (layout and sharding) is a spec leaf of "
+                    "`filter_device_put`, `filter_shard` and `filter_jit` only; here "
+                    f"give its sharding, `format.sharding`. Got {sharding}."
+                )
+    return out
 
 
 def _broadcast_flags(
@@ -108,7 +121,7 @@ def _in_host_memory(x: Any) -> bool:
 
 
 def constrain_leaves(
-    value: Any, leaves: list, todo: list[tuple[int, Sharding]], value_name: str
+    value: Any, leaves: list, todo: list[tuple[int, Any]], value_name: str
 ) -> None:
     """Constrains `leaves[i]` (inside a trace) to `sharding` for each `(i, sharding)`
     in `todo`, in place: `jax.sharding.reshard` on Explicit mesh axes,
@@ -119,6 +132,15 @@ def constrain_leaves(
     memory = []
     for i, sharding in todo:
         where = lambda i=i: leaf_path(value, i, value_name)
+        if type(sharding) is Format:
+            raise TypeError(
+                f"{where()}: inside a trace an array cannot be constrained to a "
+                f"`Format` ({sharding}): a layout is a property of a jitted "
+                "function's arguments and outputs (`filter_jit`'s `in_shardings` and "
+                "`out_shardings`) or of a placed array (`filter_device_put`). Inside "
+                "the function, constrain the sharding with `format.sharding`, and the "
+                "layout with `jax.experimental.layout.with_layout_constraint`."
+            )
         check(jax.numpy.shape(leaves[i]), sharding, where)
         indices, targets = groups.setdefault(
             _constraint_kind(sharding, where), ([], [])
@@ -142,7 +164,7 @@ def constrain_leaves(
             leaves[i] = leaf
 
 
-def _is_traced(leaves: list, todo: list[tuple[int, Sharding]]) -> bool:
+def _is_traced(leaves: list, todo: list[tuple[int, Any]]) -> bool:
     return any(isinstance(leaves[i], jax.core.Tracer) for i, _ in todo)
 
 
@@ -174,7 +196,12 @@ def filter_device_put(
         `jax.sharding.Sharding`, a `jax.Device`, a bare `jax.sharding.PartitionSpec`
         (resolved against the mesh set with `jax.set_mesh`), `None` (leave that
         subtree exactly as it is), or a callable `leaf -> spec` that is called on each
-        array leaf beneath it and returns one of the former.
+        array leaf beneath it and returns one of the former. A
+        `jax.experimental.layout.Format(layout, sharding)` places on `sharding` in
+        `layout`, e.g. the leaves of `Compiled.input_formats` (whose non-array
+        leaves, the same as those of `x`, are accepted); `Layout.AUTO` cannot be
+        placed (a `ValueError`: lower and compile first), and a typed PRNG key array
+        is placed on the sharding alone.
     - `donate`: passed to `jax.device_put`; a bool or a PyTree prefix of `x` of bools.
         Donation is best-effort, as in JAX.
     - `may_alias`: a bool, `None`, or a PyTree prefix of `x`. `None` (the default)
@@ -227,6 +254,7 @@ def filter_device_put(
         "device_or_shardings",
         "x",
         abstract_ok=_is_traced_tree(leaves),
+        formats=True,
     )
     if not todo:
         return x
@@ -306,7 +334,10 @@ def filter_shard(x: PyTree[Any], device_or_shardings: Any) -> PyTree[Any]:
 
     As [`equinox_shard.filter_device_put`][], and additionally, inside a trace, a
     `ValueError` naming the key path if one `PartitionSpec` mixes Auto and Explicit
-    mesh axes. Checks happen before anything is transferred or traced.
+    mesh axes, and a `TypeError` naming it for a `Format` (constrain
+    `format.sharding`, and the layout with
+    `jax.experimental.layout.with_layout_constraint`). Checks happen before anything
+    is transferred or traced.
 
     !!! example
 
@@ -332,7 +363,13 @@ def filter_shard(x: PyTree[Any], device_or_shardings: Any) -> PyTree[Any]:
         in_trace() and not jax.config.jax_disable_jit  # pyright: ignore
     )
     todo = resolve_leaves(
-        x, leaves, device_or_shardings, "device_or_shardings", "x", abstract_ok=traced
+        x,
+        leaves,
+        device_or_shardings,
+        "device_or_shardings",
+        "x",
+        abstract_ok=traced,
+        formats=True,
     )
     if not todo:
         return x

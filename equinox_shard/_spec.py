@@ -5,6 +5,8 @@ one of:
 
 - a `jax.sharding.Sharding`;
 - a `jax.Device`, meaning `jax.sharding.SingleDeviceSharding(device)`;
+- a `jax.experimental.layout.Format(layout, sharding)`: a concrete `Sharding` with a
+    memory layout (`Layout.AUTO`: the compiler's choice, `filter_jit` only; RFC §4);
 - a bare `jax.sharding.PartitionSpec`, resolved against the mesh set by `jax.set_mesh`;
 - `None`, meaning "leave this subtree exactly as it is";
 - a callable (that is not itself a PyTree node) `leaf -> spec leaf`, called on every
@@ -35,6 +37,7 @@ from ._spec_leaves import (
     _describe_leaf,
     _one_level,
     _SPEC_TYPES,
+    Format,
     is_pytree_node,
     is_rule,
     is_spec_leaf,
@@ -192,7 +195,13 @@ def spread(
     Strict `PathRules` are checked here, before anything is placed or traced: over
     this one specification, or, given a `usage`, over every `spread` that shares it
     (one call's arguments), when the caller calls `usage.check()`."""
-    spec_leaves, spec_def = flatten_specs(specs, spec_name)
+    try:
+        spec_leaves, spec_def = flatten_specs(specs, spec_name)
+    except TypeError:
+        # `Compiled.input_shardings`/`input_formats` hold the non-array leaves as
+        # themselves: where the value has that very leaf, it is `None`.
+        specs = _own_leaves_as_none(specs, value)
+        spec_leaves, spec_def = flatten_specs(specs, spec_name)
     per_leaf = broadcast_specs(
         spec_leaves, spec_def, specs, value, len(leaves), spec_name, value_name
     )
@@ -205,6 +214,31 @@ def spread(
     if own and usage.groups:  # pyright: ignore[reportOptionalMemberAccess]
         usage.check()  # pyright: ignore[reportOptionalMemberAccess]
     return out
+
+
+def _same_leaf(spec: Any, leaf: Any) -> bool:
+    if spec is leaf:
+        return True
+    try:
+        return type(spec) is type(leaf) and bool(spec == leaf)
+    except Exception:
+        return False
+
+
+def _own_leaves_as_none(specs: Any, value: Any) -> Any:
+    """`specs` with each leaf that is not a spec leaf, but is the value's own leaf at
+    that place (the same object, or equal and of the same type), replaced by `None`;
+    `specs` itself where the two do not line up (then `flatten_specs` names the
+    leaf)."""
+    try:
+        return jtu.tree_map(
+            lambda s, v: None if not is_spec_leaf(s) and _same_leaf(s, v) else s,
+            specs,
+            value,
+            is_leaf=is_spec_leaf,
+        )
+    except (ValueError, TypeError):
+        return specs
 
 
 def resolve_each(
@@ -288,8 +322,9 @@ def call_rule(rule: Callable, leaf: Any, where: Callable[[], str]) -> Any:
 
 def resolve(
     spec: Any, leaf: Any, where: Callable[[], str], *, abstract_ok: bool, mesh=None
-) -> Sharding | None:
-    """Resolves one spec leaf against one array leaf to a `Sharding`, or `None`.
+) -> Sharding | Format | None:
+    """Resolves one spec leaf against one array leaf to a `Sharding` (a `Format` as it
+    is), or `None`.
 
     `where()` returns the leaf's key path; it is only called to build an error message.
     A bare `PartitionSpec` resolves against `mesh` if given, else the context mesh.
@@ -298,11 +333,15 @@ def resolve(
         return None
     if is_rule(spec):
         out = call_rule(spec, leaf, where)
-        if not (out is None or isinstance(out, _SPEC_TYPES)):
+        if not (
+            out is None
+            or (isinstance(out, _SPEC_TYPES) and is_spec_leaf(out))  # a `Format`'s
+        ):
             raise TypeError(
                 f"{where()}: the sharding rule {spec!r} must return a "
                 "`jax.sharding.Sharding`, a `jax.Device`, a "
-                f"`jax.sharding.PartitionSpec` or `None`; got {_describe_leaf(out)}."
+                "`jax.sharding.PartitionSpec`, a `Format` with a sharding or `None`; "
+                f"got {_describe_leaf(out)}."
             )
         if out is None:
             return None
@@ -348,8 +387,11 @@ def _spec_entry_size(entry: Any, mesh_shape: dict) -> int:
     return math.prod(mesh_shape[name] for name in names)
 
 
-def check(shape: Sequence[int], sharding: Sharding, where: Callable[[], str]) -> None:
-    """Raises if `sharding` cannot hold an array of `shape`: rank or divisibility."""
+def check(shape: Sequence[int], sharding: Any, where: Callable[[], str]) -> None:
+    """Raises if `sharding` (or a `Format`'s sharding) cannot hold an array of
+    `shape`: rank or divisibility."""
+    if type(sharding) is Format:
+        sharding = sharding.sharding
     if isinstance(sharding, NamedSharding):
         spec = sharding.spec
         ndim = len(shape)

@@ -8,11 +8,14 @@ from typing import Any
 
 import jax
 import jax.tree_util as jtu
+from jax.experimental.layout import Format, Layout
 from jax.sharding import PartitionSpec, Sharding
 from jax.tree_util import PyTreeDef
 
 
-_SPEC_TYPES = (Sharding, PartitionSpec, jax.Device)
+# A `Format` pairs a memory layout with a concrete `Sharding` (RFC §4): a spec leaf
+# when its sharding is one (`is_spec_leaf`).
+_SPEC_TYPES = (Sharding, PartitionSpec, jax.Device, Format)
 # Callable (as context decorators), but never a sharding rule.
 _NOT_RULES = (jax.sharding.Mesh, jax.sharding.AbstractMesh)
 
@@ -40,7 +43,19 @@ def is_rule(x: Any) -> bool:
 
 
 def is_spec_leaf(x: Any) -> bool:
+    if type(x) is Format:
+        return isinstance(x.sharding, Sharding)
     return x is None or isinstance(x, (*_SPEC_TYPES, PathRules)) or is_rule(x)
+
+
+def is_auto(x: Any) -> bool:
+    """Whether `x` is a `Format` whose layout the compiler chooses (`Layout.AUTO`)."""
+    return type(x) is Format and x.layout is Layout.AUTO
+
+
+def sharding_of(x: Any) -> Any:
+    """The sharding part of a resolved spec leaf: a `Format`'s sharding, else `x`."""
+    return x.sharding if type(x) is Format else x
 
 
 def _describe_leaf(x: Any) -> str:
@@ -53,6 +68,11 @@ def _describe_leaf(x: Any) -> str:
 def _check_spec_leaf(x: Any, where: str) -> None:
     if not is_spec_leaf(x):
         hint = ""
+        if isinstance(x, Format):
+            hint = (
+                " A `Format` must carry a concrete sharding, e.g. "
+                "`Format(Layout.AUTO, NamedSharding(mesh, spec))`."
+            )
         if isinstance(x, _NOT_RULES):
             hint = (
                 " A mesh is not a sharding: pass "
@@ -62,7 +82,8 @@ def _check_spec_leaf(x: Any, where: str) -> None:
         raise TypeError(
             f"{where}: a sharding specification leaf must be a "
             "`jax.sharding.Sharding`, a `jax.Device`, a `jax.sharding.PartitionSpec`, "
-            "`None`, a callable `leaf -> spec`, or an `equinox_shard.PathRules`; got "
+            "a `jax.experimental.layout.Format` (layout and sharding), `None`, a "
+            "callable `leaf -> spec`, or an `equinox_shard.PathRules`; got "
             f"{_describe_leaf(x)}.{hint}"
         )
 

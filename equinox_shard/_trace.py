@@ -11,6 +11,7 @@ import jax
 import jax._src.traceback_util as traceback_util
 import jax.core
 import jax.tree_util as jtu
+import numpy as np
 from equinox import is_array
 
 from . import _callbacks, _checks, _donate
@@ -20,7 +21,15 @@ from ._place import device_put_leaves
 from ._prepare import prepare
 from ._sharding import resolve_leaves
 from ._spec import check, context_mesh, for_jax, resolve, resolve_each
-from ._spec_leaves import is_rule, is_spec_leaf, PathRules, unset
+from ._spec_leaves import (
+    Format,
+    is_auto,
+    is_rule,
+    is_spec_leaf,
+    PathRules,
+    sharding_of,
+    unset,
+)
 
 
 traceback_util.register_exclusion(__file__)
@@ -153,7 +162,14 @@ def _out_shardings(out, out_specs, found: list | None, structured: bool, mesh):
     output instead, as `jax.jit` would have."""
     out_leaves, out_def = jtu.tree_flatten(out)
     todo = resolve_leaves(
-        out, out_leaves, out_specs, "out_shardings", "out", abstract_ok=True, mesh=mesh
+        out,
+        out_leaves,
+        out_specs,
+        "out_shardings",
+        "out",
+        abstract_ok=True,
+        mesh=mesh,
+        formats=True,
     )
     for i, sharding in todo:
         check(
@@ -177,8 +193,13 @@ def _out_shardings(out, out_specs, found: list | None, structured: bool, mesh):
 
 def _concrete(leaves: list, todo: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
     """The items of `todo` whose leaf is a value: under `disable_jit`, a `vmap` or
-    `grad` tracer is left as `jax.jit` leaves it (it has no placement to make)."""
-    return [(i, s) for i, s in todo if not isinstance(leaves[i], jax.core.Tracer)]
+    `grad` tracer is left as `jax.jit` leaves it (it has no placement to make). A
+    `Layout.AUTO` has no compiler to choose it there: its sharding is placed."""
+    return [
+        (i, s.sharding if is_auto(s) else s)
+        for i, s in todo
+        if not isinstance(leaves[i], jax.core.Tracer)
+    ]
 
 
 def _static_out_shardings(out_specs):
@@ -221,6 +242,12 @@ def build_entry(wrapper, cache: Cache, layout: Layout, args, kwargs, leaves) -> 
     targets = resolve_each(layout.specs, leaves, layout.dynamic, where, resolver)
     for i, sharding in targets:
         check(jax.numpy.shape(leaves[i]), sharding, lambda i=i: where(i))
+    formats = targets
+    auto = None
+    if any(type(s) is Format for _, s in targets):
+        auto = _auto_layouts(targets, leaves, where)
+        # Inputs are placed on a `Format`'s sharding; its layout is `jax.jit`'s.
+        targets = [(i, sharding_of(s)) for i, s in targets]
     entry = Entry()
     entry.layout = layout
     entry.static = layout.static_of(leaves)
@@ -230,7 +257,7 @@ def build_entry(wrapper, cache: Cache, layout: Layout, args, kwargs, leaves) -> 
     entry.donates = bool(layout.donated) or (
         cache.donate_rest and wrapper._dynamic_fun is not None
     )
-    jitted = entry.jitted = _jit(wrapper, cache, layout, args, leaves, targets)
+    jitted = entry.jitted = _jit(wrapper, cache, layout, args, leaves, formats)
     leaves, dynamic = prepare(
         wrapper._dynamic_fun, cache, entry, layout, args, kwargs, leaves
     )
@@ -242,6 +269,8 @@ def build_entry(wrapper, cache: Cache, layout: Layout, args, kwargs, leaves) -> 
             traced = jitted.trace(*dynamic)
             if _callbacks.has_callback(traced.jaxpr.jaxpr):
                 waits = _callbacks.guard(jitted, dynamic)
+    if auto is not None:
+        entry.jitted = AutoLayouts(entry.jitted, auto)
     shardings = [s for _, s in targets]
     shardings += [getattr(leaves[i], "sharding", None) for i in layout.dynamic]
     if waits is not None:
@@ -253,6 +282,57 @@ def build_entry(wrapper, cache: Cache, layout: Layout, args, kwargs, leaves) -> 
     else:
         entry.dispatch = _donate.plain
     return entry, leaves, dynamic
+
+
+def _is_value(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and not isinstance(
+        x, jax.core.Tracer
+    )
+
+
+def _auto_layouts(targets, leaves, where) -> str | None:
+    """For `in_shardings` with `Layout.AUTO`: raises, naming the first, if an array
+    (not a `jax.ShapeDtypeStruct`) is passed for one, which `jax.jit` refuses; else the
+    message that the entry's calls raise until it is compiled (`AutoLayouts`)."""
+    auto = [i for i, s in targets if is_auto(s)]
+    if not auto:
+        return None
+    message = lambda i: (
+        f"{where(i)}: `in_shardings` gives it a `Format` with `Layout.AUTO`, a layout "
+        "that the compiler chooses when the function is lowered, so `jax.jit` refuses "
+        "an array for it. Lower and compile first, with `jax.ShapeDtypeStruct`s "
+        "(`compiled = f.lower(*structs).compile()`), then place the arguments as the "
+        "executable wants them (`args, _ = compiled.input_formats`; "
+        "`eqxs.filter_device_put((model, ...), args)`) and call `compiled` or `f`, "
+        "which then runs that executable."
+    )
+    for i in auto:
+        if _is_value(leaves[i]):
+            raise ValueError(message(i))
+    return message(auto[0])
+
+
+class AutoLayouts:
+    """The `jax.jit` of an entry with `Layout.AUTO` in its `in_shardings`: lowered
+    and traced as it is, but called only through the executable of its latest
+    `Lowered.compile()`; until then a call raises `message` (naming the leaf)."""
+
+    def __init__(self, jitted, message: str):
+        self.jitted = jitted
+        self.message = message
+        self.compiled = None
+
+    def trace(self, *args):
+        return self.jitted.trace(*args)
+
+    def lower(self, *args):
+        return self.jitted.lower(*args)
+
+    def __call__(self, *args):
+        compiled = self.compiled
+        if compiled is None:
+            raise ValueError(self.message)
+        return compiled(*args)
 
 
 def _jit(wrapper, cache: Cache, layout: Layout, args, leaves, targets):

@@ -323,12 +323,16 @@ def test_if_array_specs_work_as_callables():
     assert b["n"] == 3
 
 
-def test_layouts_are_not_spec_leaves():
+def test_layouts_are_spec_leaves_auto_is_for_the_compiler():
+    """RFC §4: a `Format` is a spec leaf; `Layout.AUTO` cannot place an array (only a
+    compiler chooses it), and the error names the leaf and says to lower first."""
     from jax.experimental.layout import Format, Layout
 
     s = NamedSharding(auto_mesh(), P("x"))
-    with pytest.raises(TypeError, match=r"device_or_shardings: a sharding spec"):
+    with pytest.raises(ValueError, match=r"^x: .*Layout.AUTO.*input_formats"):
         eqxs.filter_device_put(jnp.arange(64.0), Format(Layout.AUTO, s))
+    out = eqxs.filter_device_put(jnp.arange(64.0), Format(None, s))
+    assert out.sharding == s
 
 
 def test_donated_uncommitted_input_is_copied_not_deleted():
