@@ -90,6 +90,8 @@ class Cache:
         self.fun_source = fn_source(fun)
         self.layouts: dict = {}
         self.entries: dict = {}
+        # The calls that made entries, under `jax_explain_cache_misses` (`_explain`).
+        self.seen: list = []
         self.lock = threading.Lock()
         _live_caches.add(self)
 
@@ -97,6 +99,7 @@ class Cache:
         with self.lock:
             self.layouts = {}
             self.entries = {}
+            self.seen = []
 
 
 # Every live `Cache`, so that `eqx.clear_caches()` clears them. Equinox has no public

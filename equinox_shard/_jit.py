@@ -1,6 +1,7 @@
 """`filter_jit`: the public wrapper, its ahead-of-time objects, and the one call path
 from a call to `jax.jit` (bind, flatten, look up, check, place, call)."""
 
+import contextlib
 import functools as ft
 import os
 from collections.abc import Callable
@@ -14,7 +15,7 @@ import jax.core
 import jax.tree_util as jtu
 from equinox import field, is_array, Module, module_update_wrapper, Partial
 
-from . import _checks
+from . import _checks, _explain
 from ._cache import Cache, get_cache, Layout
 from ._donate import unusable_donations_ignored
 from ._prepare import prepare
@@ -131,7 +132,16 @@ def _compile(wrapper, cache, args, kwargs, leaves, treedef, dynamic=is_array):
                 wrapper._dynamic_fun, cache, entry, layout, args, kwargs, leaves
             )
             return entry, layout, leaves, trees
-        entry, leaves, trees = build_entry(wrapper, cache, layout, args, kwargs, leaves)
+        config = jax.config
+        explain = config.jax_explain_cache_misses and not config.jax_disable_jit  # pyright: ignore
+        if explain:  # JAX's own flag: say why, in the caller's names (`_explain`)
+            _explain.miss(cache, layout, args, kwargs, leaves)
+        with _explain.building() if explain else contextlib.nullcontext():
+            entry, leaves, trees = build_entry(
+                wrapper, cache, layout, args, kwargs, leaves
+            )
+        if explain:
+            _explain.seen(cache, entry, args, kwargs, leaves)
         if not jax.config.jax_disable_jit:  # pyright: ignore
             layout.entries[key] = entry
             cache.layouts[layout_key] = layout

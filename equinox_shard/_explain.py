@@ -1,0 +1,314 @@
+"""`jax.config.update("jax_explain_cache_misses", True)` for `filter_jit`: each miss of
+our cache (a new entry, so a new `jax.jit`) is explained on the `equinox_shard` logger,
+at the caller's line, in the caller's argument names, against the closest call seen
+before; the `jax.jit` beneath keeps explaining its own misses (shape, dtype, sharding),
+pointed at the caller's line instead of our modules, and without its wrong "never seen
+function" for an entry we just explained. All of it runs on a miss only (RFC §13)."""
+
+import contextlib
+import dataclasses
+import functools as ft
+import logging
+import os
+import sys
+import threading
+from typing import Any
+
+import equinox
+import jax
+import jax._src.traceback_util as traceback_util
+import jax.tree_util as jtu
+import jaxtyping
+
+from ._spec import context_mesh
+
+
+traceback_util.register_exclusion(__file__)
+
+
+logger = logging.getLogger("equinox_shard")
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# Frames that are not the caller's: ours, JAX's, and the wrappers between.
+_NOT_USER = tuple(
+    os.path.dirname(os.path.abspath(str(m.__file__))) + os.sep
+    for m in (jax, equinox, jaxtyping, logging)
+) + (_HERE + os.sep, str(contextlib.__file__), str(ft.__file__))
+# JAX's own explanations of its tracing cache misses are logged here, on both versions.
+_JAX_LOGGER = "jax._src.interpreters.partial_eval"
+# JAX logs "Compiling ..." here when it lowers again (at DEBUG unless `log_compiles`).
+_JAX_LOWERING_LOGGER = "jax._src.interpreters.pxla"
+
+
+def _user_callsite() -> str:
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_NOT_USER):
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown>"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
+def _short(x: Any, limit: int = 120) -> str:
+    text = repr(x)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _mesh(mesh) -> str:
+    if mesh is None:
+        return "no mesh"
+    types = ", ".join(getattr(t, "name", str(t)) for t in mesh.axis_types)
+    return f"{type(mesh).__name__}({dict(mesh.shape)}, axis_types=({types}))"
+
+
+def _sharding(s) -> str:
+    if isinstance(s, jax.sharding.NamedSharding):
+        return f"NamedSharding({_mesh(s.mesh)}, {s.spec})"
+    return _short(s, 200)
+
+
+def _array(x) -> dict:
+    """What the `jax.jit` beneath keys on, of one traced leaf."""
+    try:
+        out: dict = {"type": jax.typeof(x).str_short(short_dtypes=True)}
+    except Exception:  # e.g. a `ShapeDtypeStruct`, for `.lower`
+        out = {"type": f"{getattr(x, 'dtype', '?')}{list(getattr(x, 'shape', ()))}"}
+    sharding = getattr(x, "sharding", None)
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):  # pyright: ignore
+        out["sharding"] = _sharding(sharding)
+        out["memory kind"] = getattr(sharding, "memory_kind", None)
+        out["committed"] = x.committed
+    return out
+
+
+def _describe(cache, layout, args, kwargs, leaves) -> dict:
+    """A call, as an explanation compares it: key path -> the static leaf itself, or
+    the traced leaf's type, sharding, memory kind and committedness."""
+    dynamic, flat = set(layout.dynamic), jtu.tree_flatten_with_path((args, kwargs))
+    paths = {
+        _user_name(cache, path): _array(x) if i in dynamic else ("static", x)
+        for i, ((path, _), x) in enumerate(zip(flat[0], leaves))
+    }
+    mesh = context_mesh(abstract_ok=True) if layout.needs_mesh else None
+    return {"paths": paths, "given": paths, "mesh": mesh, "treedef": layout.treedef}
+
+
+def _user_name(cache, path: tuple) -> str:
+    """A key path of `(args, kwargs)` in the caller's argument names."""
+    if len(path) < 2:
+        return "the arguments"
+    group, key, *rest = path
+    if group.idx == 0:  # pyright: ignore
+        pos = key.idx  # pyright: ignore
+        name = cache.names[pos] if pos < len(cache.names) else f"args[{pos}]"
+    else:
+        name = str(key.key)  # pyright: ignore
+    return name + jtu.keystr(tuple(rest))
+
+
+def _node(tree: Any, path: tuple) -> Any:
+    for key in path:
+        attr = isinstance(key, jtu.GetAttrKey)
+        tree = getattr(tree, key.name) if attr else tree[getattr(key, "idx", None)]
+    return tree
+
+
+def _structure(cache, new_def, old_def) -> list[str]:
+    """How two structures differ, by key path; a Module's static fields by name."""
+    from jax._src.tree_util import equality_errors_pytreedef  # JAX's, for its reports
+
+    lines = []
+    new, old = (d.unflatten([None] * d.num_leaves) for d in (new_def, old_def))
+    for path, now, before, why in equality_errors_pytreedef(new_def, old_def):
+        where = _user_name(cache, tuple(path))
+        if "metadata" in why:
+            a, b = (_node(t, tuple(path)) for t in (new, old))
+            if type(a) is type(b) and dataclasses.is_dataclass(a):
+                for f in dataclasses.fields(a):
+                    x, y = getattr(a, f.name, None), getattr(b, f.name, None)
+                    if f.metadata.get("static", False) and x != y:
+                        lines.append(
+                            f"at {where}.{f.name}, now {_short(x)} and before "
+                            f"{_short(y)} (a static field of {type(a).__name__})"
+                        )
+                continue
+        lines.append(
+            f"structure at {where}: now {_short(now)} and before {_short(before)}, "
+            f"so {why}"
+        )
+    return lines
+
+
+def _diff(cache, new: dict, old: dict, key: str = "paths") -> list[str]:
+    """What differs, causes of a new entry first: structure, static leaves, mesh."""
+    lines, arrays = [], []
+    if new["treedef"] != old["treedef"]:
+        lines.extend(_structure(cache, new["treedef"], old["treedef"]))
+    if new["mesh"] != old["mesh"]:
+        lines.append(
+            "the context mesh, that bare PartitionSpecs and rules resolve against: "
+            f"now {_mesh(new['mesh'])} and before {_mesh(old['mesh'])}"
+        )
+    for path, now in new[key].items():
+        before = old[key].get(path, now)
+        if now == before:
+            continue
+        if isinstance(now, tuple) and isinstance(before, tuple):
+            if now[1] is not before[1]:
+                lines.append(
+                    f"at {path}, now {_short(now[1])} and before {_short(before[1])} "
+                    "(a static leaf)"
+                )
+        elif isinstance(now, tuple) or isinstance(before, tuple):
+            kind = lambda x: "a static leaf" if isinstance(x, tuple) else "an array"
+            lines.append(f"at {path}, now {kind(now)} and before {kind(before)}")
+        else:
+            arrays.extend(
+                f"at {path}, {what} now {now[what]} and before {before.get(what)}"
+                for what in now
+                if now[what] != before.get(what)
+            )
+    return lines + arrays
+
+
+def _report(cache, new: dict, seen: list, head: str, key: str = "paths") -> str:
+    code = getattr(cache.fun_source, "__code__", None)
+    where = f" defined at {code.co_filename}:{code.co_firstlineno}" if code else ""
+    lines = [f"FILTER_JIT CACHE MISS at {_user_callsite()}:"]
+    lines.append(f"  for {cache.fun_names[0]}{where}")
+    candidates = [
+        (len(d) + 1000 * (old["treedef"] != new["treedef"]), d)
+        for old in seen
+        for d in [_diff(cache, new, old, key)]
+    ]
+    if not candidates:
+        lines.append("  first call")
+    else:
+        _, closest = min(candidates, key=lambda c: c[0])
+        calls = "call" if len(candidates) == 1 else "calls"
+        lines.append(f"  {head}; the closest of {len(candidates)} previous {calls}:")
+        lines.extend(f"  * {line}" for line in closest or ["nothing that we see"])
+    return "\n".join(lines)
+
+
+def miss(cache, layout, args, kwargs, leaves) -> None:
+    """A new entry (a new `jax.jit`) is about to be built: explains why."""
+    _install_filters()
+    try:
+        new = _describe(cache, layout, args, kwargs, leaves)
+        report = _report(cache, new, cache.seen, "a new jax.jit", "given")
+        _state.given = new["paths"]
+    except Exception as e:  # an explanation never fails a call
+        report = f"FILTER_JIT CACHE MISS, not explained: {e!r}"
+        _state.given = None
+    if not cache.seen and cache.layouts:
+        report = report.replace("first call", "first call seen with the flag on")
+    logger.warning(report)
+
+
+@contextlib.contextmanager
+def building():
+    """While an entry is built and traced: JAX's report of its new `jax.jit` is ours."""
+    _state.building = True
+    try:
+        yield
+    finally:
+        _state.building = False
+
+
+def seen(cache, entry, args, kwargs, leaves) -> None:
+    """Records a call that compiled (with the leaves as `jax.jit` got them)."""
+    with contextlib.suppress(Exception):  # then "not explained" was said
+        new = _describe(cache, entry.layout, args, kwargs, leaves)
+        # Compared with the next new entry's call as given, before any placing.
+        new["given"], new["entry"] = _state.given or new["paths"], entry
+        cache.seen.append(new)
+
+
+def _recompiled(module_name) -> None:
+    """JAX is compiling again beneath an entry that a call found (a hit of ours): the
+    `jax.jit` was not retraced (else JAX said why), so its inputs' shardings, memory
+    kinds or committedness changed. Read from the frame of our `_call`."""
+    if getattr(_state, "building", False):
+        return
+    # By name: the code object may be wrapped (jaxtyping's import hook).
+    call = ("_call", os.path.join(_HERE, "_jit.py"))
+    frame = sys._getframe(1)
+    while (
+        frame is not None and (frame.f_code.co_name, frame.f_code.co_filename) != call
+    ):
+        frame = frame.f_back
+    if frame is None:
+        return
+    names = frame.f_locals
+    cache, entry = names.get("cache"), names.get("entry")
+    if names.get("compiled") is not None or entry is None or cache is None:
+        return
+    if module_name != f"jit({cache.fun_names[0]})":
+        return  # not our `jax.jit`: JAX's own, for placing the inputs
+    args, kwargs, leaves = names["args"], names["kwargs"], names["leaves"]
+    explained, _state.jax_explained = getattr(_state, "jax_explained", False), False
+    new = _describe(cache, entry.layout, args, kwargs, leaves)
+    new["entry"] = entry
+    same = [old for old in cache.seen if old.get("entry") is entry]
+    if not all(_diff(cache, new, old) for old in same):
+        return  # a call like one seen before: the entry's first compile, traced
+    if not explained:
+        head = "the jax.jit beneath recompiles without retracing"
+        logger.warning(_report(cache, new, same, head))
+    cache.seen.append(new)
+
+
+class _JaxReports(logging.Filter):
+    """On JAX's logger: its report of a `jax.jit` beneath ours names the caller's line
+    instead of our module's; its "never seen function" for an entry being built is
+    dropped (ours explained the miss, and each entry has its own `jax.jit`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        head, _, rest = msg.partition("\n")
+        prefix = "TRACING CACHE MISS at "
+        if not (head.startswith(prefix) and head[len(prefix) :].startswith(_HERE)):
+            return True
+        if getattr(_state, "building", False) and "never seen function" in rest:
+            return False
+        record.msg = f"{prefix}{_user_callsite()}:\n{rest}"
+        record.args = ()
+        _state.jax_explained = True
+        return True
+
+
+class _Compiles(logging.Filter):
+    """On JAX's lowering logger, made to log its "Compiling" line at `DEBUG` too: the
+    one sign of a recompile without a retrace. Records below the level the logger had
+    before are dropped here, so that nothing more reaches any handler."""
+
+    def __init__(self, level: int):
+        super().__init__()
+        self.level = level  # the logger's own level before ours, usually `NOTSET`
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        flag = jax.config.jax_explain_cache_misses  # pyright: ignore
+        if flag and str(record.msg).startswith("Compiling "):
+            try:
+                _recompiled(record.args[0] if record.args else None)  # pyright: ignore
+            except Exception as e:  # an explanation never fails a call
+                logger.warning(f"FILTER_JIT CACHE MISS, not explained: {e!r}")
+        parent = logging.getLogger(_JAX_LOWERING_LOGGER).parent
+        level = self.level or (parent.getEffectiveLevel() if parent else 0)
+        return record.levelno >= level
+
+
+_state = threading.local()
+_reports = _JaxReports()
+
+
+def _install_filters() -> None:
+    jax_logger = logging.getLogger(_JAX_LOGGER)
+    if _reports in jax_logger.filters:
+        return
+    jax_logger.addFilter(_reports)
+    lowering = logging.getLogger(_JAX_LOWERING_LOGGER)
+    lowering.addFilter(_Compiles(lowering.level))
+    if lowering.getEffectiveLevel() > logging.DEBUG:
+        lowering.setLevel(logging.DEBUG)

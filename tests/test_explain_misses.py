@@ -1,0 +1,252 @@
+"""`jax.config.update("jax_explain_cache_misses", True)` explains every cache miss of
+`filter_jit` once, at the caller's line, in the caller's argument names (issue 26 §1):
+ours (a static leaf, the structure, the context mesh) on the `equinox_shard` logger,
+and those of the `jax.jit` beneath (shape, dtype, sharding) in JAX's own report, pointed
+at the caller's line instead of our modules."""
+
+import logging
+
+import equinox as eqx
+import equinox_shard as eqxs
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from .helpers import auto_mesh
+
+
+_HERE = __file__.rsplit("/", 1)[-1]
+
+
+@pytest.fixture
+def explain(caplog):
+    before = jax.config.jax_explain_cache_misses  # pyright: ignore
+    jax.config.update("jax_explain_cache_misses", True)
+    caplog.set_level(logging.WARNING)
+    try:
+        yield caplog
+    finally:
+        jax.config.update("jax_explain_cache_misses", before)
+
+
+def _text(caplog) -> str:
+    return "\n".join(r.getMessage() for r in caplog.records)
+
+
+def _ours(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "equinox_shard"]
+
+
+def _check_clean(caplog):
+    text = _text(caplog)
+    # Never JAX's wrong guess, never our modules as the call site.
+    assert "never seen function" not in text
+    assert "re-defined repeatedly" not in text
+    assert "equinox_shard/_" not in text
+
+
+def test_first_call(explain):
+    @eqxs.filter_jit
+    def first(x):
+        return x + 1
+
+    first(jnp.ones(4))
+    (msg,) = _ours(explain)
+    assert msg.startswith("FILTER_JIT CACHE MISS at ") and _HERE in msg.splitlines()[0]
+    assert f"for first defined at {__file__}:" in msg
+    assert "first call" in msg
+    _check_clean(explain)
+
+
+def test_static_leaf_of_a_module(explain, getkey):
+    @eqxs.filter_jit
+    def apply(model, x):
+        return model(x)
+
+    key = getkey()
+    apply(eqx.nn.Linear(4, 4, use_bias=True, key=key), jnp.ones(4))
+    explain.clear()
+    apply(eqx.nn.Linear(4, 4, use_bias=False, key=key), jnp.ones(4))
+    (msg,) = _ours(explain)
+    assert _HERE in msg.splitlines()[0]
+    assert "at model.use_bias, now False and before True" in msg
+    _check_clean(explain)
+
+
+def test_keyword_argument(explain):
+    @eqxs.filter_jit
+    def scaled(x, *, scale):
+        return x * scale
+
+    scaled(jnp.ones(4), scale=2.0)
+    explain.clear()
+    scaled(jnp.ones(4), scale=3.0)
+    (msg,) = _ours(explain)
+    assert "at scale, now 3.0 and before 2.0" in msg
+    _check_clean(explain)
+
+
+def test_structure(explain):
+    @eqxs.filter_jit
+    def total(params):
+        return sum(params.values())
+
+    total({"a": jnp.ones(4)})
+    explain.clear()
+    total({"a": jnp.ones(4), "b": jnp.ones(4)})
+    (msg,) = _ours(explain)
+    assert "structure at params" in msg and "{'b'}" in msg
+    _check_clean(explain)
+
+
+def test_mesh_under_set_mesh(explain):
+    @eqxs.filter_jit(in_shardings=P("data"))
+    def double(x):
+        return x * 2
+
+    with jax.set_mesh(auto_mesh((8,), ("data",))):
+        double(jnp.ones(8))
+    explain.clear()
+    with jax.set_mesh(auto_mesh((4, 2), ("data", "model"))):
+        double(jnp.ones(8))
+    (msg,) = _ours(explain)
+    assert (
+        "  * the context mesh, that bare PartitionSpecs and rules resolve against: "
+        "now Mesh({'data': 4, 'model': 2}, axis_types=(Auto, Auto)) and before "
+        "Mesh({'data': 8}, axis_types=(Auto))"
+    ) in msg
+    _check_clean(explain)
+
+
+def test_committed_beside_a_static_change(explain):
+    @eqxs.filter_jit
+    def shift(x, by):
+        return x + by
+
+    shift(jnp.ones(4), 1)
+    explain.clear()
+    shift(jax.device_put(jnp.ones(4), jax.devices()[0]), 2)
+    (msg,) = _ours(explain)
+    assert "at by, now 2 and before 1" in msg
+    assert "at x, committed now True and before False" in msg
+    _check_clean(explain)
+
+
+def test_committed_beneath(explain):
+    @eqxs.filter_jit
+    def inc(x):
+        return x + 1
+
+    inc(jnp.ones(4))
+    explain.clear()
+    inc(jax.device_put(jnp.ones(4), jax.devices()[0]))
+    (msg,) = _ours(explain)
+    assert _HERE in msg.splitlines()[0]
+    assert "the jax.jit beneath recompiles without retracing" in msg
+    assert "at x, committed now True and before False" in msg
+    _check_clean(explain)
+
+
+def test_sharding_beneath(explain):
+    mesh = auto_mesh((8,), ("data",))
+
+    @eqxs.filter_jit
+    def inc(tree):
+        return tree["x"] + 1
+
+    inc({"x": jax.device_put(jnp.ones(8), NamedSharding(mesh, P()))})
+    explain.clear()
+    inc({"x": jax.device_put(jnp.ones(8), NamedSharding(mesh, P("data")))})
+    (msg,) = _ours(explain)
+    assert "the jax.jit beneath recompiles without retracing" in msg
+    (line,) = [x for x in msg.splitlines() if "sharding now" in x]
+    assert line == (
+        "  * at tree['x'], sharding now NamedSharding(Mesh({'data': 8}, "
+        "axis_types=(Auto)), P('data',)) and before NamedSharding(Mesh({'data': 8}, "
+        "axis_types=(Auto)), P())"
+    )
+    assert not [r for r in explain.records if r.name != "equinox_shard"]
+    _check_clean(explain)
+    explain.clear()
+    inc({"x": jax.device_put(jnp.ones(8), NamedSharding(mesh, P("data")))})
+    assert not explain.records  # a hit: nothing
+
+
+def _jax_report(caplog) -> str:
+    (msg,) = [r.getMessage() for r in caplog.records if r.name != "equinox_shard"]
+    assert msg.startswith("TRACING CACHE MISS at ") and _HERE in msg.splitlines()[0]
+    return msg
+
+
+def test_shape(explain):
+    @eqxs.filter_jit
+    def inc(x):
+        return x + 1
+
+    inc(jnp.ones(4))
+    explain.clear()
+    inc(jnp.ones(8))
+    assert not _ours(explain)  # our entry is reused: the `jax.jit` beneath retraces
+    assert "at x, now f32[8] and before f32[4]" in _jax_report(explain)
+    _check_clean(explain)
+
+
+def test_dtype(explain):
+    @eqxs.filter_jit
+    def inc(x):
+        return x + 1
+
+    inc(jnp.ones(4))
+    explain.clear()
+    inc(jnp.ones(4, jnp.int32))
+    assert "at x, now i32[4] and before f32[4]" in _jax_report(explain)
+    _check_clean(explain)
+
+
+def test_sharding(explain):
+    mesh = auto_mesh((8,), ("data",))
+
+    @eqxs.filter_jit
+    def inc(x):
+        return x + 1
+
+    inc(jnp.ones(8))
+    explain.clear()
+    inc(jax.device_put(jnp.ones(8), NamedSharding(mesh, P("data"))))
+    msg = _jax_report(explain)
+    assert "at x, now f32[8]" in msg and "'data'" in msg
+    _check_clean(explain)
+
+
+def test_memory_kind(explain):
+    @eqxs.filter_jit
+    def inc(x):
+        return x + 1
+
+    device = jax.devices()[0]
+    inc(jax.device_put(jnp.ones(4), device))
+    explain.clear()
+    host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    inc(jax.device_put(jnp.ones(4), host))
+    assert "at x, now f32<host>[4] and before f32[4]" in _jax_report(explain)
+    assert not _ours(explain)  # explained once
+    _check_clean(explain)
+
+
+def test_nothing_logged_with_the_flag_off(caplog, getkey):
+    assert not jax.config.jax_explain_cache_misses  # pyright: ignore
+    caplog.set_level(logging.DEBUG, logger="equinox_shard")
+    caplog.set_level(logging.WARNING)
+
+    @eqxs.filter_jit
+    def apply(model, x):
+        return model(x)
+
+    key = getkey()
+    apply(eqx.nn.Linear(4, 4, use_bias=True, key=key), jnp.ones(4))
+    apply(eqx.nn.Linear(4, 4, use_bias=False, key=key), jnp.ones(4))
+    inc = eqxs.filter_jit(lambda x: x + 1)
+    inc(jnp.ones(4))
+    inc(jnp.ones(8))
+    assert not caplog.records
