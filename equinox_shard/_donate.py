@@ -118,6 +118,8 @@ def deleted_test(leaves: list, indices: tuple) -> Callable[[list], bool]:
 def private_copies(leaves: list, indices: list[int]) -> None:
     """Replaces each `leaves[i]`, `i` in `indices`, by a copy with the same sharding
     that shares no buffer with it."""
+    if not indices:
+        return
     copies = jax.device_put(
         [leaves[i] for i in indices],
         [leaves[i].sharding for i in indices],
@@ -183,7 +185,10 @@ def keep_undonated(
     ]
     if copies:
         leaves = list(leaves)
-        private_copies(leaves, copies)
+        tracers = [i for i in copies if isinstance(leaves[i], jax.core.Tracer)]
+        for i in tracers:  # under `grad` or `vmap` the primal values are donated
+            leaves[i] = jax.numpy.array(leaves[i], copy=True)
+        private_copies(leaves, [i for i in copies if i not in tracers])
     return leaves
 
 

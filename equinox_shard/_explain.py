@@ -113,13 +113,37 @@ def _node(tree: Any, path: tuple) -> Any:
     return tree
 
 
+def _key(path: tuple) -> Any:
+    (key,) = path
+    return getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))
+
+
+def _one_level(tree: Any) -> tuple[list, Any]:
+    return jtu.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
+
+
+def _differences(new: Any, old: Any, path: tuple = ()):
+    """`(path, now, before, why)` where two trees first differ, one level at a time."""
+    (new_children, new_def), (old_children, old_def) = _one_level(new), _one_level(old)
+    if new_def == old_def:
+        for (key, a), (_, b) in zip(new_children, old_children):
+            yield from _differences(a, b, path + key)
+        return
+    if type(new) is not type(old):
+        why = "the node type differs"
+    elif [k for k, _ in new_children] != [k for k, _ in old_children]:
+        names = [{_key(k) for k, _ in c} for c in (new_children, old_children)]
+        why = f"new children {names[0] - names[1]}, gone {names[1] - names[0] or '{}'}"
+    else:
+        why = "the node's metadata differs"
+    yield path, new_def, old_def, why
+
+
 def _structure(cache, new_def, old_def) -> list[str]:
     """How two structures differ, by key path; a Module's static fields by name."""
-    from jax._src.tree_util import equality_errors_pytreedef  # JAX's, for its reports
-
     lines = []
     new, old = (d.unflatten([None] * d.num_leaves) for d in (new_def, old_def))
-    for path, now, before, why in equality_errors_pytreedef(new_def, old_def):
+    for path, now, before, why in _differences(new, old):
         where = _user_name(cache, tuple(path))
         if "metadata" in why:
             a, b = (_node(t, tuple(path)) for t in (new, old))

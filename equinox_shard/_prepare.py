@@ -121,6 +121,10 @@ def commit(
     if private:
         _donate.private_copies(leaves, private)
     if indices:
-        moved = jax.device_put([leaves[i] for i in indices], shardings)
+        # A donated input is never aliased: onto its own device JAX would hand back
+        # the caller's buffer.
+        may_alias = [False if i in donated else None for i in indices]
+        sources = [leaves[i] for i in indices]
+        moved = jax.device_put(sources, shardings, may_alias=may_alias)
         for i, x in zip(indices, moved):
             leaves[i] = x

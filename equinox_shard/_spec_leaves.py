@@ -254,12 +254,15 @@ class PathRules:
         return (
             type(other) is PathRules
             and self._rules == other._rules
+            # Patterns compare with their flags: `re.I` makes another rule.
+            and [p.flags for p in self._patterns] == [p.flags for p in other._patterns]
             and self._default == other._default
             and self._strict == other._strict
         )
 
     def __hash__(self):
-        return hash((PathRules, self._rules, self._default, self._strict))
+        flags = tuple(p.flags for p in self._patterns)
+        return hash((PathRules, self._rules, flags, self._default, self._strict))
 
     def __repr__(self):
         default = "" if self._default is unset else f", default={self._default!r}"

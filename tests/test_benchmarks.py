@@ -10,6 +10,7 @@ _ROOT = pathlib.Path(__file__).parent.parent
 
 
 @pytest.mark.benchmark
+@pytest.mark.slow
 def test_quick_run(tmp_path):
     # A smoke run of `python -m benchmarks --quick` in a fresh process (it sets up its
     # own 8 simulated devices): it must run to the end and produce every table and

@@ -342,3 +342,32 @@ report(results)
     )
     assert run.returncode == 0, run
     assert run.result == [[True, True], [True, True]], run
+
+
+@pytest.mark.parametrize("where", ["device", "single-device sharding", "1-device mesh"])
+def test_uncommitted_input_donated_onto_its_own_device_is_kept(where):
+    device = jax.devices()[0]
+    mesh = jax.sharding.Mesh([device], ("a",))
+    sharding = {
+        "device": device,
+        "single-device sharding": jax.sharding.SingleDeviceSharding(device),
+        "1-device mesh": NamedSharding(mesh, P()),
+    }[where]
+    x = jnp.arange(64.0)
+    assert not x.committed
+    expected = snapshot(x)
+    out = eqxs.filter_jit(lambda a: a * 2, in_shardings=sharding, donate="all")(x)
+    assert_alive(x)
+    assert_same_values(x, expected)
+    assert_same_values(out, snapshot(x) * 2)
+
+
+def test_donating_one_value_twice_inside_an_outer_trace():
+    f = eqxs.filter_jit(lambda a, b: a + b, donate="all")
+    x = jnp.arange(8.0)
+    expected = snapshot(x)
+    out = jax.jit(lambda x: f(x, x))(x)
+    assert_same_values(out, expected * 2)
+    grad = jax.grad(lambda x: f(x, x).sum())(x)
+    assert_same_values(grad, jnp.full(8, 2.0))
+    assert_alive(x)

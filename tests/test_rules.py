@@ -296,3 +296,11 @@ def test_equal_rules_hash_equal():
     assert a == b and hash(a) == hash(b)
     assert a != eqxs.PathRules([("w", P("x"))])
     assert repr(a) == f"PathRules([('w', {P('x')!r})], default=None)"
+
+
+def test_regex_flags_are_part_of_a_rule():
+    insensitive = eqxs.PathRules([(re.compile("WEIGHT$", re.I), P("x"))], default=P())
+    sensitive = eqxs.PathRules([("WEIGHT$", P("x"))], default=P())
+    assert insensitive != sensitive
+    assert insensitive.match("weight") == 0
+    assert sensitive.match("weight") == 1  # the default
