@@ -12,7 +12,7 @@ from jaxtyping import PyTree
 
 from . import _place, _sharding
 from ._multiprocess import check_identical, is_host_local, processes_of, to_host
-from ._spec import check, leaf_path
+from ._spec import broadcast_prefix, check, leaf_path
 
 
 traceback_util.register_exclusion(__file__)
@@ -35,17 +35,13 @@ def _broadcast_shapes(global_shape: Any, local_data: Any, n: int) -> list:
                 f"prefix of `local_data` whose leaves are those; got a leaf {leaf!r}."
             )
     try:
-        subtrees = shape_def.flatten_up_to(local_data)
+        return broadcast_prefix(shape_leaves, shape_def, local_data)
     except (ValueError, TypeError):
         raise ValueError(
             "`global_shape` must be None, a shape (a tuple of ints), or a PyTree "
             f"prefix of `local_data`; got {global_shape!r} for a `local_data` of "
             f"structure {jtu.tree_structure(local_data)}."
         ) from None
-    out = []
-    for shape, subtree in zip(shape_leaves, subtrees):
-        out.extend([shape] * len(jtu.tree_leaves(subtree)))
-    return out
 
 
 def filter_make_array_from_process_local_data(

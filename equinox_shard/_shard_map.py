@@ -10,6 +10,7 @@ from equinox import is_array
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
+from ._donate import raise_if_deleted
 from ._mirror import KeyPath, Named, Names
 from ._spec import call_rule, check, flatten_specs, leaf_path, resolve_each, spread
 from ._spec_leaves import (
@@ -209,6 +210,8 @@ def filter_shard_map(
     def mapped(*args, **kwargs):
         mesh_ = _get_mesh(mesh)
         leaves, treedef = jtu.tree_flatten(args)
+        where = lambda i: leaf_path(args, i, "args")
+        raise_if_deleted(leaves, range(len(leaves)), where)
         specs = _leaf_specs(in_specs, args, leaves, "in_specs", "args")
         indices = [i for i, s in enumerate(specs) if s is not None]
         for i in indices:

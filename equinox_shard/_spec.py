@@ -168,12 +168,17 @@ def broadcast_specs(
     if spec_def.num_leaves == 1 and spec_def.num_nodes == 1:
         return spec_leaves * num_leaves
     try:
-        subtrees = spec_def.flatten_up_to(value)
+        return broadcast_prefix(spec_leaves, spec_def, value)
     except (ValueError, TypeError):
         raise prefix_error(specs, value, spec_name, value_name) from None
+
+
+def broadcast_prefix(prefix_leaves: list, prefix_def: PyTreeDef, value: Any) -> list:  # pyright: ignore[reportInvalidTypeForm]
+    """Each leaf of a PyTree prefix of `value`, repeated once per leaf of the subtree
+    of `value` beneath it. `ValueError` or `TypeError` if it is not a prefix."""
     out = []
-    for spec, subtree in zip(spec_leaves, subtrees):
-        out.extend([spec] * len(jtu.tree_leaves(subtree)))
+    for leaf, subtree in zip(prefix_leaves, prefix_def.flatten_up_to(value)):
+        out.extend([leaf] * len(jtu.tree_leaves(subtree)))
     return out
 
 

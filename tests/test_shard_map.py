@@ -353,3 +353,14 @@ def test_error_no_mesh():
     f = eqxs.filter_shard_map(lambda x: x, in_specs=P("x"), out_specs=P("x"))
     with pytest.raises(ValueError, match="needs a mesh"):
         f(jnp.arange(8.0))
+
+
+def test_deleted_input_is_named_before_anything_runs():
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    w = jax.device_put(jnp.arange(64.0), jax.NamedSharding(mesh, P("x")))
+    w.delete()
+    f = eqxs.filter_shard_map(
+        lambda params: params, mesh=mesh, in_specs=(P("x"),), out_specs=P("x")
+    )
+    with pytest.raises(RuntimeError, match=r"^args\[0\]\['w'\]: this array has been"):
+        f({"b": 1.0, "w": w})
