@@ -1,5 +1,5 @@
 """`filter_jit`: the public wrapper, its ahead-of-time objects, and the one call path
-from a call to `jax.jit` (bind, flatten, look up, check, place, call)."""
+from a call to `jax.jit` (bind, flatten, look up, prepare, dispatch, postprocess)."""
 
 import contextlib
 import functools as ft
