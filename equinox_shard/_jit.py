@@ -54,7 +54,8 @@ def _bind(cache: Cache, args, kwargs):
 
 def _call(wrapper, args, kwargs, compiled=None):
     __tracebackhide__ = True
-    fields = vars(wrapper)  # one attribute lookup: a Module's are slow
+    # One attribute lookup, past `Module.__getattribute__` (Python, on every lookup).
+    fields = object.__getattribute__(wrapper, "__dict__")
     cache: Cache = fields["_cache"]
     # Read by `eqx.error_if`'s stacks: one per decoration.
     __equinox_jit_id__ = fields["_jit_id"]
