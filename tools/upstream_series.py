@@ -42,6 +42,7 @@ CONFTEST = 'import jax\n\njax.config.update("jax_num_cpu_devices", 2)\n'
 TEST_IMPORTS = """import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jax.random as jr
 import jax.random as jrandom
 import jax.sharding as jshard
 import jax.tree_util as jtu
