@@ -7,6 +7,7 @@ one of:
 - a `jax.Device`, meaning `jax.sharding.SingleDeviceSharding(device)`;
 - a `jax.experimental.layout.Format(layout, sharding)`: a concrete `Sharding` with a
     memory layout (`Layout.AUTO`: the compiler's choice, `filter_jit` only; RFC §4);
+    `Format(None, None)` means `None`, as it does to `jax.device_put`;
 - a bare `jax.sharding.PartitionSpec`, resolved against the mesh set by `jax.set_mesh`;
 - `None`, meaning "leave this subtree exactly as it is";
 - a callable (that is not itself a PyTree node) `leaf -> spec leaf`, called on every
@@ -38,6 +39,7 @@ from ._spec_leaves import (
     _one_level,
     _SPEC_TYPES,
     Format,
+    is_empty_format,
     is_pytree_node,
     is_rule,
     is_spec_leaf,
@@ -333,8 +335,9 @@ def resolve(
 
     `where()` returns the leaf's key path; it is only called to build an error message.
     A bare `PartitionSpec` resolves against `mesh` if given, else the context mesh.
+    `Format(None, None)` (from a rule, a `PathRules` or the spec itself) is `None`.
     """
-    if spec is None:
+    if spec is None or is_empty_format(spec):
         return None
     if is_rule(spec):
         out = call_rule(spec, leaf, where)
@@ -348,7 +351,7 @@ def resolve(
                 "`jax.sharding.PartitionSpec`, a `Format` with a sharding or `None`; "
                 f"got {_describe_leaf(out)}."
             )
-        if out is None:
+        if out is None or is_empty_format(out):
             return None
         spec = out
     if isinstance(spec, jax.Device):

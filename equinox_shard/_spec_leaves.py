@@ -42,9 +42,16 @@ def is_rule(x: Any) -> bool:
     )
 
 
+def is_empty_format(x: Any) -> bool:
+    """Whether `x` is `Format(None, None)`, which `jax.device_put` takes as "leave the
+    array as it is" (and `Compiled.input_formats` gives for an input XLA pruned): a
+    spec leaf that means `None`."""
+    return type(x) is Format and x.layout is None and x.sharding is None
+
+
 def is_spec_leaf(x: Any) -> bool:
     if type(x) is Format:
-        return isinstance(x.sharding, Sharding)
+        return isinstance(x.sharding, Sharding) or is_empty_format(x)
     return x is None or isinstance(x, (*_SPEC_TYPES, PathRules)) or is_rule(x)
 
 
@@ -71,7 +78,8 @@ def _check_spec_leaf(x: Any, where: str) -> None:
         if isinstance(x, Format):
             hint = (
                 " A `Format` must carry a concrete sharding, e.g. "
-                "`Format(Layout.AUTO, NamedSharding(mesh, spec))`."
+                "`Format(Layout.AUTO, NamedSharding(mesh, spec))`, or be "
+                "`Format(None, None)` (leave the array as it is)."
             )
         if isinstance(x, _NOT_RULES):
             hint = (

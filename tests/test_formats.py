@@ -20,7 +20,7 @@ import pytest
 from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .helpers import auto_mesh, count_compiles, make_module
+from .helpers import assert_alive, auto_mesh, count_compiles, make_module
 
 
 def _step(model, key, x, label):
@@ -196,3 +196,37 @@ def test_filter_shard_map_refuses_a_format():
         eqxs.filter_shard_map(
             lambda a: a, mesh=mesh, in_specs=Format(Layout.AUTO, s), out_specs=P("x")
         )(jnp.ones(8))
+
+
+def test_auto_flow_with_an_input_the_function_does_not_use():
+    # XLA prunes the bias: `compiled.input_formats` holds `Format(None, None)` for it,
+    # which `jax.device_put` takes as "leave it as it is".
+    s = NamedSharding(auto_mesh(), P())
+    f = lambda m, x: m.weight @ x
+    g = eqxs.filter_jit(f, in_shardings=(Format(Layout.AUTO, s), None))
+    model = make_module(eqx.nn.Linear, 4, 3)
+    x = jnp.arange(4.0)
+    compiled = g.lower(*jtu.tree_map(_struct, (model, x))).compile()
+    (f_model, _), _ = compiled.input_formats
+    assert f_model.bias == Format(None, None)
+    assert jax.device_put(model.bias, f_model.bias) is model.bias
+    placed = eqxs.filter_device_put((model, x), compiled.input_formats[0])
+    assert placed[0].bias is model.bias  # left as it is, as `jax.device_put` does
+    assert placed[0].weight.format == f_model.weight
+    out = compiled(*placed)
+    assert jnp.array_equal(out, f(model, x))
+    assert jnp.array_equal(g(*placed), f(model, x))
+    assert_alive((model, x, placed))
+
+
+def test_empty_format_is_none_wherever_a_spec_leaf_is():
+    # `Format(None, None)` as a spec leaf, a rule's result and a `PathRules` spec.
+    empty = Format(None, None)
+    x = {"a": jnp.ones(8), "b": jnp.ones(8)}
+    s = NamedSharding(auto_mesh(), P("x"))
+    for spec in (empty, lambda leaf: empty, eqxs.PathRules([("a", empty)], default=s)):
+        out = eqxs.filter_device_put(x, spec)
+        assert out["a"] is x["a"]
+    out = eqxs.filter_jit(lambda t: t, in_shardings=empty, out_shardings=empty)(x)
+    assert jnp.array_equal(out["a"], x["a"])
+    assert_alive(x)
