@@ -3,7 +3,9 @@ our cache (a new entry, so a new `jax.jit`) is explained on the `equinox_shard` 
 at the caller's line, in the caller's argument names, against the closest call seen
 before; the `jax.jit` beneath keeps explaining its own misses (shape, dtype, sharding),
 pointed at the caller's line instead of our modules, and without its wrong "never seen
-function" for an entry we just explained. All of it runs on a miss only (RFC §13)."""
+function" for an entry we just explained. All of it runs on a miss, or on a call of
+an entry built under the flag while the flag is on; JAX's loggers are put back as they
+were after each (RFC §13)."""
 
 import contextlib
 import dataclasses
@@ -12,6 +14,7 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import equinox
@@ -215,9 +218,24 @@ def _report(cache, new: dict, seen: list, head: str, key: str = "paths") -> str:
     return "\n".join(lines)
 
 
-def miss(cache, layout, args, kwargs, leaves) -> None:
+def build(cache, layout, args, kwargs, leaves, make: Callable[[], tuple]) -> tuple:
+    """`make()` (which builds and traces a new entry: `_trace.build_entry`) under the
+    flag: explains the miss first, and records the call; the entry's dispatch then
+    tells `_recompiled` which call it makes. Loggers are as they were afterwards."""
+    with listening():
+        _miss(cache, layout, args, kwargs, leaves)
+        outer, _state.building = getattr(_state, "building", False), True
+        try:
+            entry, leaves, trees = make()
+        finally:
+            _state.building = outer
+        _seen(cache, entry, args, kwargs, leaves)
+    entry.dispatch = _watched(cache, entry, entry.dispatch)
+    return entry, leaves, trees
+
+
+def _miss(cache, layout, args, kwargs, leaves) -> None:
     """A new entry (a new `jax.jit`) is about to be built: explains why."""
-    _install_filters()
     try:
         new = _describe(cache, layout, args, kwargs, leaves)
         report = _report(cache, new, cache.seen, "a new jax.jit", "given")
@@ -230,17 +248,7 @@ def miss(cache, layout, args, kwargs, leaves) -> None:
     logger.warning(report)
 
 
-@contextlib.contextmanager
-def building():
-    """While an entry is built and traced: JAX's report of its new `jax.jit` is ours."""
-    _state.building = True
-    try:
-        yield
-    finally:
-        _state.building = False
-
-
-def seen(cache, entry, args, kwargs, leaves) -> None:
+def _seen(cache, entry, args, kwargs, leaves) -> None:
     """Records a call that compiled (with the leaves as `jax.jit` got them)."""
     with contextlib.suppress(Exception):  # then "not explained" was said
         new = _describe(cache, entry.layout, args, kwargs, leaves)
@@ -249,28 +257,39 @@ def seen(cache, entry, args, kwargs, leaves) -> None:
         cache.seen.append(new)
 
 
+def _watched(cache, entry, dispatch: Callable) -> Callable:
+    """The dispatch (see `_donate.plain`) of an entry built under the flag: while the
+    flag is on, `dispatch` runs with JAX's loggers listened to, and with this call
+    (the entry, and the leaves as `jax.jit` gets them) known to `_recompiled`."""
+
+    def watched(run, dynamic, deleted, leaves, jit_id):
+        __tracebackhide__ = True
+        flag = jax.config.jax_explain_cache_misses  # pyright: ignore
+        if not flag or run is not entry.jitted:  # off, or an AOT `Compiled`
+            return dispatch(run, dynamic, deleted, leaves, jit_id)
+        outer, _state.call = getattr(_state, "call", None), (cache, entry, leaves)
+        try:
+            with listening():
+                return dispatch(run, dynamic, deleted, leaves, jit_id)
+        finally:
+            _state.call = outer
+
+    return watched
+
+
 def _recompiled(module_name) -> None:
     """JAX is compiling again beneath an entry that a call found (a hit of ours): the
     `jax.jit` was not retraced (else JAX said why), so its inputs' shardings, memory
-    kinds or committedness changed. Read from the frame of our `_call`."""
+    kinds or committedness changed. The call is the one `_watched` dispatches."""
     if getattr(_state, "building", False):
         return
-    # By name: the code object may be wrapped (jaxtyping's import hook).
-    call = ("_call", os.path.join(_HERE, "_jit.py"))
-    frame = sys._getframe(1)
-    while (
-        frame is not None and (frame.f_code.co_name, frame.f_code.co_filename) != call
-    ):
-        frame = frame.f_back
-    if frame is None:
+    call = getattr(_state, "call", None)
+    if call is None:
         return
-    names = frame.f_locals
-    cache, entry = names.get("cache"), names.get("entry")
-    if names.get("compiled") is not None or entry is None or cache is None:
-        return
+    cache, entry, leaves = call
     if module_name != f"jit({cache.fun_names[0]})":
         return  # not our `jax.jit`: JAX's own, for placing the inputs
-    args, kwargs, leaves = names["args"], names["kwargs"], names["leaves"]
+    args, kwargs = entry.layout.treedef.unflatten(leaves)
     explained, _state.jax_explained = getattr(_state, "jax_explained", False), False
     new = _describe(cache, entry.layout, args, kwargs, leaves)
     new["entry"] = entry
@@ -327,12 +346,54 @@ _state = threading.local()
 _reports = _JaxReports()
 
 
-def _install_filters() -> None:
-    jax_logger = logging.getLogger(_JAX_LOGGER)
-    if _reports in jax_logger.filters:
-        return
-    jax_logger.addFilter(_reports)
-    lowering = logging.getLogger(_JAX_LOWERING_LOGGER)
-    lowering.addFilter(_Compiles(lowering.level))
-    if lowering.getEffectiveLevel() > logging.DEBUG:
-        lowering.setLevel(logging.DEBUG)
+class _Listening:
+    """JAX's loggers as `listening` changes them: once for every thread and nested
+    call inside one, and put back as they were when the last leaves."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.compiles: _Compiles | None = None
+        self.level: int | None = None  # the lowering logger's level, if we changed it
+
+    def enter(self) -> None:
+        with self.lock:
+            self.depth += 1
+            if self.depth > 1:
+                return
+            logging.getLogger(_JAX_LOGGER).addFilter(_reports)
+            lowering = logging.getLogger(_JAX_LOWERING_LOGGER)
+            self.compiles = _Compiles(lowering.level)
+            lowering.addFilter(self.compiles)
+            self.level = None
+            if lowering.getEffectiveLevel() > logging.DEBUG:
+                self.level = lowering.level
+                lowering.setLevel(logging.DEBUG)
+
+    def exit(self) -> None:
+        with self.lock:
+            self.depth -= 1
+            if self.depth > 0:
+                return
+            logging.getLogger(_JAX_LOGGER).removeFilter(_reports)
+            lowering = logging.getLogger(_JAX_LOWERING_LOGGER)
+            lowering.removeFilter(self.compiles)  # pyright: ignore[reportArgumentType]
+            # Unless someone else set it meanwhile.
+            if self.level is not None and lowering.level == logging.DEBUG:
+                lowering.setLevel(self.level)
+            self.compiles = self.level = None
+
+
+_listening = _Listening()
+
+
+@contextlib.contextmanager
+def listening():
+    """JAX's explanations rewritten (`_JaxReports`) and its "Compiling" lines heard
+    (`_Compiles`) in the body; the loggers as they were afterwards, also on an
+    error."""
+    _listening.enter()
+    try:
+        yield
+    finally:
+        _listening.exit()

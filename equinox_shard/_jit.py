@@ -1,7 +1,6 @@
 """`filter_jit`: the public wrapper, its ahead-of-time objects, and the one call path
 from a call to `jax.jit` (bind, flatten, look up, prepare, dispatch, postprocess)."""
 
-import contextlib
 import functools as ft
 import os
 from collections.abc import Callable
@@ -133,16 +132,15 @@ def _compile(wrapper, cache, args, kwargs, leaves, treedef, dynamic=is_array):
                 wrapper._dynamic_fun, cache, entry, layout, args, kwargs, leaves
             )
             return entry, layout, leaves, trees
+        make = lambda: build_entry(wrapper, cache, layout, args, kwargs, leaves)
         config = jax.config
-        explain = config.jax_explain_cache_misses and not config.jax_disable_jit  # pyright: ignore
-        if explain:  # JAX's own flag: say why, in the caller's names (`_explain`)
-            _explain.miss(cache, layout, args, kwargs, leaves)
-        with _explain.building() if explain else contextlib.nullcontext():
-            entry, leaves, trees = build_entry(
-                wrapper, cache, layout, args, kwargs, leaves
+        if config.jax_explain_cache_misses and not config.jax_disable_jit:  # pyright: ignore
+            # JAX's own flag: say why, in the caller's names (`_explain`).
+            entry, leaves, trees = _explain.build(
+                cache, layout, args, kwargs, leaves, make
             )
-        if explain:
-            _explain.seen(cache, entry, args, kwargs, leaves)
+        else:
+            entry, leaves, trees = make()
         if not jax.config.jax_disable_jit:  # pyright: ignore
             layout.entries[key] = entry
             cache.layouts[layout_key] = layout

@@ -4,7 +4,9 @@ ours (a static leaf, the structure, the context mesh) on the `equinox_shard` log
 and those of the `jax.jit` beneath (shape, dtype, sharding) in JAX's own report, pointed
 at the caller's line instead of our modules."""
 
+import inspect
 import logging
+import types
 
 import equinox as eqx
 import equinox_shard as eqxs
@@ -250,3 +252,68 @@ def test_nothing_logged_with_the_flag_off(caplog, getkey):
     inc(jnp.ones(4))
     inc(jnp.ones(8))
     assert not caplog.records
+
+
+_LOGGERS = ("jax._src.interpreters.pxla", "jax._src.interpreters.partial_eval")
+
+
+def _logger_state() -> list:
+    return [
+        (x.level, x.getEffectiveLevel(), list(x.filters), list(x.handlers), x.propagate)
+        for x in map(logging.getLogger, _LOGGERS)
+    ]
+
+
+def test_logging_as_it_was_after_explained_calls(caplog):
+    caplog.set_level(logging.WARNING)
+    before = _logger_state()
+    mesh = auto_mesh((8,), ("data",))
+
+    @eqxs.filter_jit
+    def inc(x, by):
+        return x + by
+
+    @eqxs.filter_jit
+    def fails(x):
+        raise RuntimeError("from the user's function")
+
+    jax.config.update("jax_explain_cache_misses", True)
+    try:
+        inc(jnp.ones(8), 1)  # a miss of ours
+        inc(jax.device_put(jnp.ones(8), NamedSharding(mesh, P("data"))), 1)  # beneath
+        assert _logger_state() == before
+        with pytest.raises(RuntimeError, match="from the user's function"):
+            fails(jnp.ones(8))
+        assert _logger_state() == before
+    finally:
+        jax.config.update("jax_explain_cache_misses", False)
+    assert "FILTER_JIT CACHE MISS" in _text(caplog)
+    assert _logger_state() == before
+
+
+def _renamed(fn):
+    """`fn` with its code's name and every local variable renamed (but the dunders
+    that JAX and Equinox read by name): as a refactor of `fn` would."""
+    fn = inspect.unwrap(fn)  # past jaxtyping's checks, which the suite installs
+    code = fn.__code__
+    names = tuple(n if n.startswith("__") else n + "_" for n in code.co_varnames)
+    code = code.replace(co_varnames=names, co_name="_renamed", co_qualname="_renamed")
+    return types.FunctionType(
+        code, fn.__globals__, "_renamed", fn.__defaults__, fn.__closure__
+    )
+
+
+def test_explanations_do_not_read_the_call_path_frames(explain, monkeypatch):
+    monkeypatch.setattr(eqxs._jit, "_call", _renamed(eqxs._jit._call))
+
+    @eqxs.filter_jit
+    def inc(x):
+        return x + 1
+
+    inc(jnp.ones(4))
+    explain.clear()
+    inc(jax.device_put(jnp.ones(4), jax.devices()[0]))
+    (msg,) = _ours(explain)
+    assert "the jax.jit beneath recompiles without retracing" in msg
+    assert "at x, committed now True and before False" in msg
+    _check_clean(explain)
