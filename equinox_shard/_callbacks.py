@@ -2,8 +2,8 @@
 (`eqx.error_if`) in computations that span several devices.
 
 JAX dispatches asynchronously: a call returns before its computation has run. Only a
-function that contains a callback is waited for (`call_and_wait`), so that everything
-else keeps asynchronous dispatch.
+function that contains a callback is waited for (`waiting`, a layer over the entry's
+own dispatch), so that everything else keeps asynchronous dispatch.
 
 Equinox raises its runtime errors from a `jax.pure_callback`. Under SPMD the callback
 runs on one device; when it raises, that partition's execution fails and the other
@@ -11,7 +11,8 @@ partitions wait forever in a collective for its result, until XLA aborts the pro
 (its rendezvous timeout, ~40 s). So a `filter_jit` entry that contains callbacks runs
 from a rewritten jaxpr in which each callback records its exception and returns zeros
 instead of raising: every partition finishes, and the first recorded exception is
-raised after the execution.
+raised after the execution. One rewritten program per program that `jax.jit` traces
+(`Guards`): a call with new shapes or dtypes never runs one traced for others.
 """
 
 import logging
@@ -131,7 +132,7 @@ def _runs_now() -> bool:
 
 
 class GuardedCall:
-    """Runs a jitted function with its callbacks guarded; raises what they raised.
+    """Runs one traced program of a jitted function with its callbacks guarded.
 
     `closed` is the jaxpr of a call of the jitted function (`jax.make_jaxpr` of it): one
     `jit` equation that carries its shardings and donation, so binding the rewritten
@@ -144,40 +145,60 @@ class GuardedCall:
         )
         self.out_tree = out_tree
         # One execution at a time: a callback cannot tell which execution it belongs
-        # to, so concurrent calls of this function would share one record.
+        # to, so concurrent calls of this program would share one record.
         self.lock = threading.Lock()
 
-    def usable(self, args) -> bool:
-        """Whether `self(args)` would run now (otherwise, call the jitted function: an
-        outer `filter_jit` guards the callbacks it traces)."""
-        return _runs_now() and not any(
-            isinstance(x, jax.core.Tracer) for x in jtu.tree_leaves(args)
-        )
+    def launch(self, *dynamic):
+        """Dispatches the guarded program, as `jitted(*dynamic)` would be."""
+        out = self.fun(*jtu.tree_leaves(dynamic))
+        return jtu.tree_unflatten(self.out_tree, out)
 
-    def __call__(self, args) -> tuple[Any, BaseException | None, Any]:
-        """`(out, None, None)`, or `(None, error, info)` if a callback raised."""
-        flat = jtu.tree_leaves(args)
+    def __call__(self, dispatch: Callable) -> tuple[Any, BaseException | None, Any]:
+        """`dispatch(self.launch)`, waited for: `(out, None, None)`, or
+        `(None, error, info)` if a callback raised."""
         with self.lock:
             record = self.record
             record.error = record.info = None
             try:
-                out = self.fun(*flat)
+                out = dispatch(self.launch)
                 # The callbacks have run once the outputs are ready.
-                jax.block_until_ready(out)
-                if not out:
+                leaves = jax.block_until_ready(jtu.tree_leaves(out))
+                if not leaves:
                     jax.effects_barrier()
             finally:
                 error, info = record.error, record.info
                 record.error = record.info = None
         if error is not None:
             return None, error, info
-        return jtu.tree_unflatten(self.out_tree, out), None, None
+        return out, None, None
 
 
-def guard(jitted, args) -> GuardedCall:
-    """A `GuardedCall` for `jitted(*args)` (which has been traced for these args)."""
-    closed, out_shape = jax.make_jaxpr(jitted, return_shape=True)(*args)
-    return GuardedCall(closed, jtu.tree_structure(out_shape))
+class Guards:
+    """The `GuardedCall`s of one entry: one per program that `jax.jit` traces for it.
+    Keyed by the traced jaxpr, which JAX's own cache keys on everything the program
+    depends on (shapes, dtypes, weak types, the context), so a call never runs a
+    program traced for other arguments."""
+
+    def __init__(self, jitted, dynamic: tuple):
+        self.jitted = jitted
+        self.calls: dict = {}
+        self.lock = threading.Lock()
+        self.get(dynamic)
+
+    def get(self, dynamic: tuple) -> GuardedCall:
+        traced = self.jitted.trace(*dynamic).jaxpr
+        # The jaxpr is kept alive beside its call, so its `id` is never reused.
+        found = self.calls.get(id(traced))
+        if found is None:
+            with self.lock:
+                found = self.calls.get(id(traced))
+                if found is None:
+                    closed, shape = jax.make_jaxpr(self.jitted, return_shape=True)(
+                        *dynamic
+                    )
+                    call = GuardedCall(closed, jtu.tree_structure(shape))
+                    found = self.calls[id(traced)] = (traced, call)
+        return found[1]
 
 
 class _FilterCallback(logging.Filterer):
@@ -211,12 +232,18 @@ def _equinox_runtime_error(
     )
 
 
-def call_and_wait(guarded: GuardedCall, jitted, args: tuple, jit_id: bytes):
-    """Runs a function that contains callbacks and waits for it; raises what they
-    raised (an Equinox runtime error as `eqx.EquinoxRuntimeError`)."""
-    __tracebackhide__ = True
-    if guarded.usable(args):
-        out, error, info = guarded(args)
+def waiting(guards: Guards, inner: Callable) -> Callable:
+    """The dispatch (see `_donate.plain`) of an entry that contains callbacks: `inner`,
+    the entry's own dispatch (its lock, its re-check of donated inputs, its warning
+    filter), launches the guarded program; this waits for it and raises what its
+    callbacks raised (an Equinox runtime error as `eqx.EquinoxRuntimeError`)."""
+
+    def dispatch(run, dynamic, deleted, leaves, jit_id):
+        __tracebackhide__ = True
+        if not _usable(dynamic):
+            return _traced(inner, run, dynamic, deleted, leaves, jit_id)
+        run_inner = lambda launch: inner(launch, dynamic, deleted, leaves, jit_id)
+        out, error, info = guards.get(dynamic)(run_inner)
         if error is None:
             return out
         equinox_error = _equinox_runtime_error(error, jit_id, info)
@@ -225,12 +252,27 @@ def call_and_wait(guarded: GuardedCall, jitted, args: tuple, jit_id: bytes):
         raise _JaxRuntimeError(
             f"A callback raised {type(error).__name__}: {error}"
         ) from error
-    # Traced (an outer `jax.jit`, `vmap`, `grad`) or under `jax.disable_jit`.
+
+    return dispatch
+
+
+def _usable(dynamic) -> bool:
+    """Whether the guarded program would run now (otherwise, call the jitted function:
+    an outer `filter_jit` guards the callbacks it traces)."""
+    return _runs_now() and not any(
+        isinstance(x, jax.core.Tracer) for x in jtu.tree_leaves(dynamic)
+    )
+
+
+def _traced(inner, run, dynamic, deleted, leaves, jit_id):
+    """A call staged into an outer trace (`jax.jit`, `vmap`, `grad`) or run under
+    `jax.disable_jit`: the callbacks raise as they are; Equinox's error is named."""
+    __tracebackhide__ = True
     callback_logger = logging.getLogger("jax._src.callback")
     log_filter = _FilterCallback()
     callback_logger.addFilter(log_filter)
     try:
-        out = jitted(*args)
+        out = inner(run, dynamic, deleted, leaves, jit_id)
         jax.block_until_ready(out[0])
         return out
     except (_JaxRuntimeError, ValueError) as e:
@@ -240,13 +282,3 @@ def call_and_wait(guarded: GuardedCall, jitted, args: tuple, jit_id: bytes):
         raise error from None
     finally:
         callback_logger.removeFilter(log_filter)
-
-
-def waiting(guarded: GuardedCall) -> Callable:
-    """The dispatch (see `_donate.plain`) of an entry that contains callbacks."""
-
-    def dispatch(run, dynamic, deleted, leaves, jit_id):
-        __tracebackhide__ = True
-        return call_and_wait(guarded, run, dynamic, jit_id)
-
-    return dispatch

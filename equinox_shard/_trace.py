@@ -261,26 +261,28 @@ def build_entry(wrapper, cache: Cache, layout: Layout, args, kwargs, leaves) -> 
     leaves, dynamic = prepare(
         wrapper._dynamic_fun, cache, entry, layout, args, kwargs, leaves
     )
-    waits = None
+    guards = None
     if not jax.config.jax_disable_jit:  # pyright: ignore
         with _donate.unusable_donations_ignored():
             if isinstance(jitted, ResolveRules):
                 jitted = entry.jitted = jitted.trace(*dynamic)
             traced = jitted.trace(*dynamic)
             if _callbacks.has_callback(traced.jaxpr.jaxpr):
-                waits = _callbacks.guard(jitted, dynamic)
+                guards = _callbacks.Guards(jitted, dynamic)
     if auto is not None:
         entry.jitted = AutoLayouts(entry.jitted, auto)
     shardings = [s for _, s in targets]
     shardings += [getattr(leaves[i], "sharding", None) for i in layout.dynamic]
-    if waits is not None:
-        entry.dispatch = _callbacks.waiting(waits)
-    elif entry.donates:
+    # The dispatch layers, innermost first: the launch, then its lock (donation's with
+    # its re-check and warning filter), then the wait for callbacks.
+    if entry.donates:
         entry.dispatch = _donate.donating(cache.filter_warning)
     elif _donate.serialize_dispatch(shardings):
         entry.dispatch = _donate.serialized
     else:
         entry.dispatch = _donate.plain
+    if guards is not None:
+        entry.dispatch = _callbacks.waiting(guards, entry.dispatch)
     return entry, leaves, dynamic
 
 

@@ -199,6 +199,71 @@ def test_same_array_donated_from_threads():
         assert result["deleted"], run
 
 
+# The same with a callback in the body (`eqx.error_if`), through the wrapper and through
+# its `Compiled`: the callback's wait stacks on the donating dispatch (its lock and its
+# re-check), it does not replace it. It crashed the process (SIGSEGV).
+_DONATED_TO_CALLBACK_FROM_THREADS = """
+import threading
+
+import equinox as eqx
+import equinox_shard as eqxs
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+THREADS, ROUNDS = 4, 3
+mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+s = NamedSharding(mesh, P("x"))
+runs = []
+for aot in [False, True]:
+    f = eqxs.filter_jit(
+        lambda a: eqx.error_if(a, jnp.any(a < -1), "neg") + 1,
+        in_shardings=s,
+        out_shardings=s,
+        donate="all",
+    )
+    if aot:
+        f = f.lower(jax.ShapeDtypeStruct((16,), jnp.float32, sharding=s)).compile()
+    for _ in range(ROUNDS):
+        v = eqxs.filter_device_put(jnp.arange(16.0), s)
+        barrier = threading.Barrier(THREADS)
+        outputs, errors = [], []
+
+        def work():
+            barrier.wait()
+            try:
+                outputs.append(np.array(f(v)))
+            except RuntimeError as e:
+                errors.append(str(e))
+
+        threads = [threading.Thread(target=work) for _ in range(THREADS)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        runs.append(
+            {
+                "outputs": len(outputs),
+                "right": all(np.array_equal(o, np.arange(16.0) + 1) for o in outputs),
+                "errors": len(errors),
+                "named": all("a: this array has been deleted" in e for e in errors),
+                "deleted": v.is_deleted(),
+            }
+        )
+report(runs)
+"""
+
+
+def test_same_array_donated_to_a_callback_from_threads():
+    run = run_isolated(_DONATED_TO_CALLBACK_FROM_THREADS, timeout=300)
+    assert run.returncode == 0, run
+    assert len(run.result) == 2 * 3, run
+    for result in run.result:
+        assert result["outputs"] == 1, run
+        assert result["right"] and result["named"] and result["deleted"], run
+        assert result["errors"] == 3, run
+
+
 # Under `jax.disable_jit()`, a compiled entry runs the function itself, under the
 # dispatch lock; the function calls another `filter_jit`, which takes the lock again.
 _NESTED_UNDER_DISABLE_JIT = """

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .helpers import auto_mesh
@@ -345,3 +346,77 @@ def test_under_transforms_and_disable_jit():
     assert jax.grad(lambda x: f(x).sum())(x).tolist() == [3.0] * 8
     with jax.disable_jit():
         assert f(x).tolist() == [-3.0] * 8
+
+
+def _error_if_body(x):
+    return eqx.error_if(x, jnp.any(jnp.isnan(x)), "nan") * 2
+
+
+def _debug_callback_body(x):
+    jax.debug.callback(lambda v: None, x)
+    return x * 2
+
+
+def _pure_callback_body(x):
+    shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return jax.pure_callback(lambda v: np.asarray(v) * 2, shape, x)
+
+
+_NEW_SHAPES = [
+    lambda: jnp.full(8, 3.0),
+    lambda: jnp.full(8, 3, jnp.int32),
+    lambda: jnp.full((8, 10), 1.5),
+    lambda: jnp.full(8, 3.0),
+    lambda: np.full(8, 4.0, np.float32),
+]
+
+
+@pytest.mark.parametrize(
+    "body", [_error_if_body, _debug_callback_body, _pure_callback_body]
+)
+def test_callback_entry_follows_new_shapes_and_dtypes(body):
+    # One wrapper, called with a new dtype, then a new shape, then the first again:
+    # each call as `eqx.filter_jit` computes it (a guarded program per traced one).
+    f, oracle = eqxs.filter_jit(body), eqx.filter_jit(body)
+    for make in _NEW_SHAPES:
+        out, expected = f(make()), oracle(make())
+        assert (out.dtype, out.shape) == (expected.dtype, expected.shape)
+        assert out.weak_type == expected.weak_type
+        np.testing.assert_array_equal(np.array(out), np.array(expected))
+
+
+def test_callback_entry_follows_new_shapes_sharded():
+    # On 8 devices a stale program crashed the process (SIGSEGV): in a child.
+    result = run_isolated(
+        """
+        import equinox as eqx, equinox_shard as eqxs, jax.numpy as jnp, numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+        s = NamedSharding(mesh, P())
+        body = lambda x: eqx.error_if(x, jnp.any(jnp.isnan(x)), "nan") * 2
+        f = eqxs.filter_jit(body, in_shardings=s, out_shardings=s)
+        oracle = eqx.filter_jit(body)
+        same = []
+        for x in [jnp.full(8, 3.0), jnp.full(8, 3, jnp.int32), jnp.full((8, 10), 1.5)]:
+            out, expected = f(x), oracle(x)
+            same.append(
+                out.dtype == expected.dtype
+                and out.shape == expected.shape
+                and bool((np.array(out) == np.array(expected)).all())
+                and out.sharding.is_equivalent_to(s, out.ndim)
+            )
+        report(same)
+        """,
+        timeout=300,
+    )
+    assert result.returncode == 0, result
+    assert result.result == [True, True, True], result
+
+
+def test_callback_entry_raises_for_a_new_shape():
+    f = eqxs.filter_jit(_error_if_body)
+    f(jnp.ones(4))
+    with pytest.raises(eqx.EquinoxRuntimeError, match="nan"):
+        f(jnp.full((4, 10), jnp.nan))
+    assert f(jnp.ones((4, 10))).shape == (4, 10)
