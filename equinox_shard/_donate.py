@@ -149,6 +149,20 @@ def shares_source_buffer(leaf: Any, sharding: Sharding) -> bool:
     )
 
 
+def reuses_every_buffer(leaf: Any, sharding: Sharding) -> bool:
+    """Whether `jax.device_put(leaf, sharding)` hands back every one of `leaf`'s buffers
+    as a shard of its result (onto its own device, or replicated over devices that
+    include all of `leaf`'s), so that donating the result deletes `leaf`, as `jax.jit`
+    does with a donated input that it moves."""
+    if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
+        return False
+    target_map = sharding.devices_indices_map(leaf.shape)
+    return all(
+        target_map.get(device) == index
+        for device, index in leaf.sharding.devices_indices_map(leaf.shape).items()
+    )
+
+
 def keep_undonated(
     leaves: list,
     donated: tuple,

@@ -342,7 +342,9 @@ def filter_jit(
         `fun` (after binding the call to its signature). Spec leaves are those of
         [`equinox_shard.filter_device_put`][]; `None`, and any argument not covered,
         is unspecified. An array not yet on its sharding is moved there first, as a
-        copy: the caller's array is kept, and a donated argument donates the copy.
+        copy that leaves the caller's array alive, unless it is donated: then it is
+        freed wherever `jax.jit` would free it (a move onto its own device, or a
+        replication over devices that include its own).
     - `out_shardings`: a PyTree prefix of the output, in the same language, given to
         `jax.jit`'s own `out_shardings`. Non-array outputs are returned untouched.
     - `donate`: as in `equinox.filter_jit`: `'all'`, `'all-except-first'`, `'warn'`,

@@ -5,11 +5,13 @@ placing inputs on their `in_shardings`.
 `in_shardings` is the request to place: an input that is not yet there (uncommitted, or
 committed elsewhere) is moved first, so that `jax.jit` always sees inputs on their
 shardings, `x = f(x)` compiles once, and a committed input is moved where plain
-`jax.jit` would refuse (the same devices, another sharding). A move is a copy: the
-caller's array stays alive and unchanged. A donated input that moves is copied into
-buffers of its own, and the copy is donated. Where a sharding spans several processes
-(`jax.distributed`), host-local values are placed as `filter_device_put` places them:
-checked to be the same on every process.
+`jax.jit` would refuse (the same devices, another sharding). A move of an input that
+is not donated is a copy: the caller's array stays alive and unchanged. A donated input
+that moves is freed where `jax.jit` frees it: when the move hands back all of its
+buffers (onto its own device, or replicated over devices that include its own),
+donating the moved array deletes the caller's; otherwise the caller's stays. Where a
+sharding spans several processes (`jax.distributed`), host-local values are placed as
+`filter_device_put` places them: checked to be the same on every process.
 """
 
 import operator
@@ -88,7 +90,7 @@ def commit(
 ) -> None:
     """Places each `leaves[i]` that is not on `sharding` onto it, for `(i, sharding)` in
     `targets`, in place. The copies are never returned to the caller, so they may share
-    buffers with their source, except those in `donated`, which share none."""
+    buffers with their source; a donated one shares all of them or none."""
     # Inside a trace (a sharding on the abstract mesh), the enclosing call places.
     targets = [(i, s) for i, s in targets if not is_abstract(s)]
     multiprocess = any(not s.is_fully_addressable for _, s in targets)
@@ -111,20 +113,19 @@ def commit(
         indices, shardings = _multiprocess.place_host_local(
             leaves, indices, shardings, where
         )
-    # A donated input is first copied where it is, so that donating the result frees
-    # only the copy (`_donate.shares_source_buffer`).
+    # A donated input is freed where `jax.jit` frees it: where the move hands back all
+    # of its buffers, donating the result deletes it. Where the move would reuse only
+    # some, it is first copied where it is, so that donating frees only the copy.
     private = [
         i
         for i, s in zip(indices, shardings)
-        if i in donated and _donate.shares_source_buffer(leaves[i], s)
+        if i in donated
+        and _donate.shares_source_buffer(leaves[i], s)
+        and not _donate.reuses_every_buffer(leaves[i], s)
     ]
     if private:
         _donate.private_copies(leaves, private)
     if indices:
-        # A donated input is never aliased: onto its own device JAX would hand back
-        # the caller's buffer.
-        may_alias = [False if i in donated else None for i in indices]
-        sources = [leaves[i] for i in indices]
-        moved = jax.device_put(sources, shardings, may_alias=may_alias)
+        moved = jax.device_put([leaves[i] for i in indices], shardings)
         for i, x in zip(indices, moved):
             leaves[i] = x

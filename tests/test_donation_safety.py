@@ -344,22 +344,74 @@ report(results)
     assert run.result == [[True, True], [True, True]], run
 
 
-@pytest.mark.parametrize("where", ["device", "single-device sharding", "1-device mesh"])
-def test_uncommitted_input_donated_onto_its_own_device_is_kept(where):
+def _donation_targets(where):
     device = jax.devices()[0]
-    mesh = jax.sharding.Mesh([device], ("a",))
-    sharding = {
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+    return {
         "device": device,
         "single-device sharding": jax.sharding.SingleDeviceSharding(device),
-        "1-device mesh": NamedSharding(mesh, P()),
+        "1-device mesh": NamedSharding(jax.sharding.Mesh([device], ("a",)), P()),
+        "other device": jax.sharding.SingleDeviceSharding(jax.devices()[1]),
+        "replicated": NamedSharding(mesh, P()),
+        "rows": NamedSharding(mesh, P("x")),
     }[where]
-    x = jnp.arange(64.0)
-    assert not x.committed
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        "device",
+        "single-device sharding",
+        "1-device mesh",
+        "other device",
+        "replicated",
+        "rows",
+    ],
+)
+@pytest.mark.parametrize("committed", [False, True])
+def test_donated_input_that_moves_is_freed_as_jax_jit_frees_it(where, committed):
+    # The oracle: `jax.jit` with the same shardings and `donate_argnums`, on an equal
+    # array. A donated input may be deleted, and is, wherever `jax.jit` deletes it (so
+    # donation halves peak memory); the input that is not donated stays alive.
+    sharding = _donation_targets(where)
+    jax_sharding = (
+        sharding
+        if isinstance(sharding, jax.sharding.Sharding)
+        else jax.sharding.SingleDeviceSharding(sharding)
+    )
+
+    def make():
+        x = jnp.arange(64.0).reshape(8, 8)
+        return jax.device_put(x, jax.devices()[0]) if committed else x
+
+    kept = jnp.ones((8, 8))
+    kept_expected = snapshot(kept)
+    x, reference = make(), make()
     expected = snapshot(x)
-    out = eqxs.filter_jit(lambda a: a * 2, in_shardings=sharding, donate="all")(x)
-    assert_alive(x)
-    assert_same_values(x, expected)
-    assert_same_values(out, snapshot(x) * 2)
+    oracle = jax.jit(
+        lambda a, b: a * 2 + b,
+        in_shardings=jax_sharding,
+        out_shardings=jax_sharding,
+        donate_argnums=0,
+    )
+    try:
+        oracle(reference, jnp.ones((8, 8)))
+    except ValueError:  # `jax.jit` refuses a committed input on another sharding
+        oracle_deleted = False
+    else:
+        oracle_deleted = reference.is_deleted()
+    g = eqxs.filter_jit(
+        lambda b, a: a * 2 + b,
+        in_shardings=(None, sharding),
+        out_shardings=sharding,
+        donate="all-except-first",
+    )
+    out = g(kept, x)
+    assert x.is_deleted() == oracle_deleted, (x.is_deleted(), oracle_deleted)
+    assert_alive(kept)
+    assert_same_values(kept, kept_expected)
+    assert_same_values(out, expected * 2 + 1)
+    assert_shardings(out, jax_sharding)
 
 
 def test_donating_one_value_twice_inside_an_outer_trace():

@@ -848,12 +848,18 @@ def test_committed_outside_target_devices(where, donate):
 
 
 def test_committed_to_one_device_replicated_and_donated():
-    # Plain `jax.jit` deletes the caller's array here: its replicated copy shares the
-    # buffer on device 0, and donating the copy frees it.
+    # As plain `jax.jit`: its replicated copy shares the buffer on device 0, so
+    # donating the copy deletes the caller's array (donation frees its memory).
     _, r = _sharded()
     f = eqxs.filter_jit(_step, in_shardings=(r, None), donate="all")
     model = jax.device_put(jnp.arange(8.0), jax.devices()[0])
-    _moved(f, (model, None), [r])
+    expected = snapshot(model) + 1
+    out, _ = f(model, None)
+    assert_same_values(out, expected)
+    assert out.sharding.is_equivalent_to(r, 1)
+    assert model.is_deleted()
+    with pytest.raises(RuntimeError, match="has been deleted"):
+        f(model, None)
 
 
 def test_committed_with_other_memory_kind():
