@@ -116,6 +116,51 @@ def _to_explicit(mesh, leaves: list, specs: list, indices: list) -> None:
         leaves[i] = x
 
 
+def _raise_unreplicated(fun, error, run, dynamic_in, named: Named, manual) -> None:
+    """Raises a `ValueError` naming `fun` and the key path of each output that JAX's
+    replication check refused in `error` (over the `manual` mesh axes, in the mesh's
+    order); returns if it finds none. Eagerly, JAX's
+    message names no leaf: it is traced again (abstractly) for the one that does."""
+    if not any(_refused(error, key) for key in named.names.keys):
+        try:
+            jax.eval_shape(run, dynamic_in)
+        except ValueError as traced:
+            error = traced
+        else:  # pragma: no cover - eager and traced checks agree
+            return
+    refused = [
+        (key, spec)
+        for key, spec in zip(named.names.keys, named.leaves)
+        if _refused(error, key)
+    ]
+    if not refused:
+        return
+    lines = []
+    for key, spec in refused:
+        named_axes = {
+            a for e in spec if e for a in (e if isinstance(e, tuple) else (e,))
+        }
+        left_out = tuple(a for a in manual if a not in named_axes)
+        lines.append(
+            f"- out{key}: its `out_specs` entry {spec} leaves out mesh axes "
+            f"{left_out}, so it must be the same over them, but JAX infers that it "
+            "varies across at least one"
+        )
+    name = getattr(fun, "__name__", type(fun).__name__)
+    raise ValueError(
+        f"filter_shard_map({name}): an output that `out_specs` replicates is not "
+        "the same on every device:\n" + "\n".join(lines) + "\nMake it the same on "
+        "every device (e.g. `jax.lax.pmean(value, axis_name)`), name the axis in its "
+        "`PartitionSpec` if each device holds its own block, or pass "
+        "`check_vma=False` if it is the same on every device in fact."
+    ) from error
+
+
+def _refused(error: Exception, key) -> bool:
+    # JAX names each refused output `out_specs<key path>`; our `KeyPath` prints as it.
+    return f"out_specs{key} is " in str(error)
+
+
 @overload
 def filter_shard_map(
     *,
@@ -267,14 +312,25 @@ def filter_shard_map(
         # JAX's errors name the function it maps: the user's.
         body.__name__ = getattr(fun, "__name__", type(fun).__name__)
 
-        dynamic_out = jax.shard_map(
+        run = jax.shard_map(
             body,
             mesh=mesh_,
             in_specs=([specs[i] for i in indices],),
             out_specs=out_specs_named,
             axis_names=frozenset(axis_names),
             check_vma=check_vma,
-        )([leaves[i] for i in indices])
+        )
+        dynamic_in = [leaves[i] for i in indices]
+        try:
+            dynamic_out = run(dynamic_in)
+        except ValueError as e:
+            # Raised after `body` returned: JAX's check of the outputs against
+            # `out_specs`, which names neither `fun` nor the leaf when eager.
+            if out_static[0] is None or not check_vma:
+                raise
+            in_order = tuple(a for a in mesh_.axis_names if a in manual)
+            _raise_unreplicated(fun, e, run, dynamic_in, out_specs_named, in_order)
+            raise
         out_def, static, positions = out_static[0]  # pyright: ignore
         for i, x in zip(positions, dynamic_out.leaves):
             static[i] = x

@@ -1,3 +1,5 @@
+import re
+
 import equinox as eqx
 import equinox_shard as eqxs
 import jax
@@ -364,3 +366,33 @@ def test_deleted_input_is_named_before_anything_runs():
     )
     with pytest.raises(RuntimeError, match=r"^args\[0\]\['w'\]: this array has been"):
         f({"b": 1.0, "w": w})
+
+
+class _Normed(eqx.Module):
+    norm: eqx.nn.LayerNorm
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_error_output_varies_under_replicated_spec_names_function_and_path(jit):
+    mesh = auto_mesh()
+    model = _Normed(eqx.nn.LayerNorm(4))
+
+    def update_stats(x, model):
+        # The local batch mean differs from device to device: not replicated.
+        mean = jnp.mean(x)
+        model = eqx.tree_at(lambda m: m.norm.weight, model, model.norm.weight + mean)
+        return jax.lax.psum(jnp.sum(x), "x"), model
+
+    f = eqxs.filter_shard_map(
+        update_stats, mesh=mesh, in_specs=(P("x"), P()), out_specs=(P(), P())
+    )
+    if jit:
+        f = eqxs.filter_jit(f)
+    with pytest.raises(ValueError) as caught:
+        f(jnp.arange(16.0), model)
+    msg = str(caught.value)
+    assert "update_stats" in msg and "_rem_singleton" not in msg
+    assert re.search(r"^- out\[1\]\.norm\.weight: ", msg, re.MULTILINE), msg
+    assert "out[0]" not in msg and "norm.bias" not in msg  # those are replicated
+    assert "check_vma=False" in msg
+    assert isinstance(caught.value.__cause__, ValueError)  # JAX's own
