@@ -9,20 +9,25 @@ the values of Python scalars. The record lets `restore` check `like` against the
 checkpoint before a single array is read.
 """
 
+import ctypes
+import errno
+import logging
 import os
 import pathlib
+import shutil
+import sys
+import threading
+import time
 from typing import Any
 
 import jax
 import jax._src.traceback_util as traceback_util
-import jax.core
 import jax.tree_util as jtu
 import numpy as np
-from equinox import is_array
-from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
+from jax.sharding import NamedSharding, Sharding
 from jaxtyping import PyTree
 
-from ._donate import is_key_array, raise_if_deleted
+from . import _record as record_lib
 from ._sharding import resolve_leaves
 from ._spec import check
 
@@ -30,9 +35,13 @@ from ._spec import check
 traceback_util.register_exclusion(__file__)
 
 
-_FORMAT = "equinox_shard.checkpoint"
-_VERSION = 1
-_SCALARS = (bool, int, float, complex)
+logger = logging.getLogger("equinox_shard")
+# orbax signals "directories created" by a per-process operation number, not per save:
+# two composite saves at once in one process took each other's signals.
+LOCK = threading.RLock()
+# `overwrite=True` writes the new checkpoint here, then swaps it in.
+_SWAP = ".eqxs-overwrite"
+_OLD = ".eqxs-old"
 
 
 def _orbax():
@@ -47,41 +56,12 @@ def _orbax():
     return ocp
 
 
-def _is_abstract(x: Any) -> bool:
-    return isinstance(x, jax.ShapeDtypeStruct)
-
-
-def _kind(x: Any) -> str | None:
-    """What is saved of a leaf: `array`, `key` (a typed PRNG key array), `numpy`,
-    `scalar` (a Python bool/int/float/complex), or `None` (taken from `like`)."""
-    if isinstance(x, jax.Array) or _is_abstract(x):
-        return "key" if is_key_array(x) else "array"
-    if is_array(x):  # NumPy arrays and NumPy scalars
-        return "numpy"
-    if isinstance(x, _SCALARS):
-        return "scalar"
-    return None
-
-
-def _describe(entry: dict) -> str:
-    if entry["kind"] == "scalar":
-        return f"a Python {entry['type']} ({entry['value']!r})"
-    what = {"array": "an array", "key": "a PRNG key array", "numpy": "a NumPy array"}
-    return (
-        f"{what[entry['kind']]} of shape {tuple(entry['shape'])} and dtype "
-        + (entry["dtype"])
-    )
-
-
-def _entry(kind: str, x: Any) -> dict:
-    if kind == "scalar":
-        value = [x.real, x.imag] if isinstance(x, complex) else x
-        return {"kind": kind, "type": type(x).__name__, "value": value}
-    return {"kind": kind, "shape": list(np.shape(x)), "dtype": str(x.dtype)}
-
-
 def _absolute(path: str | os.PathLike) -> pathlib.Path:
     return pathlib.Path(os.path.abspath(os.fspath(path)))
+
+
+def _sibling(path: pathlib.Path, suffix: str) -> pathlib.Path:
+    return path.with_name(path.name + suffix)
 
 
 def _unfinished(path: pathlib.Path) -> list[str]:
@@ -89,6 +69,82 @@ def _unfinished(path: pathlib.Path) -> list[str]:
         return []
     prefix = path.name + ".orbax-checkpoint-tmp"
     return sorted(p.name for p in path.parent.iterdir() if p.name.startswith(prefix))
+
+
+def _primary() -> bool:
+    return jax.process_index() == 0
+
+
+def _sync(ocp, name: str) -> None:
+    if jax.process_count() > 1:
+        ocp.multihost.sync_global_processes(name)
+
+
+def _exchange(a: pathlib.Path, b: pathlib.Path) -> bool:
+    """Swaps two directories in one step (Linux's `renameat2(RENAME_EXCHANGE)`);
+    `False` where the system or file system cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    a_, b_ = os.fsencode(a), os.fsencode(b)
+    if renameat2(at_fdcwd, a_, at_fdcwd, b_, rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), os.fspath(a))
+
+
+def _swap_in(new: pathlib.Path, path: pathlib.Path) -> None:
+    """Replaces the checkpoint at `path` by the finished one at `new`: at every moment
+    one complete checkpoint is found at `path` (or, between the two renames where no
+    exchange exists, at `new`, which `restore` and the next `save` look for)."""
+    if _exchange(new, path):
+        shutil.rmtree(new)  # now the old one
+        return
+    old = _sibling(path, _OLD)
+    os.rename(path, old)
+    os.rename(new, path)
+    shutil.rmtree(old)
+
+
+def _tidy(path: pathlib.Path) -> None:
+    """Finishes or removes what an interrupted save to `path` left beside it."""
+    if not path.parent.is_dir():
+        return
+    swap, old = _sibling(path, _SWAP), _sibling(path, _OLD)
+    if not path.exists() and swap.is_dir() and old.is_dir():
+        os.rename(swap, path)  # killed between the two renames: `swap` is complete
+    for p in path.parent.iterdir():
+        if p.name.startswith(
+            (path.name + ".orbax-checkpoint-tmp", swap.name, old.name)
+        ):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _found(path: pathlib.Path) -> pathlib.Path:
+    """Where the checkpoint of `path` is (see `_swap_in`)."""
+    swap = _sibling(path, _SWAP)
+    if not path.is_dir() and swap.is_dir() and _sibling(path, _OLD).is_dir():
+        return swap
+    return path
+
+
+def composite(ocp, record: dict, arrays: dict):
+    """orbax's arguments for a checkpoint of two items, `leaves` and `arrays`."""
+    return ocp.args.Composite(
+        leaves=ocp.args.JsonSave(record),  # pyright: ignore[reportCallIssue]
+        # orbax refuses an empty item: a tree of Python scalars has none.
+        **({"arrays": ocp.args.PyTreeSave(arrays)} if arrays else {}),  # pyright: ignore[reportCallIssue]
+    )
+
+
+def nbytes(arrays: dict) -> int:
+    return sum(int(np.prod(np.shape(x))) * x.dtype.itemsize for x in arrays.values())
 
 
 def save(
@@ -135,43 +191,28 @@ def save(
     """
     ocp = _orbax()
     path = _absolute(path)
-    entries, arrays = [], {}
-    for key_path, x in jtu.tree_flatten_with_path(tree)[0]:
-        where = "tree" + jtu.keystr(key_path)
-        if isinstance(x, jax.core.Tracer) or _is_abstract(x):
-            raise ValueError(
-                f"{where}: cannot save the abstract value {x!r}; `save` needs concrete "
-                "arrays (call it outside `jax.jit`)."
-            )
-        kind = _kind(x)
-        if kind is None:
-            continue
-        raise_if_deleted(
-            [x], (0,), lambda _: where, then=", so it cannot be saved", error=ValueError
-        )
-        entry = _entry(kind, x)
-        entry["path"] = jtu.keystr(key_path)
-        if kind != "scalar":
-            value = jax.random.key_data(x) if kind == "key" else x
-            if kind == "key":
-                entry["impl"] = str(jax.random.key_impl(x))
-            arrays[str(len(arrays))] = np.asarray(value) if kind == "numpy" else value
-        entries.append(entry)
-    if path.exists() and not overwrite:
+    record, arrays = record_lib.build(tree, "tree")
+    swap = _sibling(path, _SWAP)
+    if not overwrite and (path.exists() or (swap.is_dir() and _found(path) == swap)):
         raise FileExistsError(
             f"{path} already exists; pass `overwrite=True` to replace it."
         )
-    record = {"format": _FORMAT, "version": _VERSION, "leaves": entries}
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-        checkpointer.save(
-            path,
-            ocp.args.Composite(
-                leaves=ocp.args.JsonSave(record),  # pyright: ignore[reportCallIssue]
-                # orbax refuses an empty item: a tree of Python scalars has none.
-                **({"arrays": ocp.args.PyTreeSave(arrays)} if arrays else {}),  # pyright: ignore[reportCallIssue]
-            ),
-            force=overwrite,
-        )
+    start = time.perf_counter()
+    with LOCK:
+        if _primary():
+            _tidy(path)
+        _sync(ocp, "equinox_shard.save.tidy")
+        target = swap if path.exists() else path
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+            checkpointer.save(target, composite(ocp, record, arrays))
+        if target != path:
+            if _primary():
+                _swap_in(target, path)
+            _sync(ocp, "equinox_shard.save.swap")
+    logger.info(
+        "saved %s: %d arrays, %d bytes in %.2f s",
+        path, len(arrays), nbytes(arrays), time.perf_counter() - start,
+    )  # fmt: skip
 
 
 def _read_record(ocp, path: pathlib.Path) -> list[dict]:
@@ -195,52 +236,14 @@ def _read_record(ocp, path: pathlib.Path) -> list[dict]:
             ocp.args.Composite(leaves=ocp.args.JsonRestore()),  # pyright: ignore[reportCallIssue]
         )
     record = out["leaves"]
-    if not isinstance(record, dict) or record.get("format") != _FORMAT:
+    if not isinstance(record, dict) or record.get("format") != record_lib.FORMAT:
         raise ValueError(f"{path} is not a checkpoint written by `equinox_shard.save`.")
-    if record["version"] > _VERSION:
+    if record["version"] > record_lib.VERSION:
         raise ValueError(
             f"{path} was written by a newer equinox_shard (format version "
-            f"{record['version']}; this one reads up to {_VERSION})."
+            f"{record['version']}; this one reads up to {record_lib.VERSION})."
         )
     return record["leaves"]
-
-
-def _match(path: pathlib.Path, entries: list[dict], like: list) -> None:
-    """Raises, naming the first leaf that differs, unless `like` (a list of
-    `(key path, kind, leaf)`) has exactly the saved leaves' paths, kinds, shapes and
-    dtypes."""
-    saved = {e["path"]: e for e in entries}
-    wanted = {p: (kind, x) for p, kind, x in like}
-    for p, kind, x in like:
-        if p not in saved:
-            raise ValueError(
-                f"like{p}: `like` has {_describe(_entry(kind, x))} here, but the "
-                f"checkpoint at {path} has no saved leaf at this key path (its first "
-                f"leaves: {', '.join(list(saved)[:5]) or 'none'})."
-            )
-        e = saved[p]
-        mine = _entry(kind, x)
-        if kind == "numpy" and e["kind"] == "array":
-            mine["kind"] = "array"  # a NumPy leaf of `like` may take a saved jax.Array
-        if e["kind"] == "numpy" and kind == "array":
-            e = dict(e, kind="array")
-        same = (
-            e["kind"] == mine["kind"]
-            and e.get("shape") == mine.get("shape")
-            and e.get("dtype") == mine.get("dtype")
-            and e.get("type") == mine.get("type")
-        )
-        if not same:
-            raise ValueError(
-                f"like{p}: the checkpoint at {path} has {_describe(saved[p])} here, "
-                f"but `like` has {_describe(_entry(kind, x))}."
-            )
-    for p, e in saved.items():
-        if p not in wanted:
-            raise ValueError(
-                f"like{p}: the checkpoint at {path} has {_describe(e)} here, but "
-                "`like` has no array or Python scalar at this key path."
-            )
 
 
 def _concrete(sharding: Sharding, where: str) -> Sharding:
@@ -296,13 +299,16 @@ def restore(
         `None`. Where it is `None` (the default), an array goes where the leaf of
         `like` says: a JAX array's own sharding, a `jax.ShapeDtypeStruct`'s
         `.sharding` (one on an abstract mesh, as `jax.eval_shape` reports inside
-        `jax.set_mesh`, is taken to the mesh set with `jax.set_mesh`), or else the
-        first local device. The layout may differ from the one saved.
+        `jax.set_mesh`, is taken to the mesh set with `jax.set_mesh`); a leaf
+        without one (a `jax.ShapeDtypeStruct` whose sharding is `None`, an
+        uncommitted array) comes back uncommitted on the default device, as
+        `jnp.asarray` puts an array, so that JAX moves it where a later computation
+        needs it. The layout may differ from the one saved.
 
     **Returns:**
 
-    A PyTree with the structure of `like`: saved arrays as committed JAX arrays
-    (typed PRNG keys as keys, NumPy arrays of `like` as NumPy arrays), saved Python
+    A PyTree with the structure of `like`: saved arrays as JAX arrays (typed PRNG
+    keys as keys, NumPy arrays of `like` as NumPy arrays), saved Python
     scalars with their saved values, and every other leaf the object of `like`.
 
     **Raises:**
@@ -312,7 +318,8 @@ def restore(
     unfinished one); `ValueError` if `like` differs from the checkpoint (a leaf missing
     on either side, or another shape, dtype or kind, with both values), if a sharding
     does not divide the saved shape, or if a sharding is on an abstract mesh with no
-    matching concrete mesh set.
+    matching concrete mesh set. Once the arrays are read: `ValueError`, naming the
+    leaf, if one does not match the checksum saved with it (a damaged file).
 
     !!! example
 
@@ -325,79 +332,107 @@ def restore(
             model, opt_state, step = eqxs.restore("/tmp/checkpoints/step_100", like)
         ```
     """
-    ocp = _orbax()
+    start = time.perf_counter()
     path = _absolute(path)
+    out, read = restore_from(_found(path), like, shardings)
+    logger.info(
+        "restored %s: %d arrays, %d bytes in %.2f s",
+        path, len(read), nbytes(read), time.perf_counter() - start,
+    )  # fmt: skip
+    return out
+
+
+def restore_from(path: pathlib.Path, like: Any, shardings: Any) -> tuple[Any, dict]:
+    """`restore`, and the arrays it read (by name)."""
+    ocp = _orbax()
     leaves, treedef = jtu.tree_flatten(like)
     paths = [jtu.keystr(p) for p, _ in jtu.tree_flatten_with_path(like)[0]]
-    kinds = [_kind(x) for x in leaves]
+    kinds = [record_lib.kind(x) for x in leaves]
     entries = _read_record(ocp, path)
-    _match(path, entries, [(p, k, x) for p, k, x in zip(paths, kinds, leaves) if k])
+    like_leaves = [(p, k, x) for p, k, x in zip(paths, kinds, leaves) if k]
+    record_lib.match(path, entries, like_leaves)
     saved = {e["path"]: e for e in entries}
-    # The arrays are saved as "0", "1", ... in the order of the record.
-    names = {
-        e["path"]: str(n)
-        for n, e in enumerate(e for e in entries if e["kind"] != "scalar")
-    }
+    names = record_lib.names(entries)
     # Each array's target sharding: from `shardings`, else from `like`'s own leaf.
     targets: dict[int, Sharding] = {}
     if shardings is not None:
-        dynamic = lambda x: _kind(x) in ("array", "key")
+        dynamic = lambda x: record_lib.kind(x) in ("array", "key")
         todo = resolve_leaves(
             like, leaves, shardings, "shardings", "like", abstract_ok=False,
             dynamic=dynamic,
         )  # fmt: skip
         targets = dict(todo)
-    items, restore_args = {}, {}
+    items, restore_args, placed = {}, {}, {}
     for i, (p, kind, x) in enumerate(zip(paths, kinds, leaves)):
-        if kind == "numpy":  # read onto the host, in its saved dtype
-            items[names[p]] = np.empty(np.shape(x), saved[p]["dtype"])
-            restore_args[names[p]] = ocp.RestoreArgs(restore_type=np.ndarray)
+        if kind not in ("array", "key", "numpy"):
             continue
-        if kind not in ("array", "key"):
-            continue
-        sharding = targets[i] if i in targets else getattr(x, "sharding", None)
-        if sharding is None:  # a ShapeDtypeStruct without one
-            sharding = SingleDeviceSharding(jax.local_devices()[0])
-        sharding = _concrete(sharding, "like" + p)
-        shape = tuple(np.shape(x))
-        check(shape, sharding, lambda p=p: "like" + p)
         if kind == "key":  # its key data: one more, unsplit, dimension
             data = jax.eval_shape(
-                jax.random.key_data, jax.ShapeDtypeStruct(shape, x.dtype)
+                jax.random.key_data, jax.ShapeDtypeStruct(np.shape(x), x.dtype)
             )
             shape, dtype = data.shape, data.dtype
         else:
-            dtype = np.dtype(saved[p]["dtype"])
-        items[names[p]] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-        restore_args[names[p]] = ocp.ArrayRestoreArgs(
-            sharding=sharding, global_shape=shape, dtype=dtype
-        )
-    if not items:
-        return _fill(treedef, leaves, paths, kinds, saved, {}, names)
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-        out = checkpointer.restore(
-            path,
-            ocp.args.Composite(
-                arrays=ocp.args.PyTreeRestore(  # pyright: ignore[reportCallIssue]
-                    items, restore_args=restore_args
-                )
-            ),
-        )
-    return _fill(treedef, leaves, paths, kinds, saved, out["arrays"], names)
-
-
-def _fill(treedef, leaves, paths, kinds, saved, arrays, names) -> Any:
-    """`like`'s leaves, with the restored arrays and the saved Python scalars."""
+            shape, dtype = tuple(np.shape(x)), np.dtype(saved[p]["dtype"])
+        sharding = None
+        if kind != "numpy":
+            sharding = targets[i] if i in targets else _placed(x)
+        if sharding is not None:
+            sharding = _concrete(sharding, "like" + p)
+            check(tuple(np.shape(x)), sharding, lambda p=p: "like" + p)
+        placed[p] = (shape, dtype, sharding)
+        if names[p] is None:  # zero-size: nothing stored
+            continue
+        if sharding is None:  # read onto the host
+            items[names[p]] = np.empty(shape, dtype)
+            restore_args[names[p]] = ocp.RestoreArgs(restore_type=np.ndarray)
+        else:
+            items[names[p]] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+            restore_args[names[p]] = ocp.ArrayRestoreArgs(
+                sharding=sharding, global_shape=shape, dtype=dtype
+            )
+    read = {}
+    if items:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+            read = checkpointer.restore(
+                path,
+                ocp.args.Composite(
+                    arrays=ocp.args.PyTreeRestore(  # pyright: ignore[reportCallIssue]
+                        items, restore_args=restore_args
+                    )
+                ),
+            )["arrays"]
+    record_lib.verify(path, entries, read)
     new = list(leaves)
     for i, (p, kind) in enumerate(zip(paths, kinds)):
         if kind == "scalar":
             e = saved[p]
             new[i] = complex(*e["value"]) if e["type"] == "complex" else e["value"]
-        elif kind == "key":
-            new[i] = jax.random.wrap_key_data(arrays[names[p]], impl=saved[p]["impl"])
-        elif kind == "numpy":
-            value = np.asarray(arrays[names[p]])
-            new[i] = value[()] if isinstance(leaves[i], np.generic) else value
-        elif kind == "array":
-            new[i] = arrays[names[p]]
-    return jtu.tree_unflatten(treedef, new)
+        elif kind in ("array", "key", "numpy"):
+            shape, dtype, sharding = placed[p]
+            value = read.get(names[p])
+            new[i] = _value(kind, leaves[i], value, shape, dtype, sharding, saved[p])
+    return jtu.tree_unflatten(treedef, new), read
+
+
+def _placed(x: Any) -> Sharding | None:
+    """Where `like`'s leaf says its array goes; `None` (uncommitted, as `jnp.asarray`
+    puts it) for a `jax.ShapeDtypeStruct` without a sharding or an uncommitted array."""
+    if isinstance(x, jax.Array):
+        return x.sharding if x.committed else None
+    return getattr(x, "sharding", None)
+
+
+def _value(kind, leaf, value, shape, dtype, sharding, e) -> Any:
+    """The restored leaf, from what orbax `read` (`None` for a zero-size array)."""
+    if value is None:
+        zeros = value = np.zeros(shape, dtype)
+        if sharding is not None:
+            value = jax.make_array_from_callback(shape, sharding, lambda i: zeros[i])
+    if kind == "numpy":
+        value = np.asarray(value)
+        return value[()] if isinstance(leaf, np.generic) else value
+    if not isinstance(value, jax.Array):
+        value = jax.device_put(value)  # uncommitted
+    if kind == "key":
+        return jax.random.wrap_key_data(value, impl=e["impl"])
+    return value

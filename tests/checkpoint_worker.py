@@ -5,6 +5,7 @@
     python tests/checkpoint_worker.py train DIR LAYOUT... (steps 0..30; saves at 15)
     python tests/checkpoint_worker.py resume DIR LAYOUT... (restores 15; steps 15..30)
     python tests/checkpoint_worker.py multiprocess DIR PROCESS_ID NUM COORDINATOR
+    python tests/checkpoint_worker.py overwrite DIR PHASE
 
 `clean`: a save and a restore onto another layout, as a user would run them (the test
 checks that nothing at all is printed on stderr). `killed`: a save that stops just
@@ -12,6 +13,8 @@ before orbax finalises it (the test kills the process there with SIGKILL). `trai
 `resume`: the transformer example, uninterrupted and resumed from a checkpoint in this
 fresh process; each writes its final state as NumPy arrays. `multiprocess`: one of
 several `jax.distributed` processes, saving and restoring their own shards.
+`overwrite`: saves `overwrite_state("old")`, then overwrites it with
+`overwrite_state("new")`, stopping at PHASE (the test kills the process there).
 """
 
 import json
@@ -93,6 +96,43 @@ def killed(directory: pathlib.Path) -> None:
 
     ocp.CompositeCheckpointHandler.finalize = finalize  # pyright: ignore
     eqxs.save(directory / "ckpt", reference_state())
+
+
+def overwrite_state(which: str) -> dict:
+    import jax.numpy as jnp
+
+    value = {"old": 1.0, "new": 2.0, "next": 3.0}[which]
+    return {"x": jnp.full((1024,), value), "n": int(value)}
+
+
+def overwrite(directory: pathlib.Path, phase: str) -> None:
+    _setup()
+    import shutil
+
+    import equinox_shard as eqxs
+    import equinox_shard._checkpoint as checkpoint
+    import orbax.checkpoint as ocp
+
+    eqxs.save(directory / "ckpt", overwrite_state("old"))
+
+    def stop(*args, **kwargs):
+        print("WRITTEN", flush=True)
+        time.sleep(600)
+
+    if phase == "finalize":  # the new one written, not finalised
+        ocp.CompositeCheckpointHandler.finalize = stop  # pyright: ignore
+    elif phase == "exchanged":  # swapped in; the old one not yet removed
+        rmtree = shutil.rmtree
+        shutil.rmtree = lambda p, *a, **k: (
+            stop() if ".eqxs-" in str(p) else rmtree(p, *a, **k)
+        )
+    elif phase == "between":  # no atomic exchange: between the two renames
+        checkpoint._exchange = lambda a, b: False  # pyright: ignore
+        rename = os.rename
+        os.rename = lambda a, b: (
+            stop() if str(a).endswith(".eqxs-overwrite") else rename(a, b)
+        )
+    eqxs.save(directory / "ckpt", overwrite_state("new"), overwrite=True)
 
 
 def _train(directory: pathlib.Path, layouts: list[str], resume: bool) -> None:
@@ -207,6 +247,8 @@ def main(argv: list[str]) -> None:
         killed(directory)
     elif mode in ("train", "resume"):
         _train(directory, argv[2:], resume=mode == "resume")
+    elif mode == "overwrite":
+        overwrite(directory, argv[2])
     elif mode == "multiprocess":
         multiprocess(directory, int(argv[2]), int(argv[3]), argv[4])
     else:

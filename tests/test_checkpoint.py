@@ -518,9 +518,10 @@ def test_save_killed_midway(tmp_path):
         "save that was interrupted before it finished; that checkpoint is incomplete "
         "and cannot be restored."
     )
-    # A new save to the same path works, and restores.
+    # A new save to the same path works, restores, and removes the leftover.
     state = worker.reference_state()
     eqxs.save(tmp_path / "ckpt", state)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     out = eqxs.restore(tmp_path / "ckpt", like)
     assert_same_values(eqx.filter(out, eqx.is_array), eqx.filter(state, eqx.is_array))
 
