@@ -21,7 +21,6 @@ def test_quick_run(tmp_path):
         cwd=_ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     for title in (
@@ -142,7 +141,6 @@ def test_checkpoint_quick_run(tmp_path):
         cwd=_ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "### Checkpoints:" in proc.stdout
