@@ -11,6 +11,7 @@ import importlib.metadata
 from ._checkpoint import restore as restore, save as save
 from ._inspect import sharding_table as sharding_table
 from ._jit import Compiled as Compiled, filter_jit as filter_jit, Lowered as Lowered
+from ._manager import CheckpointManager as CheckpointManager
 from ._process_local import (
     filter_make_array_from_process_local_data as filter_make_array_from_process_local_data,  # noqa: E501
 )

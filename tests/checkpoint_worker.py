@@ -6,6 +6,7 @@
     python tests/checkpoint_worker.py resume DIR LAYOUT... (restores 15; steps 15..30)
     python tests/checkpoint_worker.py multiprocess DIR PROCESS_ID NUM COORDINATOR
     python tests/checkpoint_worker.py overwrite DIR PHASE
+    python tests/checkpoint_worker.py manager-killed DIR
 
 `clean`: a save and a restore onto another layout, as a user would run them (the test
 checks that nothing at all is printed on stderr). `killed`: a save that stops just
@@ -15,6 +16,8 @@ fresh process; each writes its final state as NumPy arrays. `multiprocess`: one 
 several `jax.distributed` processes, saving and restoring their own shards.
 `overwrite`: saves `overwrite_state("old")`, then overwrites it with
 `overwrite_state("new")`, stopping at PHASE (the test kills the process there).
+`manager-killed`: a `CheckpointManager` saves step 1, then step 2 in the background,
+stopping just before orbax finalises step 2 (the test kills the process there).
 """
 
 import json
@@ -135,6 +138,24 @@ def overwrite(directory: pathlib.Path, phase: str) -> None:
     eqxs.save(directory / "ckpt", overwrite_state("new"), overwrite=True)
 
 
+def manager_killed(directory: pathlib.Path) -> None:
+    _setup()
+    import equinox_shard as eqxs
+    import orbax.checkpoint as ocp
+
+    manager = eqxs.CheckpointManager(directory)
+    manager.save(1, overwrite_state("old"))
+    manager.wait_until_finished()
+
+    def finalize(self, path):
+        print("WRITTEN", flush=True)
+        time.sleep(600)
+
+    ocp.CompositeCheckpointHandler.finalize = finalize  # pyright: ignore
+    manager.save(2, overwrite_state("new"))
+    manager.wait_until_finished()
+
+
 def _train(directory: pathlib.Path, layouts: list[str], resume: bool) -> None:
     jax = _setup()
     import equinox as eqx
@@ -247,6 +268,8 @@ def main(argv: list[str]) -> None:
         killed(directory)
     elif mode in ("train", "resume"):
         _train(directory, argv[2:], resume=mode == "resume")
+    elif mode == "manager-killed":
+        manager_killed(directory)
     elif mode == "overwrite":
         overwrite(directory, argv[2])
     elif mode == "multiprocess":

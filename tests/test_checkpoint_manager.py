@@ -1,0 +1,192 @@
+"""`eqxs.CheckpointManager`: step directories, policies, retention, resume from the
+latest on another layout, background saves racing a donating step, a save killed
+midway, log lines."""
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+import equinox as eqx
+import equinox_shard as eqxs
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from . import checkpoint_worker as worker
+from .helpers import assert_same_values, auto_mesh, snapshot
+
+
+pytest.importorskip("orbax.checkpoint")
+
+MATRIX = r"layers\[\d\]\.weight$"
+FSDP = eqxs.PathRules([(MATRIX, P("data"))], default=P())
+TWO_D = eqxs.PathRules([(MATRIX, P("data", "model"))], default=P())
+
+
+def _state(seed):
+    model = eqx.nn.MLP(16, 16, 64, 2, key=jax.random.key(seed))
+    return {"model": model, "key": jax.random.key(seed + 1), "step": seed}
+
+
+def _put(tree, mesh, rules):
+    with jax.set_mesh(mesh):
+        return eqxs.filter_device_put(tree, rules)
+
+
+def test_step_directories_and_latest(tmp_path):
+    manager = eqxs.CheckpointManager(tmp_path, every_steps=3)
+    assert manager.latest_step() is None
+    with pytest.raises(FileNotFoundError, match="No checkpoint in"):
+        manager.restore(_state(0))
+    saved = {}
+    for step in range(8):
+        state = _state(step)
+        if manager.save(step, state):
+            saved[step] = snapshot(eqx.filter(state, eqx.is_array))
+    manager.wait_until_finished()
+    assert list(saved) == [0, 3, 6] == manager.all_steps()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "3", "6"]
+    assert manager.latest_step() == 6
+    out = manager.restore(_state(0))
+    assert_same_values(eqx.filter(out, eqx.is_array), saved[6])
+    assert out["step"] == 6
+    # A step directory is what `eqxs.save` writes.
+    out = eqxs.restore(tmp_path / "3", _state(0))
+    assert_same_values(eqx.filter(out, eqx.is_array), saved[3])
+    assert manager.save(7, _state(7), force=True)  # not a multiple of 3
+    assert not manager.should_save(7) and not manager.should_save(5)
+    assert manager.should_save(9)
+    with pytest.raises(FileNotFoundError, match=r"of step 4 .*its steps: 0, 3, 6, 7"):
+        manager.restore(_state(0), step=4)
+    # `like` is checked against the record of leaves, naming the leaf.
+    wrong = dict(_state(0), step=jnp.zeros(3))
+    with pytest.raises(ValueError, match=r"like\['step'\]: the checkpoint at"):
+        manager.restore(wrong)
+    manager.close()
+
+
+def test_retention(tmp_path):
+    # Keep the last 2 and every 4th.
+    with eqxs.CheckpointManager(tmp_path, keep_last=2, keep_every=4) as manager:
+        for step in range(11):
+            assert manager.save(step, {"x": jnp.full(4, float(step)), "n": step})
+        manager.wait_until_finished()
+        assert manager.all_steps() == [0, 4, 8, 9, 10]
+        assert sorted(int(p.name) for p in tmp_path.iterdir()) == [0, 4, 8, 9, 10]
+        out = manager.restore({"x": jnp.zeros(4), "n": 0}, step=4)
+        np.testing.assert_array_equal(np.asarray(out["x"]), 4.0)
+
+
+def test_every_minutes(tmp_path):
+    # Saves when none exists, then not again within the hour (unless a step policy
+    # says so).
+    with eqxs.CheckpointManager(tmp_path, every_minutes=60, every_steps=5) as m:
+        assert m.should_save(1) and m.save(1, {"x": jnp.ones(2)})
+        m.wait_until_finished()
+        assert [m.should_save(s) for s in (2, 3, 4, 5)] == [False, False, False, True]
+
+
+def test_arguments(tmp_path):
+    with pytest.raises(ValueError, match="`keep_last` must be a positive number"):
+        eqxs.CheckpointManager(tmp_path, keep_last=0)
+    with pytest.raises(ValueError, match="`every_minutes` must be a positive number"):
+        eqxs.CheckpointManager(tmp_path, every_minutes=-1.0)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_resume_on_another_layout(tmp_path):
+    fsdp = auto_mesh((8,), ("data",))
+    state = _put(_state(0), fsdp, FSDP)
+    expected = snapshot(eqx.filter(state, eqx.is_array))
+    with eqxs.CheckpointManager(tmp_path) as manager:
+        manager.save(10, state)
+    two_d = auto_mesh((4, 2), ("data", "model"))
+    like = eqx.filter_eval_shape(_state, 0)
+    with eqxs.CheckpointManager(tmp_path) as manager:
+        assert manager.latest_step() == 10
+        with jax.set_mesh(two_d):
+            out = manager.restore(like, shardings=TWO_D)
+    assert_same_values(eqx.filter(out, eqx.is_array), expected)
+    for path, x in jtu.tree_flatten_with_path(out["model"])[0]:
+        if eqx.is_array(x):
+            split = jtu.keystr(path).endswith("weight")
+            spec = P("data", "model") if split else P()
+            assert x.sharding.is_equivalent_to(NamedSharding(two_d, spec), x.ndim)
+    assert out["model"].activation is like["model"].activation
+
+
+def test_background_save_racing_a_donating_step(tmp_path):
+    # Each save runs in the background while the next steps donate (and overwrite)
+    # the very state being saved.
+    mesh = auto_mesh((8,), ("data",))
+    state = _put({"w": jnp.arange(1 << 16, dtype=jnp.float32).reshape(256, 256),
+                  "b": jnp.ones(256), "key": jax.random.key(0)},
+                 mesh, eqxs.PathRules([(r"w", P("data"))], default=P()))  # fmt: skip
+
+    @eqxs.filter_jit(donate="all")
+    def step(s):
+        key, sub = jax.random.split(s["key"])
+        noise = jax.random.normal(sub, s["w"].shape)
+        return {"w": s["w"] * 2 + noise, "b": s["b"] + 1, "key": key}
+
+    saved = {}
+    with eqxs.CheckpointManager(tmp_path, every_steps=2) as manager:
+        for i in range(8):
+            if manager.should_save(i):
+                saved[i] = snapshot(state)
+                assert manager.save(i, state)
+            state = step(state)
+        manager.wait_until_finished()
+        like = eqx.filter_eval_shape(lambda: state)
+        for i, values in saved.items():
+            assert_same_values(manager.restore(like, step=i), values)
+    assert list(saved) == [0, 2, 4, 6]
+
+
+def test_a_log_line_per_save_and_restore(tmp_path, caplog):
+    state = {"x": jnp.ones((4, 4)), "n": 1}
+    with caplog.at_level(logging.INFO, logger="equinox_shard"):
+        with eqxs.CheckpointManager(tmp_path) as manager:
+            manager.save(5, state)
+            manager.wait_until_finished()
+            manager.restore(state)
+    messages = [r.getMessage() for r in caplog.records if r.name == "equinox_shard"]
+    assert any(m.startswith(f"saved step 5 to {tmp_path / '5'}: 64 bytes in ")
+               for m in messages), messages  # fmt: skip
+    assert any(m.startswith(f"restored step 5 from {tmp_path / '5'}: 64 bytes in ")
+               for m in messages), messages  # fmt: skip
+
+
+@pytest.mark.slow
+def test_interrupted_save_is_never_latest(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    with subprocess.Popen(
+        [sys.executable, worker.__file__, "manager-killed", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()  # step 2 written, not finalised
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    assert line == "WRITTEN\n"
+    assert any(".orbax-checkpoint-tmp" in p.name for p in tmp_path.iterdir())
+    with eqxs.CheckpointManager(tmp_path) as manager:
+        assert manager.latest_step() == 1
+        out = manager.restore(worker.overwrite_state("new"))
+        assert_same_values(out, worker.overwrite_state("old"))
+        # The leftover is gone; step 2 can be saved again.
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["1"]
+        manager.save(2, worker.overwrite_state("new"))
+        manager.wait_until_finished()
+        assert manager.all_steps() == [1, 2]
