@@ -28,6 +28,11 @@ def report(value):
 """
 
 
+# A child's deadline only guards against a hang (a deadlock, or peers waiting for a dead
+# process): far past any run, so that no test fails because the machine is busy.
+HANG_SECONDS = 1200
+
+
 class Isolated:
     """What happened in the fresh process: `returncode` (negative: killed by that
     signal; `None`: it ran past its deadline and was killed), `result` (what the snippet
@@ -47,7 +52,8 @@ class Isolated:
 
 def run_isolated(code: str, *, timeout: float) -> Isolated:
     """Runs `code` (dedented) in a new process group; kills the group after `timeout`
-    seconds."""
+    seconds, or `HANG_SECONDS` if that is longer."""
+    timeout = max(timeout, HANG_SECONDS)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     proc = subprocess.Popen(

@@ -459,7 +459,7 @@ def main(argv: list[str]) -> int:
         coordinator,
         num_processes=int(num_processes),
         process_id=int(process_id),
-        initialization_timeout=60,
+        initialization_timeout=300,
         heartbeat_timeout_seconds=30,
         shutdown_timeout_seconds=30,
     )

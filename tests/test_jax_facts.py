@@ -28,6 +28,7 @@ from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from .helpers import auto_mesh, compiled_names, explicit_mesh
+from .isolated import HANG_SECONDS
 
 
 def jax_at_least(version: str) -> bool:
@@ -687,7 +688,7 @@ def test_donating_aliased_multidevice_buffer_crashes():
             [sys.executable, "-c", _ALIASED_DONATION],
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=HANG_SECONDS,
         )
     except subprocess.TimeoutExpired:
         pytest.fail("the aliased donation hung instead of crashing")
@@ -726,7 +727,7 @@ def test_device_put_donate_to_single_device_sharding_crashes():
             [sys.executable, "-c", _DONATE_TO_SINGLE_DEVICE_SHARDING, target],
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=HANG_SECONDS,
         )
     assert results["device"].returncode == 0, results["device"].stderr[-2000:]
     assert results["device"].stdout.strip() == "2016.0 False"

@@ -20,6 +20,7 @@ from .helpers import (
     snapshot,
     tree_allclose,
 )
+from .isolated import HANG_SECONDS
 
 
 def _add_one(tree):
@@ -691,7 +692,7 @@ def test_reusing_a_donated_array_raises_instead_of_crashing():
         [sys.executable, "-c", _REUSE_DONATED],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_SECONDS,
     )
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
     assert "x: this array has been deleted" in result.stdout

@@ -26,11 +26,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import multiprocess_worker as worker
 from .helpers import assert_shardings, auto_mesh
+from .isolated import HANG_SECONDS
 
 
 NUM_PROCESSES = 2
-# For the whole run, both processes: about 25 s on 2 shared cores.
-DEADLINE_SECONDS = 150
+# For the whole run, both processes: about 25 s on 2 shared cores; the deadline only
+# guards against peers left waiting for a dead process.
+DEADLINE_SECONDS = HANG_SECONDS
 
 
 def _free_port() -> int:

@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from .helpers import assert_shardings, auto_mesh, compiled_names, explicit_mesh
+from .isolated import HANG_SECONDS
 
 
 _MESHES = {"auto": auto_mesh, "explicit": explicit_mesh}
@@ -379,7 +380,7 @@ def test_filter_device_put_donate_to_another_device():
         [sys.executable, "-c", _FDP_DONATE_TO_DEVICE],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_SECONDS,
     )
     assert result.returncode == 0, result.returncode
     assert result.stdout.strip() in ("2016.0 False", "2016.0 True")
@@ -452,7 +453,7 @@ def _function_array_passed_again(mode):
         [sys.executable, "-c", _FUNCTION_ARRAY_PASSED_AGAIN, mode],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_SECONDS,
     )
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
     return result.stdout.split()
