@@ -331,8 +331,9 @@ def test_no_device_holds_a_whole_array(tmp_path):
     shard = (2048 + 1024) * 1024 * 4 // 8  # this device's part of both arrays
     print("eqxs.restore: peak bytes per device", dict(peak))
     assert sorted(peak) == list(range(8))
-    assert max(peak.values()) <= shard, (dict(peak), shard)
-    assert min(peak.values()) == shard
+    # Plus, briefly, each array's 4-byte checksum, computed where the array lies.
+    checksums = 4 * len(like)
+    assert all(shard <= n <= shard + checksums for n in peak.values()), (peak, shard)
     np.testing.assert_array_equal(np.asarray(out["a"]), 1.0)
     assert out["a"].sharding == sharding and out["b"].sharding == sharding
     del out

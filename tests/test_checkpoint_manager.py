@@ -4,6 +4,7 @@ midway, log lines."""
 
 import logging
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -190,3 +191,28 @@ def test_interrupted_save_is_never_latest(tmp_path):
         manager.save(2, worker.overwrite_state("new"))
         manager.wait_until_finished()
         assert manager.all_steps() == [1, 2]
+
+
+@pytest.mark.slow
+def test_docs_training_loop_runs(tmp_path):
+    # docs/checkpoints.md's loop, as written (in a fresh process: it sets up meshes
+    # and a manager of its own).
+    docs = pathlib.Path(__file__).parent.parent / "docs"
+    text = (docs / "checkpoints.md").read_text()
+    code = text.split("<!-- training-loop -->\n```python\n", 1)[1].split("```", 1)[0]
+    code = code.replace('"/tmp/eqxs_training_loop"', repr(str(tmp_path)))
+    # As a user runs it: 8 CPU devices, JAX's default dtype promotion (optax's Adam
+    # needs it).
+    setup = 'import jax\njax.config.update("jax_num_cpu_devices", 8)\n'
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run(
+        [sys.executable, "-c", setup + code],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2, result.stdout
+    assert lines[0].startswith("steps 0..25: loss ") and lines[0].endswith("[20, 25]")
+    assert lines[1].startswith("steps 25..40: loss ") and lines[1].endswith("[30, 40]")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["30", "40"]
