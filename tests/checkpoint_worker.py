@@ -7,6 +7,7 @@
     python tests/checkpoint_worker.py multiprocess DIR PROCESS_ID NUM COORDINATOR
     python tests/checkpoint_worker.py overwrite DIR PHASE
     python tests/checkpoint_worker.py manager-killed DIR
+    python tests/checkpoint_worker.py manager-multiprocess DIR PROCESS_ID NUM COORD
 
 `clean`: a save and a restore onto another layout, as a user would run them (the test
 checks that nothing at all is printed on stderr). `killed`: a save that stops just
@@ -18,6 +19,9 @@ several `jax.distributed` processes, saving and restoring their own shards.
 `overwrite_state("new")`, stopping at PHASE (the test kills the process there).
 `manager-killed`: a `CheckpointManager` saves step 1, then step 2 in the background,
 stopping just before orbax finalises step 2 (the test kills the process there).
+`manager-multiprocess`: one of several `jax.distributed` processes saving steps 0 and 3
+with a `CheckpointManager` in the background, then restoring the latest onto another
+layout and checking its own shards.
 """
 
 import json
@@ -201,7 +205,7 @@ def _train(directory: pathlib.Path, layouts: list[str], resume: bool) -> None:
         print(f"{name}: done", flush=True)
 
 
-def multiprocess(directory: pathlib.Path, process_id: int, num: int, coordinator):
+def _distributed(process_id: int, num: int, coordinator):
     jax = _setup(4)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
@@ -212,6 +216,47 @@ def multiprocess(directory: pathlib.Path, process_id: int, num: int, coordinator
         heartbeat_timeout_seconds=30,
         shutdown_timeout_seconds=30,
     )
+    return jax
+
+
+def manager_multiprocess(directory, process_id: int, num: int, coordinator):
+    jax = _distributed(process_id, num, coordinator)
+    import equinox as eqx
+    import equinox_shard as eqxs
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    reference = reference_state()
+    rules = eqxs.PathRules([(r"weight$", P("data"))], default=P())
+    with jax.set_mesh(jax.make_mesh((8,), ("data",))):
+        state = eqxs.filter_device_put(reference, rules)
+    with eqxs.CheckpointManager(directory, every_steps=3) as manager:
+        for step in range(5):
+            manager.save(step, state)
+        manager.wait_until_finished()
+        assert manager.all_steps() == [0, 3], manager.all_steps()
+        two_d = jax.make_mesh((4, 2), ("data", "model"))
+        like = eqx.filter_eval_shape(lambda: state)
+        with jax.set_mesh(two_d):
+            out = manager.restore(like, shardings=eqxs.PathRules(
+                [(r"weight$", P("data", "model"))], default=P()))  # fmt: skip
+    flat = jax.tree_util.tree_flatten_with_path
+    for (path, x), (_, y) in zip(flat(out)[0], flat(reference)[0], strict=True):
+        if not eqx.is_array(x):
+            continue
+        if jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        assert not x.is_fully_addressable
+        for shard in x.addressable_shards:
+            assert shard.device.process_index == process_id
+            value = np.asarray(y)[shard.index]
+            assert np.array_equal(np.asarray(shard.data), value), path
+    jax.distributed.shutdown()
+    print("manager-multiprocess: ok", flush=True)
+
+
+def multiprocess(directory: pathlib.Path, process_id: int, num: int, coordinator):
+    jax = _distributed(process_id, num, coordinator)
     import equinox as eqx
     import equinox_shard as eqxs
     import numpy as np
@@ -268,6 +313,8 @@ def main(argv: list[str]) -> None:
         killed(directory)
     elif mode in ("train", "resume"):
         _train(directory, argv[2:], resume=mode == "resume")
+    elif mode == "manager-multiprocess":
+        manager_multiprocess(directory, int(argv[2]), int(argv[3]), argv[4])
     elif mode == "manager-killed":
         manager_killed(directory)
     elif mode == "overwrite":

@@ -6,6 +6,7 @@ import logging
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 
@@ -216,3 +217,47 @@ def test_docs_training_loop_runs(tmp_path):
     assert lines[0].startswith("steps 0..25: loss ") and lines[0].endswith("[20, 25]")
     assert lines[1].startswith("steps 25..40: loss ") and lines[1].endswith("[30, 40]")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["30", "40"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes(tmp_path):
+    # 2 `jax.distributed` processes of 4 devices save in the background and restore
+    # the latest onto another layout (each checks its own shards); then one process
+    # of 8 devices restores the same checkpoint.
+    coordinator = f"127.0.0.1:{_free_port()}"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, worker.__file__, "manager-multiprocess", str(tmp_path),
+             str(p), "2", coordinator],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            start_new_session=True,
+        )
+        for p in range(2)
+    ]  # fmt: skip
+    try:
+        outputs = [proc.communicate(timeout=240)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    for proc, output in zip(procs, outputs):
+        assert proc.returncode == 0, output[-4000:]
+        assert "manager-multiprocess: ok" in output
+    written = sorted(p.name for p in (tmp_path / "3" / "arrays").iterdir())
+    assert "ocdbt.process_0" in written and "ocdbt.process_1" in written, written
+    reference = worker.reference_state()
+    with eqxs.CheckpointManager(tmp_path) as manager:
+        assert manager.all_steps() == [0, 3]
+        out = manager.restore(eqx.filter_eval_shape(worker.reference_state))
+    assert_same_values(
+        eqx.filter(out, eqx.is_array), eqx.filter(reference, eqx.is_array)
+    )
