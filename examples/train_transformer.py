@@ -18,9 +18,10 @@ its parameter's: `[0].mu.blocks.mlp_in.weight`):
 
 The model and its optimiser state are created directly sharded (`filter_eval_shape`
 to plan, then `filter_jit(init, out_shardings=rules)`); the loss reduction runs in
-`eqxs.filter_shard_map`; halfway through, a checkpoint is written with `eqxs.save`
-(orbax-checkpoint underneath), restored with `eqxs.restore` straight into the target
-shardings, and training resumes from it.
+`eqxs.filter_shard_map`; halfway through, a checkpoint is written in the background by
+an `eqxs.CheckpointManager` (orbax-checkpoint's, underneath) while the next steps
+donate the state, restored from the latest step straight into the target shardings,
+and training resumes from it.
 
 It checks itself, and exits with status 1 if any check fails: every layout's per-step
 losses match an unsharded single-device run; the step was traced once; the final loss
@@ -306,19 +307,22 @@ def train(layout: Layout, cfg: Config, corpus: np.ndarray, *, resume: bool) -> R
             for m, p in zip(jtu.tree_leaves(moment), params, strict=True)
         )
         losses, checkpoint, saved = [], cfg.steps // 2, None
-        directory = pathlib.Path(tempfile.mkdtemp()) / "checkpoint"
+        directory = pathlib.Path(tempfile.mkdtemp()) / "checkpoints"
+        manager = eqxs.CheckpointManager(directory) if resume else None
         step_start = None
         for step in range(cfg.steps):
             if step == 1:
                 jax.block_until_ready(losses[0])
                 step_start = time.perf_counter()  # after the compilation
-            if resume and step == checkpoint:
-                # Each device writes its own shards; returns once written (before
-                # the next step donates the arrays).
-                eqxs.save(directory, (model, opt_state))
+            if manager is not None and step == checkpoint:
+                # Copies (a NumPy view would pin the buffers: nothing donated).
                 saved = jtu.tree_map(
-                    np.asarray, eqx.filter((model, opt_state), eqx.is_array)
+                    np.array, eqx.filter((model, opt_state), eqx.is_array)
                 )
+                # Written in the background by each device's process, while the
+                # next steps run and donate these very arrays (safe: orbax has
+                # copied them off the devices when `save` returns).
+                manager.save(step, (model, opt_state), force=True)
             batch = eqxs.filter_device_put(get_batch(corpus, cfg, step), layout.batch)
             model, opt_state, loss = train_step(model, opt_state, *batch)
             losses.append(loss)
@@ -326,12 +330,13 @@ def train(layout: Layout, cfg: Config, corpus: np.ndarray, *, resume: bool) -> R
         elapsed = time.perf_counter() - (step_start or start)
         tokens_per_second = (cfg.steps - 1) * cfg.batch * cfg.length / elapsed
         resumed_losses = restored_exactly = same_final_state = None
-        if resume:
+        if manager is not None:
             # Restore straight into the shardings the rules give: `like` is the
             # abstract state (`jax.ShapeDtypeStruct`s carrying those shardings), so
             # nothing is allocated before the checkpoint's shards are read.
             like = init_sharded.eval_shape(key)
-            restored = eqxs.restore(directory, like)
+            restored = manager.restore(like)  # the latest step, once written
+            manager.close()
             arrays = eqx.filter(restored, eqx.is_array)
             restored_exactly = bool(
                 jtu.tree_all(
