@@ -31,6 +31,7 @@ import jax.core
 import jax.extend.core as jc
 import jax.tree_util as jtu
 import numpy as np
+from jax.experimental.layout import Layout
 
 
 traceback_util.register_exclusion(__file__)
@@ -173,6 +174,20 @@ class GuardedCall:
         return out, None, None
 
 
+def _own_layouts(jaxpr: jc.Jaxpr) -> jc.Jaxpr:
+    """The call with each `Layout.AUTO` of its `in_layouts` taken as the argument's own
+    layout: an entry compiled with `Layout.AUTO` is called with arguments placed as its
+    executable wants them, which `jax.jit` refuses for `Layout.AUTO` itself."""
+    eqns = []
+    for eqn in jaxpr.eqns:
+        layouts = eqn.params.get("in_layouts")
+        if layouts is not None and any(x is Layout.AUTO for x in layouts):
+            layouts = tuple(None if x is Layout.AUTO else x for x in layouts)
+            eqn = eqn.replace(params={**eqn.params, "in_layouts": layouts})
+        eqns.append(eqn)
+    return jaxpr.replace(eqns=eqns)
+
+
 class Guards:
     """The `GuardedCall`s of one entry: one per program that `jax.jit` traces for it.
     Keyed by the traced jaxpr, which JAX's own cache keys on everything the program
@@ -196,6 +211,7 @@ class Guards:
                     closed, shape = jax.make_jaxpr(self.jitted, return_shape=True)(
                         *dynamic
                     )
+                    closed = closed.replace(jaxpr=_own_layouts(closed.jaxpr))
                     call = GuardedCall(closed, jtu.tree_structure(shape))
                     found = self.calls[id(traced)] = (traced, call)
         return found[1]

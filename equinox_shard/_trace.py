@@ -331,6 +331,9 @@ class AutoLayouts:
         return self.jitted.lower(*args)
 
     def __call__(self, *args):
+        if any(isinstance(x, jax.core.Tracer) for x in jtu.tree_leaves(args)):
+            # Inside an outer trace the compiler chooses the layout, as for `jax.jit`.
+            return self.jitted(*args)
         compiled = self.compiled
         if compiled is None:
             raise ValueError(self.message)

@@ -230,3 +230,36 @@ def test_empty_format_is_none_wherever_a_spec_leaf_is():
     out = eqxs.filter_jit(lambda t: t, in_shardings=empty, out_shardings=empty)(x)
     assert jnp.array_equal(out["a"], x["a"])
     assert_alive(x)
+
+
+def test_auto_flow_with_a_callback_in_the_body():
+    # The guarded program of an entry with callbacks runs on arguments placed as the
+    # executable wants them (it asked `jax.jit` for `Layout.AUTO` and was refused).
+    r = NamedSharding(auto_mesh(), P())
+    body = lambda w, x: eqx.error_if(w @ x, jnp.any(jnp.isnan(x)), "nan")
+    f = eqxs.filter_jit(body, in_shardings=(Format(Layout.AUTO, r), r))
+    w, x = jnp.ones((8, 8)), jnp.arange(8.0)
+    compiled = f.lower(_struct(w), _struct(x)).compile()
+    placed = eqxs.filter_device_put((w, x), compiled.input_formats[0])
+    expected = w @ x
+    for out in [compiled(*placed), f(*placed)]:
+        assert jnp.array_equal(out, expected)
+    with pytest.raises(eqx.EquinoxRuntimeError, match="nan"):
+        f(placed[0], eqxs.filter_device_put(jnp.full(8, jnp.nan), r))
+    assert_alive((w, x, placed))
+
+
+@pytest.mark.parametrize("aot", [False, True])
+def test_auto_layout_inside_an_outer_trace(aot):
+    # As `jax.jit` with the same `in_shardings`: inside an outer `jit` or `grad` the
+    # compiler chooses the layout (no executable of ours is called with tracers).
+    r = NamedSharding(auto_mesh(), P())
+    shardings = (Format(Layout.AUTO, r), r)
+    f = eqxs.filter_jit(lambda w, x: w @ x, in_shardings=shardings)
+    if aot:
+        f.lower(_struct(jnp.ones((8, 8))), _struct(jnp.ones(8))).compile()
+    oracle = jax.jit(lambda w, x: w @ x, in_shardings=shardings)
+    w, x = jnp.ones((8, 8)), jnp.arange(8.0)
+    assert jnp.array_equal(jax.jit(f)(w, x), jax.jit(oracle)(w, x))
+    grad = jax.grad(lambda w: f(w, x).sum())(w)
+    assert jnp.array_equal(grad, jax.grad(lambda w: oracle(w, x).sum())(w))
