@@ -12,6 +12,14 @@ Variants, each writing its own checkpoint directory every round:
 - `eqx`: `equinox.tree_serialise_leaves` (one file, every array gathered to the
     host), then `equinox.tree_deserialise_leaves` onto the default device and
     `equinox_shard.filter_device_put` into the shardings.
+- `manager`: `equinox_shard.CheckpointManager` (`save(0, state)`, waited for, and
+    `restore(like)`, the latest step).
+
+Training with checkpoints (issue 34): the time of 10 training steps (`filter_jit` with
+`donate="all"`, the state sharded as above) that start with a save, against 10 steps
+without one: a background save (`CheckpointManager.save`, which returns once orbax has
+copied the arrays off the devices) and a blocking one (`equinox_shard.save`) of the same
+state; the median over rounds of each ratio.
 
 Reported: the median wall time of a save and of a restore (waited for), the median
 over rounds of each variant's time over `orbax`'s, and the peak, over devices, of the
@@ -37,10 +45,11 @@ import jax.tree_util as jtu
 import optax
 
 from . import _harness as h, _trees as t
-from .step import Transformer
+from .step import _batches, _loss, Transformer
 
 
-VARIANTS = ("eqxs", "orbax", "eqx")
+VARIANTS = ("eqxs", "orbax", "eqx", "manager")
+MODES = ("none", "background", "blocking")
 
 
 def _device_bytes() -> dict:
@@ -136,6 +145,44 @@ def _orbax_restore(path, like):
     return jtu.tree_unflatten(treedef, leaves)
 
 
+def _with_saves(cfg: dict, state, root: pathlib.Path) -> dict:
+    """Seconds of 10 donating training steps that start with a save of the state
+    (background or blocking) or with none, per round, rounds interleaved."""
+    optim = optax.adam(1e-3)
+
+    @eqxs.filter_jit(donate="all")
+    def train_step(model, opt_state, tokens, targets):
+        loss, grads = eqx.filter_value_and_grad(_loss)(model, tokens, targets)
+        updates, opt_state = optim.update(grads, opt_state)
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    batch = jax.NamedSharding(t.mesh(), jax.P("data"))
+    batches = [jax.device_put(b, batch) for b in _batches(cfg, 10)]
+    model, opt_state = jtu.tree_map(lambda x: x + 0 if eqx.is_array(x) else x, state)
+    times = {m: [] for m in MODES}
+    manager = eqxs.CheckpointManager(root / "background")
+    step, loss = 0, None
+    for r in range(cfg["warmup"] + cfg["reps"]):
+        shift = r % len(MODES)
+        for mode in MODES[shift:] + MODES[:shift]:
+            jax.block_until_ready((model, opt_state))
+            start = time.perf_counter()
+            if mode == "background":
+                manager.save(step, (model, opt_state), force=True)
+            elif mode == "blocking":
+                eqxs.save(root / f"blocking-{step}", (model, opt_state))
+            for tokens, targets in batches:
+                model, opt_state, loss = train_step(model, opt_state, tokens, targets)
+                step += 1
+            jax.block_until_ready((model, opt_state, loss))
+            if r >= cfg["warmup"]:
+                times[mode].append(time.perf_counter() - start)
+            manager.wait_until_finished()  # each round on its own
+            shutil.rmtree(root / f"blocking-{step - 10}", ignore_errors=True)
+    manager.close()
+    return times
+
+
 def run(cfg: dict) -> dict:
     cfg = {**cfg, **cfg["step"], **cfg.get("checkpoint", {})}
     mesh = t.mesh()
@@ -164,7 +211,10 @@ def run(cfg: dict) -> dict:
     root = pathlib.Path(tempfile.mkdtemp(prefix="eqxs-checkpoint-bench-"))
 
     def save(variant, path):
-        if variant == "eqxs":
+        if variant == "manager":
+            with eqxs.CheckpointManager(path) as manager:
+                manager.save(0, state)
+        elif variant == "eqxs":
             eqxs.save(path, state)
         elif variant == "orbax":
             _orbax_save(path, state)
@@ -172,6 +222,9 @@ def run(cfg: dict) -> dict:
             eqx.tree_serialise_leaves(path, state)
 
     def restore(variant, path):
+        if variant == "manager":
+            with eqxs.CheckpointManager(path) as manager:
+                return manager.restore(like)
         if variant == "eqxs":
             return eqxs.restore(path, like)
         if variant == "orbax":
@@ -218,9 +271,12 @@ def run(cfg: dict) -> dict:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
             if cfg["verbose"]:
                 print(f"  checkpoint round {r + 1}", flush=True)
+        steps = _with_saves(cfg, state, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return {
+        "steps_seconds": {m: statistics.median(steps[m]) for m in MODES},
+        "steps_ratio_to_none": h.paired_ratios(steps, list(MODES), "none"),
         "variants": list(VARIANTS),
         "n_params": n_params,
         "state_bytes": total,
@@ -266,4 +322,20 @@ def render(result: dict) -> str:
         f"{result['devices']} devices ({mib(result['per_device_share_bytes'])} MiB "
         "per device)"
     )
-    return title + "\n\n" + h.table(headers, rows)
+    gbs = lambda v: f"{result['state_bytes'] / result['restore_seconds'][v] / 1e9:.2f}"
+    headers.insert(4, "restore GB/s")
+    for row, v in zip(rows, VARIANTS):
+        row.insert(4, gbs(v))
+    steps = h.table(
+        ["10 training steps", "ms", "/ no save"],
+        [
+            [
+                {"none": "no save", "background": "a background save (manager)",
+                 "blocking": "a blocking save (eqxs.save)"}[m],
+                f"{result['steps_seconds'][m] * 1e3:.0f}",
+                h.fmt(result["steps_ratio_to_none"][m], "x"),
+            ]
+            for m in MODES
+        ],
+    )  # fmt: skip
+    return title + "\n\n" + h.table(headers, rows) + "\n\n" + steps
