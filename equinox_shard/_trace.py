@@ -301,10 +301,12 @@ def _auto_layouts(targets, leaves, where) -> str | None:
         return None
     message = lambda i: (
         f"{where(i)}: `in_shardings` gives it a `Format` with `Layout.AUTO`, a layout "
-        "that the compiler chooses when the function is lowered, so `jax.jit` refuses "
-        "an array for it. Lower and compile first, with `jax.ShapeDtypeStruct`s "
-        "(`compiled = f.lower(*structs).compile()`), then place the arguments as the "
-        "executable wants them (`args, _ = compiled.input_formats`; "
+        "that the compiler chooses when the function is lowered, so it cannot be "
+        "called with an array before then (`jax.jit` refuses a committed one, and "
+        "`filter_jit` commits what it places). Lower and compile first, with "
+        "`jax.ShapeDtypeStruct`s (`compiled = f.lower(*structs).compile()`), then "
+        "place the arguments as the executable wants them "
+        "(`args, _ = compiled.input_formats`; "
         "`eqxs.filter_device_put((model, ...), args)`) and call `compiled` or `f`, "
         "which then runs that executable."
     )
