@@ -212,7 +212,7 @@ def _distributed(process_id: int, num: int, coordinator):
         coordinator,
         num_processes=num,
         process_id=process_id,
-        initialization_timeout=60,
+        initialization_timeout=300,
         heartbeat_timeout_seconds=30,
         shutdown_timeout_seconds=30,
     )

@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from . import checkpoint_worker as worker
 from .helpers import assert_same_values, auto_mesh, explicit_mesh, snapshot
+from .isolated import HANG_SECONDS
 
 
 pytest.importorskip("orbax.checkpoint")
@@ -473,7 +474,7 @@ def test_overwrite(tmp_path):
 #
 
 
-def _run(*args, timeout=300):
+def _run(*args, timeout=HANG_SECONDS):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     return subprocess.run(
@@ -532,9 +533,9 @@ def test_resume_is_exact_on_every_layout(tmp_path):
     # 30 steps uninterrupted (saving at step 15) in one process; in a fresh one,
     # restore step 15 into `init.eval_shape`'s abstract state and train 15 more.
     layouts = ["data", "fsdp", "tensor", "2d"]
-    first = _run("train", tmp_path, *layouts, timeout=600)
+    first = _run("train", tmp_path, *layouts)
     assert first.returncode == 0, first.stderr[-4000:]
-    second = _run("resume", tmp_path, *layouts, timeout=600)
+    second = _run("resume", tmp_path, *layouts)
     assert second.returncode == 0, second.stderr[-4000:]
     assert second.stderr == ""
     for name in layouts:
@@ -569,7 +570,7 @@ def test_two_processes_then_one(tmp_path):
         for p in range(2)
     ]
     try:
-        outputs = [proc.communicate(timeout=240)[0] for proc in procs]
+        outputs = [proc.communicate(timeout=HANG_SECONDS)[0] for proc in procs]
     finally:
         for proc in procs:
             if proc.poll() is None:

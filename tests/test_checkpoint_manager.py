@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import checkpoint_worker as worker
 from .helpers import assert_same_values, auto_mesh, snapshot
+from .isolated import HANG_SECONDS
 
 
 pytest.importorskip("orbax.checkpoint")
@@ -210,7 +211,7 @@ def test_docs_training_loop_runs(tmp_path):
     env.pop("XLA_FLAGS", None)
     result = subprocess.run(
         [sys.executable, "-c", setup + code],
-        capture_output=True, text=True, timeout=300, env=env,
+        capture_output=True, text=True, timeout=HANG_SECONDS, env=env,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     lines = result.stdout.splitlines()
@@ -244,7 +245,7 @@ def test_two_processes(tmp_path):
         for p in range(2)
     ]  # fmt: skip
     try:
-        outputs = [proc.communicate(timeout=240)[0] for proc in procs]
+        outputs = [proc.communicate(timeout=HANG_SECONDS)[0] for proc in procs]
     finally:
         for proc in procs:
             if proc.poll() is None:
