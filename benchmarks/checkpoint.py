@@ -279,6 +279,7 @@ def run(cfg: dict) -> dict:
         "steps_ratio_to_none": h.paired_ratios(steps, list(MODES), "none"),
         "variants": list(VARIANTS),
         "n_params": n_params,
+        "n_arrays": len(arrays),
         "state_bytes": total,
         "per_device_share_bytes": share,
         "devices": jax.device_count(),
