@@ -192,7 +192,8 @@ def test_shard_map_names_the_output():
     with pytest.raises(ValueError) as info:
         eqxs.filter_jit(mapped)(jnp.arange(16.0))
     message = str(info.value)
-    assert "out_specs['total']" in message and "'body'" in message
+    assert "filter_shard_map(body)" in message
+    assert "- out['total']:" in message and "- out['doubled']:" in message
     assert "out_specs[0]" not in message and "out_specs[1]" not in message
 
 
