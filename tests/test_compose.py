@@ -131,7 +131,9 @@ class _Cell:
         self.outer_oracle = self.oracle
         if "auto_format" in self.on:
             self.outer_oracle = jax.jit(
-                partitioned, in_shardings=(first, split), out_shardings=rep
+                partitioned,
+                in_shardings=(Format(Layout.AUTO, rep), split),
+                out_shardings=rep,
             )
         self.static_model = None
 
