@@ -128,6 +128,7 @@ def test_quick_run(tmp_path):
 
 
 @pytest.mark.benchmark
+@pytest.mark.slow
 def test_checkpoint_quick_run(tmp_path):
     # `python -m benchmarks --only checkpoint --quick`: every variant saves and
     # restores the transformer state bit for bit into the same shardings; eqxs and

@@ -649,17 +649,29 @@ def _run_matrix(fn: str, kinds=KINDS, seeds=SEEDS) -> None:
     assert not failures, f"{len(failures)} failing cells; first: {failures[0]}"
 
 
-# The default run: every cell of `filter_device_put` and `filter_shard` in two orders;
-# `filter_jit` and `filter_shard_map` in one order, for float, key and SDS inputs.
+# The default run (README's test command, at most 10 minutes in all): every cell of
+# `filter_device_put` and `filter_shard` in one order; `filter_jit` in one order, for
+# float, key and SDS inputs. The slow run: a second order of each, every kind of input,
+# and `filter_shard_map`.
 QUICK_KINDS = ("float", "key", "sds")
 
 
 def test_filter_device_put_context_matrix():
-    _run_matrix("device_put")
+    _run_matrix("device_put", seeds=(0,))
 
 
 def test_filter_shard_context_matrix():
-    _run_matrix("shard")
+    _run_matrix("shard", seeds=(0,))
+
+
+@pytest.mark.slow
+def test_filter_device_put_context_matrix_second_order():
+    _run_matrix("device_put", seeds=(1,))
+
+
+@pytest.mark.slow
+def test_filter_shard_context_matrix_second_order():
+    _run_matrix("shard", seeds=(1,))
 
 
 def test_filter_jit_in_shardings_context_matrix():
@@ -670,6 +682,7 @@ def test_filter_jit_out_shardings_context_matrix():
     _run_matrix("jit_out", QUICK_KINDS, seeds=(0,))
 
 
+@pytest.mark.slow
 def test_filter_shard_map_context_matrix():
     _run_matrix("shard_map", QUICK_KINDS, seeds=(0,))
 

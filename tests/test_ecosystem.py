@@ -176,7 +176,8 @@ def _train(jit, **kwargs):
 
 
 @pytest.mark.parametrize(
-    "placement", [pytest.param("unsharded", marks=pytest.mark.slow), "replicated"]
+    "placement",
+    [pytest.param(p, marks=pytest.mark.slow) for p in ("unsharded", "replicated")],
 )
 def test_neural_ode_in_stages_of_growing_length(placement):
     losses, model = _train(eqxs.filter_jit, **_placements()[placement])
