@@ -180,7 +180,14 @@ def _train(jit, **kwargs):
     [pytest.param(p, marks=pytest.mark.slow) for p in ("unsharded", "replicated")],
 )
 def test_neural_ode_in_stages_of_growing_length(placement):
+    try:
+        expected_losses, expected_model = _train(eqx.filter_jit)
+    except AttributeError as e:
+        if "mapped_aval" not in str(e):
+            raise
+        # Equinox before its `jax.extend.core.mapped_aval` fallback, on JAX >= 0.10:
+        # the reference itself cannot run (the oldest pins, Equinox 0.13.1).
+        pytest.skip(f"eqx.filter_jit fails here too: {e}")
     losses, model = _train(eqxs.filter_jit, **_placements()[placement])
-    expected_losses, expected_model = _train(eqx.filter_jit)
     assert tree_allclose(losses, expected_losses, rtol=1e-5, atol=1e-7)
     assert tree_allclose(model, expected_model, rtol=1e-5, atol=1e-7)
