@@ -76,3 +76,24 @@ def run_isolated(code: str, *, timeout: float) -> Isolated:
         if line.startswith("RESULT "):
             result = json.loads(line[len("RESULT ") :])
     return Isolated(returncode, result, output)
+
+
+def killed_after_first_line(*args: str) -> tuple[str, int | None]:
+    """Runs `python *args` with the tests' CPU devices, reads the first line it prints,
+    then kills it (SIGKILL): `(line, returncode)`. For saves killed midway."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    with subprocess.Popen(
+        [sys.executable, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    return line, proc.returncode

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from . import checkpoint_worker as worker
 from .helpers import assert_same_values, auto_mesh, explicit_mesh, snapshot
-from .isolated import HANG_SECONDS
+from .isolated import HANG_SECONDS, killed_after_first_line
 
 
 pytest.importorskip("orbax.checkpoint")
@@ -494,22 +494,10 @@ def test_nothing_on_stderr(tmp_path):
 
 
 def test_save_killed_midway(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    with subprocess.Popen(
-        [sys.executable, WORKER, "killed", str(tmp_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    ) as proc:
-        try:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()  # everything written, not yet finalised
-        finally:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
+    # Everything written, not yet finalised.
+    line, returncode = killed_after_first_line(WORKER, "killed", str(tmp_path))
     assert line == "WRITTEN\n"
-    assert proc.returncode == -signal.SIGKILL
+    assert returncode == -signal.SIGKILL
     leftovers = sorted(p.name for p in tmp_path.iterdir())
     assert len(leftovers) == 1 and leftovers[0].startswith("ckpt.orbax-checkpoint-tmp")
     like = worker.reference_state()

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import checkpoint_worker as worker
 from .helpers import assert_same_values, auto_mesh, snapshot
-from .isolated import HANG_SECONDS
+from .isolated import HANG_SECONDS, killed_after_first_line
 
 
 pytest.importorskip("orbax.checkpoint")
@@ -167,21 +167,8 @@ def test_a_log_line_per_save_and_restore(tmp_path, caplog):
 
 @pytest.mark.slow
 def test_interrupted_save_is_never_latest(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    with subprocess.Popen(
-        [sys.executable, worker.__file__, "manager-killed", str(tmp_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    ) as proc:
-        try:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()  # step 2 written, not finalised
-        finally:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
+    # Step 2 written, not finalised.
+    line, _ = killed_after_first_line(worker.__file__, "manager-killed", str(tmp_path))
     assert line == "WRITTEN\n"
     assert any(".orbax-checkpoint-tmp" in p.name for p in tmp_path.iterdir())
     with eqxs.CheckpointManager(tmp_path) as manager:

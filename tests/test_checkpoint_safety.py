@@ -2,11 +2,7 @@
 zero-size array, corrupted data, `overwrite=True` killed midway (and leftovers), and a
 typed PRNG key restored without a sharding."""
 
-import os
 import pathlib
-import signal
-import subprocess
-import sys
 import threading
 
 import equinox as eqx
@@ -19,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import checkpoint_worker as worker
 from .helpers import assert_same_values, auto_mesh, explicit_mesh
+from .isolated import killed_after_first_line
 
 
 pytest.importorskip("orbax.checkpoint")
@@ -142,22 +139,9 @@ def test_key_without_sharding_is_not_committed(tmp_path):
 
 
 def _killed_overwrite(directory: pathlib.Path, phase: str) -> str:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    with subprocess.Popen(
-        [sys.executable, worker.__file__, "overwrite", str(directory), phase],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    ) as proc:
-        try:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-        finally:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-    return line
+    return killed_after_first_line(worker.__file__, "overwrite", str(directory), phase)[
+        0
+    ]
 
 
 @pytest.mark.slow
