@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import NamedSharding, Sharding
 from jaxtyping import PyTree
 
-from . import _record as record_lib
+from . import _datafiles as datafiles, _record as record_lib
 from ._sharding import resolve_leaves
 from ._spec import check
 
@@ -318,8 +318,9 @@ def restore(
     unfinished one); `ValueError` if `like` differs from the checkpoint (a leaf missing
     on either side, or another shape, dtype or kind, with both values), if a sharding
     does not divide the saved shape, or if a sharding is on an abstract mesh with no
-    matching concrete mesh set. Once the arrays are read: `ValueError`, naming the
-    leaf, if one does not match the checksum saved with it (a damaged file).
+    matching concrete mesh set, or if a data file holding the leaf is missing or
+    truncated. Once the arrays are read: `ValueError`, naming the leaf, if one does
+    not match the checksum saved with it (a damaged file).
 
     !!! example
 
@@ -392,6 +393,7 @@ def restore_from(path: pathlib.Path, like: Any, shardings: Any) -> tuple[Any, di
             )
     read = {}
     if items:
+        datafiles.check(path, names, "like")
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
             read = checkpointer.restore(
                 path,

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import checkpoint_worker as worker
 from .helpers import assert_same_values, auto_mesh, explicit_mesh
-from .isolated import killed_after_first_line
+from .isolated import killed_after_first_line, run_isolated
 
 
 pytest.importorskip("orbax.checkpoint")
@@ -162,3 +162,64 @@ def test_overwrite_killed_at_each_phase(tmp_path, phase, survivor):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     out = eqxs.restore(tmp_path / "ckpt", worker.overwrite_state("old"))
     assert_same_values(out, worker.overwrite_state("next"))
+
+
+def _data_file_of(directory: pathlib.Path, values: np.ndarray) -> pathlib.Path:
+    pattern = values[1000:1004].tobytes()
+    for f in sorted(directory.rglob("*")):
+        if f.is_file() and f.read_bytes().find(pattern) >= 0:
+            return f
+    raise AssertionError("the array's bytes were not found")
+
+
+@pytest.mark.parametrize("manager", [False, True])
+@pytest.mark.parametrize("damage", ["delete", "truncate"])
+def test_missing_or_truncated_data_names_the_leaf(tmp_path, damage, manager):
+    # Was: a TensorStore error naming no leaf, and sometimes "Event loop is closed"
+    # tracebacks on stderr from the reads still in flight.
+    code = f"""
+        import pathlib
+        import equinox_shard as eqxs
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        mesh = jax.make_mesh((8,), ("data",))
+        values = np.random.default_rng(0).integers(0, 2**32, 2**16, dtype=np.uint32)
+        w = jax.device_put(values.reshape(256, 256), NamedSharding(mesh, P("data")))
+        state = {{"a": jnp.arange(4.0), "layers": [{{"w": w}}], "n": 1}}
+        directory = pathlib.Path({str(tmp_path)!r})
+        if {manager}:
+            with eqxs.CheckpointManager(directory) as manager:
+                manager.save(3, state)
+            ckpt = directory / "3"
+        else:
+            ckpt = directory / "ckpt"
+            eqxs.save(ckpt, state)
+        pattern = values[1000:1004].tobytes()
+        (data,) = [f for f in ckpt.rglob("*")
+                   if f.is_file() and f.read_bytes().find(pattern) >= 0]
+        if {damage!r} == "delete":
+            data.unlink()
+        else:
+            data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+        try:
+            if {manager}:
+                with eqxs.CheckpointManager(directory) as manager:
+                    manager.restore(state)
+            else:
+                eqxs.restore(ckpt, state)
+        except Exception as e:
+            report([type(e).__name__, str(e)])
+        else:
+            report(None)
+    """
+    out = run_isolated(code, timeout=600)
+    assert out.returncode == 0, out
+    assert out.result is not None, out
+    kind, message = out.result
+    assert kind == "ValueError", out
+    assert message.startswith("like['layers'][0]['w']: "), message
+    assert ("missing" if damage == "delete" else "truncated") in message, message
+    assert "Event loop is closed" not in out.output, out
+    assert "Traceback" not in out.output, out
