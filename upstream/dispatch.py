@@ -1,5 +1,5 @@
-"""`filter_jit` dispatch per call, for Equinox trees patched to different points of
-the series: one process per version, the versions alternating.
+"""`filter_jit` dispatch and eager `filter_shard` per call, for Equinox trees patched
+to different points of the series: one process per version, the versions alternating.
 
     python upstream/dispatch.py ROUNDS NUMBER REPEAT base=/eqx/at/v0.13.8 p1=... p2=...
 
@@ -25,6 +25,8 @@ def worker(number: int, repeat: int) -> None:
     import jax.numpy as jnp
     import jax.random as jr
 
+    jax.config.update("jax_num_cpu_devices", 2)
+
     class Flat(eqx.Module):
         a0: jax.Array
         a1: jax.Array
@@ -48,6 +50,13 @@ def worker(number: int, repeat: int) -> None:
         ),
         "one array": (eqx.filter_jit(lambda x: x + 1), (x,)),
     }
+    # Eager placement of an unplaced MLP: what 0001 changes.
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    cases["eager filter_shard, small MLP"] = (
+        eqx.filter_shard,
+        (cases["small MLP"][1][0], rep),
+    )
     if "in_shardings" in (eqx.filter_jit.__doc__ or ""):
         s = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         f = eqx.filter_jit(lambda m, x: m(x), in_shardings=s)
