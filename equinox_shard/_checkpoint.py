@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import NamedSharding, Sharding
 from jaxtyping import PyTree
 
-from . import _datafiles as datafiles, _record as record_lib
+from . import _datafiles as datafiles, _progress as progress, _record as record_lib
 from ._sharding import resolve_leaves
 from ._spec import check
 
@@ -343,8 +343,11 @@ def restore(
     return out
 
 
-def restore_from(path: pathlib.Path, like: Any, shardings: Any) -> tuple[Any, dict]:
-    """`restore`, and the arrays it read (by name)."""
+def restore_from(
+    path: pathlib.Path, like: Any, shardings: Any, what: str | None = None
+) -> tuple[Any, dict]:
+    """`restore`, and the arrays it read (by name); `what` names the checkpoint on
+    its progress bar (default: the directory's name)."""
     ocp = _orbax()
     leaves, treedef = jtu.tree_flatten(like)
     paths = [jtu.keystr(p) for p, _ in jtu.tree_flatten_with_path(like)[0]]
@@ -393,8 +396,11 @@ def restore_from(path: pathlib.Path, like: Any, shardings: Any) -> tuple[Any, di
             )
     read = {}
     if items:
-        datafiles.check(path, names, "like")
-        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        stored = datafiles.check(path, names, "like")
+        with (
+            progress.Bar(f"restoring {what or path.name}", stored),
+            ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer,
+        ):
             read = checkpointer.restore(
                 path,
                 ocp.args.Composite(

@@ -28,6 +28,7 @@ class _Index:
     def __init__(self, ts, base, root: pathlib.Path):
         self.ts, self.base, self.root = ts, base, root
         self.sizes: dict[str, int | None] = {}
+        self.total = 0  # bytes of the data files' values: what a restore reads
 
     def size(self, file: str) -> int | None:
         if file not in self.sizes:
@@ -40,6 +41,8 @@ class _Index:
     def damage(self, reference: str) -> str | None:
         """How the byte range of `reference` is damaged, or `None`."""
         file, offset, length = _parse(reference)
+        if reference.startswith("value:"):
+            self.total += length
         size = self.size(file)
         if size is None:
             return f"its data file {self.root / file} is missing"
@@ -66,18 +69,19 @@ class _Index:
                 found[key] = damage
 
 
-def check(path: pathlib.Path, names: dict[str, str | None], where: str) -> None:
+def check(path: pathlib.Path, names: dict[str, str | None], where: str) -> int | None:
     """Raises `ValueError`, naming the first leaf (as `where<key path>`, in `names`'
-    order: key path -> stored name) whose stored data is missing or truncated."""
+    order: key path -> stored name) whose stored data is missing or truncated.
+    Returns the bytes stored in data files (`None` where orbax did not use OCDBT)."""
     root = path / "arrays"
     if not (root / "manifest.ocdbt").is_file():
-        return  # not an OCDBT database: orbax's own errors
+        return None  # not an OCDBT database: orbax's own errors
     try:
         import tensorstore as ts
 
         ts.ocdbt.dump  # noqa: B018 (present since tensorstore 0.1.50)
     except (ImportError, AttributeError):
-        return
+        return None
     base = ts.KvStore.open({"driver": "file", "path": str(root) + "/"}).result()
     index = _Index(ts, base, root)
     found: dict[bytes, str] = {}
@@ -95,7 +99,7 @@ def check(path: pathlib.Path, names: dict[str, str | None], where: str) -> None:
             f"read, so no array can be restored ({e})."
         ) from None
     if not found:
-        return
+        return index.total
     damaged: dict[str, str] = {}
     for key, damage in sorted(found.items()):
         name = key.split(b"/", 1)[0].decode(errors="replace")

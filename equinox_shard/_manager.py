@@ -210,7 +210,7 @@ class CheckpointManager:
             )
         start = time.perf_counter()
         path: pathlib.Path = self.directory / str(step)
-        out, read = restore_from(path, like, shardings)
+        out, read = restore_from(path, like, shardings, f"step {step}")
         logger.info(
             "restored step %d from %s: %d bytes in %.2f s",
             step, path, nbytes(read), time.perf_counter() - start,
