@@ -30,3 +30,22 @@ from ._spec_leaves import PathRules as PathRules
 
 
 __version__ = importlib.metadata.version("equinox_shard")
+
+# `Compiled` and `Lowered` are what `filter_jit(f).lower(...)` returns, never built by a
+# user: importable as before, but not public, as Equinox keeps its own.
+__all__ = [
+    "CheckpointManager",
+    "explain_rules",
+    "filter_device_put",
+    "filter_jit",
+    "filter_make_array_from_process_local_data",
+    "filter_shard",
+    "filter_shard_map",
+    "PathRules",
+    "restore",
+    "RuleMatch",
+    "RuleOverlap",
+    "RulesReport",
+    "save",
+    "sharding_table",
+]

@@ -1,5 +1,5 @@
 """The caches of `filter_jit`: one `Cache` per decorated function and configuration
-(shared by equal decorations), holding a `Layout` per argument structure and an
+(shared by equal decorations), holding an `ArgStructure` per argument structure and an
 `Entry` (one `jax.jit`) per static part of the arguments."""
 
 import collections as co
@@ -7,17 +7,31 @@ import functools as ft
 import inspect
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import equinox._caches
+import jax
 import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 from equinox import Module
+from jax.sharding import Sharding
 
-from ._checks import arg_path
-from ._donate import deleted_test, DONATE_MODES
+from ._donate import (
+    deleted_test,
+    DONATE_MODES,
+    raise_if_deleted,
+    raise_if_fun_deleted,
+)
 from ._mirror import getter, Packing
-from ._spec import context_mesh, flatten_specs, needs_leaf, needs_mesh, spread
+from ._spec import (
+    check,
+    context_mesh,
+    flatten_specs,
+    needs_leaf,
+    needs_mesh,
+    spread,
+)
 from ._spec_leaves import is_spec_leaf, PathRules, RulesUsage, unset
 
 
@@ -26,8 +40,8 @@ traceback_util.register_exclusion(__file__)
 
 class Cache:
     """The configuration of one `filter_jit` decoration and its compiled functions:
-    `layouts[(treedef, leaf types)]` -> `Layout`, whose `entries[static key]` ->
-    `Entry`."""
+    `structures[(treedef, leaf types)]` -> `ArgStructure`, whose
+    `entries[static key]` -> `Entry`."""
 
     def __init__(self, fun, donate, in_shardings, out_shardings):
         try:
@@ -88,7 +102,7 @@ class Cache:
         self.out_mesh = any(map(needs_mesh, out_leaves))
         self.fun_names = fn_names(fun)
         self.fun_source = fn_source(fun)
-        self.layouts: dict = {}
+        self.structures: dict = {}
         self.entries: dict = {}
         # The calls that made entries, under `jax_explain_cache_misses` (`_explain`).
         self.seen: list = []
@@ -97,7 +111,7 @@ class Cache:
 
     def clear(self):
         with self.lock:
-            self.layouts = {}
+            self.structures = {}
             self.entries = {}
             self.seen = []
 
@@ -188,7 +202,7 @@ def fn_source(fun) -> Any:
     return fun if hasattr(fun, "__code__") else None
 
 
-class Layout:
+class ArgStructure:
     """What depends only on the structure and leaf types of the bound arguments: which
     leaves are traced and donated, and the `in_shardings` leaf above each leaf."""
 
@@ -217,7 +231,7 @@ class Layout:
         self.needs_mesh = cache.out_mesh or any(map(needs_mesh, self.specs))
         self.key = self._key if self.rules or self.needs_mesh else self.static_of
         self.deleted = deleted_test(leaves, self.dynamic)
-        # Shared by every layout with the same traced leaves (e.g. NumPy or JAX).
+        # Shared by every argument structure with the same traced leaves (NumPy, JAX).
         self.entries = cache.entries.setdefault((treedef, mask), {})
 
     def _key(self, leaves: list) -> Any:
@@ -259,3 +273,38 @@ def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, dynamic) ->
         out.extend(spread(spec, arg, leaves_, name, arg_name, where, dynamic, usage))
     usage.check()
     return out + [None] * (len(leaves) - len(out))  # keyword arguments
+
+
+#
+# Naming the user's arrays in errors.
+#
+
+
+def arg_path(names: Sequence[str], args: tuple, kwargs: dict, index: int) -> str:
+    """The key path of leaf `index` of `(args, kwargs)`, from the parameter name."""
+    path, _ = jtu.tree_flatten_with_path((args, kwargs))[0][index]
+    group, key, *rest = path
+    if group.idx == 0:  # pyright: ignore
+        position: int = key.idx  # pyright: ignore
+        name = names[position] if position < len(names) else f"args[{position}]"
+    else:
+        name = str(key.key)  # pyright: ignore
+    return name + jtu.keystr(tuple(rest))
+
+
+def diagnose(
+    cache: Any,
+    args,
+    kwargs,
+    leaves: list,
+    dynamic,
+    targets: list[tuple[int, Sharding]],
+    dynamic_fun: Any = None,
+) -> None:
+    """Called after `jax.jit` raised: raises our own error, naming the key path, if we
+    can name the culprit (a deleted input, a bad shape)."""
+    where = lambda i: arg_path(cache.names, args, kwargs, i)
+    raise_if_deleted(leaves, dynamic, where)
+    raise_if_fun_deleted(cache.fun_name, dynamic_fun)
+    for i, sharding in targets:
+        check(jax.numpy.shape(leaves[i]), sharding, lambda i=i: where(i))

@@ -84,16 +84,16 @@ def _array(x) -> dict:
     return out
 
 
-def _describe(cache, layout, args, kwargs, leaves) -> dict:
+def _describe(cache, structure, args, kwargs, leaves) -> dict:
     """A call, as an explanation compares it: key path -> the static leaf itself, or
     the traced leaf's type, sharding, memory kind and committedness."""
-    dynamic, flat = set(layout.dynamic), jtu.tree_flatten_with_path((args, kwargs))
+    dynamic, flat = set(structure.dynamic), jtu.tree_flatten_with_path((args, kwargs))
     paths = {
         _user_name(cache, path): _array(x) if i in dynamic else ("static", x)
         for i, ((path, _), x) in enumerate(zip(flat[0], leaves))
     }
-    mesh = context_mesh(abstract_ok=True) if layout.needs_mesh else None
-    return {"paths": paths, "given": paths, "mesh": mesh, "treedef": layout.treedef}
+    mesh = context_mesh(abstract_ok=True) if structure.needs_mesh else None
+    return {"paths": paths, "given": paths, "mesh": mesh, "treedef": structure.treedef}
 
 
 def _user_name(cache, path: tuple) -> str:
@@ -218,12 +218,12 @@ def _report(cache, new: dict, seen: list, head: str, key: str = "paths") -> str:
     return "\n".join(lines)
 
 
-def build(cache, layout, args, kwargs, leaves, make: Callable[[], tuple]) -> tuple:
-    """`make()` (which builds and traces a new entry: `_trace.build_entry`) under the
+def build(cache, structure, args, kwargs, leaves, make: Callable[[], tuple]) -> tuple:
+    """`make()` (which builds and traces a new entry: `_entry.build_entry`) under the
     flag: explains the miss first, and records the call; the entry's dispatch then
     tells `_recompiled` which call it makes. Loggers are as they were afterwards."""
     with listening():
-        _miss(cache, layout, args, kwargs, leaves)
+        _miss(cache, structure, args, kwargs, leaves)
         outer, _state.building = getattr(_state, "building", False), True
         try:
             entry, leaves, trees = make()
@@ -234,16 +234,16 @@ def build(cache, layout, args, kwargs, leaves, make: Callable[[], tuple]) -> tup
     return entry, leaves, trees
 
 
-def _miss(cache, layout, args, kwargs, leaves) -> None:
+def _miss(cache, structure, args, kwargs, leaves) -> None:
     """A new entry (a new `jax.jit`) is about to be built: explains why."""
     try:
-        new = _describe(cache, layout, args, kwargs, leaves)
+        new = _describe(cache, structure, args, kwargs, leaves)
         report = _report(cache, new, cache.seen, "a new jax.jit", "given")
         _state.given = new["paths"]
     except Exception as e:  # an explanation never fails a call
         report = f"FILTER_JIT CACHE MISS, not explained: {e!r}"
         _state.given = None
-    if not cache.seen and cache.layouts:
+    if not cache.seen and cache.structures:
         report = report.replace("first call", "first call seen with the flag on")
     logger.warning(report)
 
@@ -251,7 +251,7 @@ def _miss(cache, layout, args, kwargs, leaves) -> None:
 def _seen(cache, entry, args, kwargs, leaves) -> None:
     """Records a call that compiled (with the leaves as `jax.jit` got them)."""
     with contextlib.suppress(Exception):  # then "not explained" was said
-        new = _describe(cache, entry.layout, args, kwargs, leaves)
+        new = _describe(cache, entry.structure, args, kwargs, leaves)
         # Compared with the next new entry's call as given, before any placing.
         new["given"], new["entry"] = _state.given or new["paths"], entry
         cache.seen.append(new)
@@ -289,9 +289,9 @@ def _recompiled(module_name) -> None:
     cache, entry, leaves = call
     if module_name != f"jit({cache.fun_names[0]})":
         return  # not our `jax.jit`: JAX's own, for placing the inputs
-    args, kwargs = entry.layout.treedef.unflatten(leaves)
+    args, kwargs = entry.structure.treedef.unflatten(leaves)
     explained, _state.jax_explained = getattr(_state, "jax_explained", False), False
-    new = _describe(cache, entry.layout, args, kwargs, leaves)
+    new = _describe(cache, entry.structure, args, kwargs, leaves)
     new["entry"] = entry
     same = [old for old in cache.seen if old.get("entry") is entry]
     if not all(_diff(cache, new, old) for old in same):

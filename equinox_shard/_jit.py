@@ -14,18 +14,12 @@ import jax.core
 import jax.tree_util as jtu
 from equinox import field, is_array, Module, module_update_wrapper, Partial
 
-from . import _checks, _explain
-from ._cache import Cache, get_cache, Layout
+from . import _explain
+from ._cache import ArgStructure, Cache, diagnose, get_cache
 from ._donate import unusable_donations_ignored
-from ._prepare import prepare
+from ._entry import AutoLayouts, build_entry, Entry, prepare
+from ._mirror import mirror_combine, mirror_partition
 from ._spec_leaves import unset
-from ._trace import (
-    AutoLayouts,
-    build_entry,
-    Entry,
-    mirror_combine,
-    mirror_partition,
-)
 
 
 traceback_util.register_exclusion(__file__)
@@ -62,38 +56,40 @@ def _call(wrapper, args, kwargs, compiled=None):
         args, kwargs = _bind(cache, args, kwargs)
     leaves, treedef = jtu.tree_flatten((args, kwargs))
     if compiled is None:
-        layout = cache.layouts.get((treedef, tuple(map(type, leaves))))
-        entry = None if layout is None else layout.entries.get(layout.key(leaves))
+        structure = cache.structures.get((treedef, tuple(map(type, leaves))))
+        entry = (
+            None if structure is None else structure.entries.get(structure.key(leaves))
+        )
     else:
         entry = compiled._entry
-        layout = entry.layout
+        structure = entry.structure
         _check_compiled(entry, treedef, leaves)
     if entry is None:
-        entry, layout, leaves, dynamic = _compile(
+        entry, structure, leaves, dynamic = _compile(
             wrapper, cache, args, kwargs, leaves, treedef
         )
     else:
         leaves, dynamic = prepare(
-            fields["_dynamic_fun"], cache, entry, layout, args, kwargs, leaves
+            fields["_dynamic_fun"], cache, entry, structure, args, kwargs, leaves
         )
     run = entry.jitted if compiled is None else compiled.compiled
     try:
         out = entry.dispatch(
             run,
             dynamic,
-            layout.deleted,  # pyright: ignore[reportOptionalMemberAccess]
+            structure.deleted,  # pyright: ignore[reportOptionalMemberAccess]
             leaves,
             __equinox_jit_id__,
         )
     except eqx.EquinoxRuntimeError:
         raise
     except Exception:
-        _checks.diagnose(
+        diagnose(
             cache,
             args,
             kwargs,
             leaves,
-            entry.layout.dynamic,
+            entry.structure.dynamic,
             entry.targets,
             fields["_dynamic_fun"],
         )
@@ -105,46 +101,46 @@ def _call(wrapper, args, kwargs, compiled=None):
 
 
 def _check_compiled(entry: Entry, treedef, leaves) -> None:
-    static = entry.layout.static_of(leaves)
-    if treedef != entry.layout.treedef or static != entry.static:
+    static = entry.structure.static_of(leaves)
+    if treedef != entry.structure.treedef or static != entry.static:
         raise TypeError(
             "This function was compiled for arguments of structure "
-            f"{entry.layout.treedef} with static (non-array) leaves {entry.static}, "
+            f"{entry.structure.treedef} with static (non-array) leaves {entry.static}, "
             f"but was called with {treedef} and {static}. Lower and compile it again "
             "for these arguments."
         )
 
 
 def _compile(wrapper, cache, args, kwargs, leaves, treedef, dynamic=is_array):
-    """The slow path of a call (or of `.lower()`): finds or makes the layout and the
-    entry, under the cache's lock."""
-    layout_key = (treedef, tuple(map(type, leaves)))
+    """The slow path of a call (or of `.lower()`): finds or makes the argument
+    structure and the entry, under the cache's lock."""
+    structure_key = (treedef, tuple(map(type, leaves)))
     if dynamic is not is_array:
-        layout_key += (dynamic,)
+        structure_key += (dynamic,)
     with cache.lock:
-        layout = cache.layouts.get(layout_key)
-        if layout is None:
-            layout = Layout(cache, args, kwargs, leaves, treedef, dynamic)
-        key = layout.key(leaves)
-        entry = layout.entries.get(key)
+        structure = cache.structures.get(structure_key)
+        if structure is None:
+            structure = ArgStructure(cache, args, kwargs, leaves, treedef, dynamic)
+        key = structure.key(leaves)
+        entry = structure.entries.get(key)
         if entry is not None:  # made by another thread meanwhile
             leaves, trees = prepare(
-                wrapper._dynamic_fun, cache, entry, layout, args, kwargs, leaves
+                wrapper._dynamic_fun, cache, entry, structure, args, kwargs, leaves
             )
-            return entry, layout, leaves, trees
-        make = lambda: build_entry(wrapper, cache, layout, args, kwargs, leaves)
+            return entry, structure, leaves, trees
+        make = lambda: build_entry(wrapper, cache, structure, args, kwargs, leaves)
         config = jax.config
         if config.jax_explain_cache_misses and not config.jax_disable_jit:  # pyright: ignore
             # JAX's own flag: say why, in the caller's names (`_explain`).
             entry, leaves, trees = _explain.build(
-                cache, layout, args, kwargs, leaves, make
+                cache, structure, args, kwargs, leaves, make
             )
         else:
             entry, leaves, trees = make()
         if not jax.config.jax_disable_jit:  # pyright: ignore
-            layout.entries[key] = entry
-            cache.layouts[layout_key] = layout
-    return entry, layout, leaves, trees
+            structure.entries[key] = entry
+            cache.structures[structure_key] = structure
+    return entry, structure, leaves, trees
 
 
 #
@@ -185,13 +181,15 @@ class Compiled(Module):
 
     def _inputs(self, per_input) -> tuple[tuple, dict]:
         (_, kwargs, *args), _ = per_input
-        layout = self._entry.layout
-        leaves: list = [None] * layout.treedef.num_leaves
-        for i, x in zip(layout.static, self._entry.static):
+        structure = self._entry.structure
+        leaves: list = [None] * structure.treedef.num_leaves
+        for i, x in zip(structure.static, self._entry.static):
             leaves[i] = x
-        for i, sharding in zip(layout.dynamic, layout.packing.unpack(kwargs, args)):
+        for i, sharding in zip(
+            structure.dynamic, structure.packing.unpack(kwargs, args)
+        ):
             leaves[i] = sharding
-        return layout.treedef.unflatten(leaves)
+        return structure.treedef.unflatten(leaves)
 
     @property
     def output_shardings(self) -> Any:
@@ -265,8 +263,8 @@ class _JitWrapper(Module):
             return entry, stage(entry.jitted, dynamic)
         except Exception:
             # The entry was checked for the shapes of the call that made it.
-            _checks.diagnose(
-                cache, args, kwargs, leaves, entry.layout.dynamic, entry.targets
+            diagnose(
+                cache, args, kwargs, leaves, entry.structure.dynamic, entry.targets
             )
             raise
 

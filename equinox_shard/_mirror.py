@@ -15,6 +15,7 @@ from typing import Any
 
 import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
+from equinox import is_array
 
 
 traceback_util.register_exclusion(__file__)
@@ -180,3 +181,53 @@ def mirror(tree: Any, is_leaf=None) -> Any:
         names = tuple(k.name for k in keys)  # pyright: ignore[reportAttributeAccessIssue]
         return _namedtuple(kind, names)(*mirrored)
     return _Node(tuple(mirrored), (kind, keys))
+
+
+def mirror_partition(tree: Any) -> tuple[Any, tuple[tuple, Any]]:
+    """Splits `tree` into its arrays, in its `mirror` (`None` at every other leaf), and
+    a hashable `(leaves, treedef)` holding everything else (`None` at the arrays)."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    mirrored = mirror(tree)
+    mirror_leaves, mirror_def = jtu.tree_flatten(mirrored)
+    dynamic = mirror_def.unflatten([x if is_array(x) else None for x in mirror_leaves])
+    static = tuple(None if is_array(x) else x for x in leaves)
+    return dynamic, (static, treedef)
+
+
+def mirror_combine(dynamic: Any, static: tuple[tuple, Any]) -> Any:
+    """The inverse of `mirror_partition`."""
+    static_leaves, treedef = static
+    arrays = iter(jtu.tree_leaves(dynamic))
+    return treedef.unflatten([next(arrays) if s is None else s for s in static_leaves])
+
+
+class OutStatic:
+    """The non-array part of an output. `jax.jit` returns it as it is (a node with no
+    children, itself its auxiliary data), so a call builds nothing for it."""
+
+    def __init__(self, static_leaves: tuple, treedef: Any, mirrored: bool):
+        self.treedef = treedef
+        self.mirrored = mirrored
+        self.static = tuple(x for x in static_leaves if x is not None)
+        # Output leaf `i` is item `order[i]` of `arrays + self.static`: one C-speed
+        # gather.
+        order, n_arrays = [], sum(x is None for x in static_leaves)
+        arrays = statics = 0
+        for x in static_leaves:
+            if x is None:
+                order.append(arrays)
+                arrays += 1
+            else:
+                order.append(n_arrays + statics)
+                statics += 1
+        self.gather = getter(tuple(order))
+
+    def combine(self, dynamic: Any) -> Any:
+        """The output, from the arrays that came back beside this: a tuple, else (under
+        `out_shardings`) the output's mirror."""
+        if self.mirrored:
+            dynamic = tuple(jtu.tree_leaves(dynamic))
+        return self.treedef.unflatten(self.gather(dynamic + self.static))
+
+
+jtu.register_static(OutStatic)

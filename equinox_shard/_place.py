@@ -2,6 +2,8 @@
 that the caller did not donate (RFC §6): where JAX would hand back a buffer of the
 source, or free one it was not given, the source is copied first or not donated."""
 
+import operator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -23,8 +25,8 @@ from ._donate import (
     raise_if_deleted,
     shares_source_buffer,
 )
-from ._spec import check, leaf_path
-from ._spec_leaves import Format, Layout
+from ._spec import check
+from ._spec_leaves import Format, Layout, sharding_of
 
 
 traceback_util.register_exclusion(__file__)
@@ -157,21 +159,36 @@ def _is_committed_array(x: Any) -> bool:
     )
 
 
-def device_put_leaves(
-    value: Any,
+def all_placed(values, expected: tuple) -> bool:
+    """Whether every value is a committed `jax.Array` whose sharding equals its target,
+    `expected` holding `(True, sharding)` per value (one C-speed pass). `False` means
+    `place` must look: `jax.jit` may not be given an array on another sharding
+    (upstream/jax-reports/jit-committed-device-order)."""
+    try:
+        return all(map(operator.eq, map(_placement, values), expected))
+    except (AttributeError, TypeError):  # NumPy, a tracer, a `ShapeDtypeStruct`
+        return False
+
+
+_placement = operator.attrgetter("committed", "sharding")
+
+
+def place(
     leaves: list,
     todo: list[tuple[int, Any]],
-    value_name: str,
+    where: Callable[[int], str],
     *,
     donate: list | bool | None = False,
     may_alias: list | bool | None = None,
 ) -> None:
-    """Places `leaves[i]` on `sharding` for each `(i, sharding)` in `todo` with one
-    batched `jax.device_put`, in place. Arrays that already carry an equivalent
-    sharding are left as the same object (unless `may_alias=False`). Every other
-    result owns its buffers, unless donated or `may_alias=True`: donating it later
-    never deletes the input."""
-    where = lambda i: leaf_path(value, i, value_name)
+    """Places `leaves[i]` on `target` for each `(i, target)` in `todo` (a `Sharding`
+    or a `Format`) with one batched `jax.device_put`, in place: the one placement of
+    `filter_device_put`, `filter_shard`, `filter_jit`'s inputs and process-local data.
+    `donate` and `may_alias` are `jax.device_put`'s, per leaf (lists are indexed by leaf
+    index). Arrays that already carry an equivalent sharding are left as the same object
+    (unless `may_alias=False`). Every other result owns its buffers, unless donated or
+    `may_alias=True`: donating it later never deletes the input. `where(i)` names leaf
+    `i` in errors."""
     indices = []
     targets = []
     for i, sharding in todo:
@@ -179,8 +196,8 @@ def device_put_leaves(
         if type(sharding) is Format:
             check(leaf.shape, sharding.sharding, lambda i=i: where(i))
             sharding = _format_target(leaf, sharding, lambda i=i: where(i))
+        flag = may_alias if not isinstance(may_alias, list) else may_alias[i]
         if type(sharding) is Format:
-            flag = may_alias if not isinstance(may_alias, list) else may_alias[i]
             if flag is not False and _is_committed_array(leaf):
                 if is_deleted(leaf):
                     raise_if_deleted(
@@ -196,7 +213,6 @@ def device_put_leaves(
             # only a compiler can choose) is placed replicated, as eager
             # `with_sharding_constraint` (an identity `jit`) does.
             sharding = _without_unconstrained(sharding)
-        flag = may_alias if not isinstance(may_alias, list) else may_alias[i]
         if flag is not False and _is_committed_array(leaf):
             if is_deleted(leaf):
                 raise_if_deleted(leaves, (i,), where, then=", so it cannot be placed")
@@ -240,7 +256,7 @@ def device_put_leaves(
     early = [
         k
         for k, (x, t) in enumerate(zip(sources, targets))
-        if copy[k] and shares_source_buffer(x, t.sharding if type(t) is Format else t)
+        if copy[k] and shares_source_buffer(x, sharding_of(t))
     ]
     if early:
         # A private copy on the source device first, whose buffer may then be shared.

@@ -133,7 +133,7 @@ def filter_make_array_from_process_local_data(
                     "run, `global_shape` must be None or the local shape "
                     f"{np.shape(leaves[i])}; got {shape}."
                 )
-        _place.device_put_leaves(local_data, leaves, todo, "local_data")
+        _place.place(leaves, todo, lambda i: leaf_path(local_data, i, "local_data"))
         return jtu.tree_unflatten(treedef, leaves)
     me = jax.process_index()
     everyone = frozenset(range(jax.process_count()))

@@ -18,7 +18,7 @@ from jax.sharding import (
 )
 from jaxtyping import PyTree
 
-from ._place import device_put_leaves, is_default_memory
+from ._place import is_default_memory, place
 from ._spec import (
     broadcast_specs,
     check,
@@ -277,11 +277,10 @@ def filter_device_put(
         for i, leaf in zip(indices, out):
             leaves[i] = leaf
     else:
-        device_put_leaves(
-            x,
+        place(
             leaves,
             todo,
-            "x",
+            lambda i: leaf_path(x, i, "x"),
             donate=_broadcast_flags(donate, x, leaves, "donate"),
             may_alias=_broadcast_flags(may_alias, x, leaves, "may_alias"),
         )
@@ -376,5 +375,5 @@ def filter_shard(x: PyTree[Any], device_or_shardings: Any) -> PyTree[Any]:
     if traced:
         constrain_leaves(x, leaves, todo, "x")
     else:
-        device_put_leaves(x, leaves, todo, "x")
+        place(leaves, todo, lambda i: leaf_path(x, i, "x"))
     return jtu.tree_unflatten(treedef, leaves)

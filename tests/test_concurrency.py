@@ -98,7 +98,7 @@ report(
         "calls": sum(map(len, outputs)),
         "wrong": wrong,
         "traces": {{str(k): n for k, n in traces.items()}},
-        "plans": len(f._cache.layouts),
+        "plans": len(f._cache.structures),
         "entries": sum(map(len, f._cache.entries.values())),
     }}
 )
@@ -364,7 +364,7 @@ def test_growth_fresh_equal_modules():
     growth = _rss_mib() - before
     assert compiles == []
     assert sorted(traces) == ["layer0", "layer1"]
-    assert len(apply._cache.layouts) == 2
+    assert len(apply._cache.structures) == 2
     entries = apply._cache.entries.values()
     assert sum(map(len, entries)) == 2
     assert growth < _RSS_BOUND_MIB, growth

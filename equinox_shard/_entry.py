@@ -1,7 +1,17 @@
 """An `Entry` of `filter_jit`'s cache, built, traced and frozen in one place: the
 function given to `jax.jit` (its dynamic trees keep the user's structure, so that
 `in_shardings` and `out_shardings` are prefixes that `jax.jit` applies, and JAX's errors
-name the user's arguments), the `jax.jit` itself, and the dispatch of its calls."""
+name the user's arguments), the `jax.jit` itself, what each call's inputs go through
+before it (`prepare`), and the layers of its dispatch.
+
+`in_shardings` is the request to place: an input that is not yet there (uncommitted, or
+committed elsewhere) is moved first, so that `jax.jit` always sees inputs on their
+shardings, `x = f(x)` compiles once, and a committed input is moved where plain
+`jax.jit` would refuse (the same devices, another sharding). A move of an input that
+is not donated may share the caller's buffers, which are never donated. A donated input
+that moves is freed where `jax.jit` frees it: when the move hands back all of its
+buffers (onto its own device, or replicated over devices that include its own),
+donating the moved array deletes the caller's; otherwise it moves a private copy."""
 
 import functools as ft
 import inspect
@@ -14,13 +24,20 @@ import jax.tree_util as jtu
 import numpy as np
 from equinox import is_array
 
-from . import _callbacks, _checks, _donate
-from ._cache import Cache, Layout
-from ._mirror import getter, mirror
-from ._place import device_put_leaves
-from ._prepare import prepare
+from . import _callbacks, _donate
+from ._cache import arg_path, ArgStructure, Cache, diagnose
+from ._mirror import getter, mirror, mirror_combine, OutStatic
+from ._place import all_placed, place
 from ._sharding import resolve_leaves
-from ._spec import check, context_mesh, for_jax, resolve, resolve_each
+from ._spec import (
+    check,
+    context_mesh,
+    for_jax,
+    is_abstract,
+    leaf_path,
+    resolve,
+    resolve_each,
+)
 from ._spec_leaves import (
     Format,
     is_auto,
@@ -35,82 +52,39 @@ from ._spec_leaves import (
 traceback_util.register_exclusion(__file__)
 
 
-def mirror_partition(tree: Any) -> tuple[Any, tuple[tuple, Any]]:
-    """Splits `tree` into its arrays, in its `mirror` (`None` at every other leaf), and
-    a hashable `(leaves, treedef)` holding everything else (`None` at the arrays)."""
-    leaves, treedef = jtu.tree_flatten(tree)
-    mirrored = mirror(tree)
-    mirror_leaves, mirror_def = jtu.tree_flatten(mirrored)
-    dynamic = mirror_def.unflatten([x if is_array(x) else None for x in mirror_leaves])
-    static = tuple(None if is_array(x) else x for x in leaves)
-    return dynamic, (static, treedef)
-
-
-def mirror_combine(dynamic: Any, static: tuple[tuple, Any]) -> Any:
-    """The inverse of `mirror_partition`."""
-    static_leaves, treedef = static
-    arrays = iter(jtu.tree_leaves(dynamic))
-    return treedef.unflatten([next(arrays) if s is None else s for s in static_leaves])
-
-
 #
 # The traced function: rebuilds the call from the dynamic trees and the static part,
 # and returns the output's arrays in the output's own structure.
 #
 
 
-class OutStatic:
-    """The non-array part of an output. `jax.jit` returns it as it is (a node with no
-    children, itself its auxiliary data), so a call builds nothing for it."""
-
-    def __init__(self, static_leaves: tuple, treedef: Any, mirrored: bool):
-        self.treedef = treedef
-        self.mirrored = mirrored
-        self.static = tuple(x for x in static_leaves if x is not None)
-        # Output leaf `i` is item `order[i]` of `arrays + self.static`: one C-speed
-        # gather.
-        order, n_arrays = [], sum(x is None for x in static_leaves)
-        arrays = statics = 0
-        for x in static_leaves:
-            if x is None:
-                order.append(arrays)
-                arrays += 1
-            else:
-                order.append(n_arrays + statics)
-                statics += 1
-        self.gather = getter(tuple(order))
-
-    def combine(self, dynamic: Any) -> Any:
-        """The output, from the arrays that came back beside this: a tuple, else (under
-        `out_shardings`) the output's mirror."""
-        if self.mirrored:
-            dynamic = tuple(jtu.tree_leaves(dynamic))
-        return self.treedef.unflatten(self.gather(dynamic + self.static))
-
-
-jtu.register_static(OutStatic)
-
-
 def _traced_function(
-    cache: Cache, static_fun, layout: Layout, leaves, targets, mesh, out_specs, found
+    cache: Cache,
+    static_fun,
+    structure: ArgStructure,
+    leaves,
+    targets,
+    mesh,
+    out_specs,
+    found,
 ):
-    dynamic = set(layout.dynamic)
+    dynamic = set(structure.dynamic)
     static_leaves = tuple(None if i in dynamic else x for i, x in enumerate(leaves))
-    treedef = layout.treedef
+    treedef = structure.treedef
     # A single spec leaf is a prefix of any output, also of its flat arrays.
     structured = out_specs is not unset and not _is_single(out_specs)
 
     def fun_wrapped(dynamic_fun, dynamic_kwargs, *dynamic_args):
         fun = mirror_combine(dynamic_fun, static_fun)
         flat = list(static_leaves)
-        dynamic = layout.packing.unpack(dynamic_kwargs, dynamic_args)
-        for i, x in zip(layout.dynamic, dynamic):
+        dynamic = structure.packing.unpack(dynamic_kwargs, dynamic_args)
+        for i, x in zip(structure.dynamic, dynamic):
             flat[i] = x
         if targets and jax.config.jax_disable_jit:  # pyright: ignore
             # `jax.jit` ignores `in_shardings` under `disable_jit`; we place anyway.
-            device_put_leaves(
-                treedef.unflatten(flat), flat, _concrete(flat, targets), "args"
-            )
+            tree = treedef.unflatten(flat)
+            where = lambda i: leaf_path(tree, i, "args")
+            place(flat, _concrete(flat, targets), where)
         args, kwargs = treedef.unflatten(flat)
         out = fun(*args, **kwargs)
         if out_specs is not unset:
@@ -186,7 +160,8 @@ def _out_shardings(out, out_specs, found: list | None, structured: bool, mesh):
         else:
             found.append(tuple(s for s, x in zip(shardings, out_leaves) if is_array(x)))
     if jax.config.jax_disable_jit and todo:  # pyright: ignore
-        device_put_leaves(out, out_leaves, _concrete(out_leaves, todo), "out")
+        where = lambda i: leaf_path(out, i, "out")
+        place(out_leaves, _concrete(out_leaves, todo), where)
         return out_def.unflatten(out_leaves)
     return out
 
@@ -221,7 +196,7 @@ class Entry:
     `_donate.serialized`, `_donate.donating`, `_callbacks.waiting`)."""
 
     __slots__ = (
-        "layout",
+        "structure",
         "static",
         "targets",
         "get_targets",
@@ -232,14 +207,16 @@ class Entry:
     )
 
 
-def build_entry(wrapper, cache: Cache, layout: Layout, args, kwargs, leaves) -> tuple:
+def build_entry(
+    wrapper, cache: Cache, structure: ArgStructure, args, kwargs, leaves
+) -> tuple:
     """Resolves `in_shardings` for this call and checks each input against them
     (before anything runs), builds the `jax.jit`, places this call's inputs and
     traces it (not under `jax.disable_jit`): the entry, and this call's leaves and
     dynamic trees, as `prepare` returns them."""
-    where = lambda i: _checks.arg_path(cache.names, args, kwargs, i)
+    where = lambda i: arg_path(cache.names, args, kwargs, i)
     resolver = ft.partial(resolve, abstract_ok=True)
-    targets = resolve_each(layout.specs, leaves, layout.dynamic, where, resolver)
+    targets = resolve_each(structure.specs, leaves, structure.dynamic, where, resolver)
     for i, sharding in targets:
         check(jax.numpy.shape(leaves[i]), sharding, lambda i=i: where(i))
     formats = targets
@@ -249,17 +226,17 @@ def build_entry(wrapper, cache: Cache, layout: Layout, args, kwargs, leaves) -> 
         # Inputs are placed on a `Format`'s sharding; its layout is `jax.jit`'s.
         targets = [(i, sharding_of(s)) for i, s in targets]
     entry = Entry()
-    entry.layout = layout
-    entry.static = layout.static_of(leaves)
+    entry.structure = structure
+    entry.static = structure.static_of(leaves)
     entry.targets = targets
     entry.get_targets = getter(tuple(i for i, _ in targets))
     entry.placed = tuple((True, s) for _, s in targets)
-    entry.donates = bool(layout.donated) or (
+    entry.donates = bool(structure.donated) or (
         cache.donate_rest and wrapper._dynamic_fun is not None
     )
-    jitted = entry.jitted = _jit(wrapper, cache, layout, args, leaves, formats)
+    jitted = entry.jitted = _jit(wrapper, cache, structure, args, leaves, formats)
     leaves, dynamic = prepare(
-        wrapper._dynamic_fun, cache, entry, layout, args, kwargs, leaves
+        wrapper._dynamic_fun, cache, entry, structure, args, kwargs, leaves
     )
     guards = None
     if not jax.config.jax_disable_jit:  # pyright: ignore
@@ -272,18 +249,89 @@ def build_entry(wrapper, cache: Cache, layout: Layout, args, kwargs, leaves) -> 
     if auto is not None:
         entry.jitted = AutoLayouts(entry.jitted, auto)
     shardings = [s for _, s in targets]
-    shardings += [getattr(leaves[i], "sharding", None) for i in layout.dynamic]
-    # The dispatch layers, innermost first: the launch, then its lock (donation's with
-    # its re-check and warning filter), then the wait for callbacks.
-    if entry.donates:
-        entry.dispatch = _donate.donating(cache.filter_warning)
-    elif _donate.serialize_dispatch(shardings):
-        entry.dispatch = _donate.serialized
-    else:
-        entry.dispatch = _donate.plain
-    if guards is not None:
-        entry.dispatch = _callbacks.waiting(guards, entry.dispatch)
+    shardings += [getattr(leaves[i], "sharding", None) for i in structure.dynamic]
+    entry.dispatch = _dispatch(cache, entry, guards, shardings)
     return entry, leaves, dynamic
+
+
+#
+# Each call: the checks and placements before `jax.jit`, then the dispatch layers.
+#
+
+
+def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple:
+    """Checks and placements before execution: returns the leaves as placed and the
+    dynamic trees to call. `structure` is the one of this call's leaf types, which
+    tests for deleted inputs: an entry is shared by structures that differ in them
+    (arrays, tracers, NumPy); its own packs the leaves as its function unpacks them."""
+    # XLA crashes on a deleted multi-device input, donated or not.
+    if structure.deleted(leaves):
+        _donate.raise_if_deleted(leaves, structure.dynamic, _where(cache, args, kwargs))
+    structure = entry.structure
+    placed = leaves
+    if entry.donates:
+        fun = dynamic_fun if cache.donate_rest else None
+        where = _where(cache, args, kwargs)
+        placed = _donate.keep_undonated(
+            leaves, structure.donated, structure.dynamic, fun, where, cache.fun_name
+        )
+    if entry.targets and not all_placed(entry.get_targets(placed), entry.placed):
+        placed = list(placed)
+        donated = structure.donated if entry.donates else ()
+        try:
+            _place_inputs(placed, entry.targets, _where(cache, args, kwargs), donated)
+        except Exception:
+            # The entry was checked for the shapes of the call that made it.
+            diagnose(cache, args, kwargs, placed, structure.dynamic, entry.targets)
+            raise
+    if not structure.packing.trivial:
+        return placed, (dynamic_fun, *structure.packing.pack(placed))
+    if placed is not leaves:
+        args, kwargs = structure.treedef.unflatten(placed)
+    return placed, (dynamic_fun, kwargs, *args)
+
+
+def _where(cache, args, kwargs):
+    return lambda i: arg_path(cache.names, args, kwargs, i)
+
+
+def _place_inputs(leaves: list, targets: list, where, donated) -> None:
+    """`place`s the inputs that are values (not tracers: inside a trace, on the
+    abstract mesh, the enclosing call places; NumPy only across processes, else
+    `jax.jit` transfers it). The moved arrays are never returned to the caller, so
+    they may share its buffers, except that a donated one shares all of them or none
+    (`_donate.reuses_every_buffer`)."""
+    targets = [(i, s) for i, s in targets if not is_abstract(s)]
+    multiprocess = any(not s.is_fully_addressable for _, s in targets)
+    values = (jax.Array, np.ndarray, np.generic) if multiprocess else jax.Array
+    todo = [
+        (i, s)
+        for i, s in targets
+        if isinstance(leaves[i], values) and not isinstance(leaves[i], jax.core.Tracer)
+    ]
+    donated = frozenset(donated)
+    may_alias = [True] * len(leaves)
+    for i, s in todo:
+        if i in donated:
+            may_alias[i] = _donate.reuses_every_buffer(leaves[i], s)
+    place(leaves, todo, where, may_alias=may_alias)
+
+
+def _dispatch(cache, entry, guards, shardings):
+    """The entry's dispatch, `dispatch(run, dynamic, deleted, leaves, jit_id)`, as
+    layers chosen here, innermost first: the launch; under `_donate.dispatch_lock` where
+    the entry donates (with the re-check of its inputs and, for `donate='all'`, JAX's
+    warning filtered) or runs on several CPU devices; then the wait for callbacks. An
+    AOT `Compiled` passes its executable as `run`, through the same layers."""
+    if entry.donates:
+        dispatch = _donate.donating(cache.filter_warning)
+    elif _donate.serialize_dispatch(shardings):
+        dispatch = _donate.serialized
+    else:
+        dispatch = _donate.plain
+    if guards is not None:
+        dispatch = _callbacks.waiting(guards, dispatch)
+    return dispatch
 
 
 def _is_value(x) -> bool:
@@ -342,14 +390,14 @@ class AutoLayouts:
         return compiled(*args)
 
 
-def _jit(wrapper, cache: Cache, layout: Layout, args, leaves, targets):
+def _jit(wrapper, cache: Cache, structure: ArgStructure, args, leaves, targets):
     """The `jax.jit` of an entry (a `ResolveRules` for rules in `out_shardings`)."""
     jit_kwargs: dict = {}
     if cache.in_shardings is not unset:
         shardings: list = [None] * len(leaves)
         for i, sharding in targets:
             shardings[i] = for_jax(sharding)
-        jit_kwargs["in_shardings"] = (None, *layout.packing.pack(shardings))
+        jit_kwargs["in_shardings"] = (None, *structure.packing.pack(shardings))
     jit_kwargs["donate_argnums"] = _donate.donate_argnums(
         cache.donate_first, cache.donate_rest, len(args)
     )
@@ -363,7 +411,7 @@ def _jit(wrapper, cache: Cache, layout: Layout, args, leaves, targets):
     # trace only its abstract mesh is available.
     mesh = context_mesh(abstract_ok=True) if cache.out_rules else None
     make = ft.partial(
-        _traced_function, cache, wrapper._static_fun, layout, leaves, targets, mesh
+        _traced_function, cache, wrapper._static_fun, structure, leaves, targets, mesh
     )
     if cache.out_rules:
         return ResolveRules(make, out_specs, jit_kwargs)
