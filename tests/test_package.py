@@ -1,0 +1,65 @@
+import ast
+import pathlib
+import re
+
+import equinox as eqx
+import equinox_shard as eqxs
+import jax.numpy as jnp
+
+
+_PACKAGE = pathlib.Path(eqxs.__file__).parent
+_DOCS = pathlib.Path(__file__).parent.parent / "docs" / "api"
+
+
+def _documented() -> set[str]:
+    names = set()
+    for page in _DOCS.glob("*.md"):
+        names.update(re.findall(r"^::: equinox_shard\.(\w+)$", page.read_text(), re.M))
+    return names
+
+
+def test_all_is_what_the_api_pages_document_less_the_aot_objects():
+    assert sorted(eqxs.__all__) == sorted(_documented() - {"Compiled", "Lowered"})
+    for name in eqxs.__all__:
+        assert getattr(eqxs, name).__module__.startswith("equinox_shard")
+
+
+def test_aot_objects_are_returned_not_exported():
+    f = eqxs.filter_jit(lambda x: x + 1)
+    lowered = f.lower(jnp.ones(2))
+    compiled = lowered.compile()
+    assert type(lowered).__name__ == "Lowered" and "Lowered" not in eqxs.__all__
+    assert type(compiled).__name__ == "Compiled" and "Compiled" not in eqxs.__all__
+    assert eqxs.Lowered is type(lowered) and eqxs.Compiled is type(compiled)
+    assert isinstance(lowered, eqx.Module)
+    assert jnp.array_equal(compiled(jnp.ones(2)), jnp.full(2, 2.0))
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """The package modules that `path` imports at module level."""
+    out = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module is None:
+                out.update(alias.name for alias in node.names)
+            else:
+                out.add(node.module)
+    return out
+
+
+def test_no_import_cycle_and_no_long_module():
+    graph = {p.stem: _imports(p) for p in _PACKAGE.glob("*.py")}
+    done: set[str] = set()
+
+    def visit(module: str, stack: tuple[str, ...]) -> None:
+        assert module not in stack, " -> ".join((*stack, module))
+        if module in done:
+            return
+        for imported in graph.get(module, ()):
+            visit(imported, (*stack, module))
+        done.add(module)
+
+    for module in graph:
+        visit(module, ())
+    lengths = {p.name: len(p.read_text().splitlines()) for p in _PACKAGE.glob("*.py")}
+    assert max(lengths.values()) <= 450, lengths
