@@ -195,7 +195,8 @@ class CheckpointManager:
 
         **Raises:**
 
-        `FileNotFoundError` if there is no such checkpoint; otherwise as
+        `FileNotFoundError` if there is no such checkpoint, or it is partly deleted
+        (a deletion of old steps that was interrupted); otherwise as
         [`equinox_shard.restore`][], naming the leaf before any array is read.
         """
         self.wait_until_finished()
@@ -210,7 +211,18 @@ class CheckpointManager:
             )
         start = time.perf_counter()
         path: pathlib.Path = self.directory / str(step)
-        out, read = restore_from(path, like, shardings, f"step {step}")
+        try:
+            out, read = restore_from(path, like, shardings, f"step {step}")
+        except (FileNotFoundError, ValueError) as e:
+            # orbax writes this file when it finalises a step, and deletes it first.
+            if (path / "_CHECKPOINT_METADATA").exists():
+                raise
+            raise FileNotFoundError(
+                f"The checkpoint of step {step} in {self.directory} is partly deleted "
+                "(a deletion of old steps by `keep_last`/`keep_every` was "
+                "interrupted); the next save removes it. Its steps: "
+                f"{', '.join(map(str, steps))}."
+            ) from e
         logger.info(
             "restored step %d from %s: %d bytes in %.2f s",
             step, path, nbytes(read), time.perf_counter() - start,

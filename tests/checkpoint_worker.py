@@ -7,6 +7,7 @@
     python tests/checkpoint_worker.py multiprocess DIR PROCESS_ID NUM COORDINATOR
     python tests/checkpoint_worker.py overwrite DIR PHASE
     python tests/checkpoint_worker.py manager-killed DIR
+    python tests/checkpoint_worker.py manager-retention-killed DIR PHASE
     python tests/checkpoint_worker.py manager-multiprocess DIR PROCESS_ID NUM COORD
 
 `clean`: a save and a restore onto another layout, as a user would run them (the test
@@ -19,6 +20,9 @@ several `jax.distributed` processes, saving and restoring their own shards.
 `overwrite_state("new")`, stopping at PHASE (the test kills the process there).
 `manager-killed`: a `CheckpointManager` saves step 1, then step 2 in the background,
 stopping just before orbax finalises step 2 (the test kills the process there).
+`manager-retention-killed`: a `CheckpointManager` keeping the last 2 saves steps 1, 2
+and 3, stopping while retention deletes step 1 once PHASE (`first`, `half`, all but the
+`last`) of its files and directories are removed (the test kills the process there).
 `manager-multiprocess`: one of several `jax.distributed` processes saving steps 0 and 3
 with a `CheckpointManager` in the background, then restoring the latest onto another
 layout and checking its own shards.
@@ -158,6 +162,54 @@ def manager_killed(directory: pathlib.Path) -> None:
     ocp.CompositeCheckpointHandler.finalize = finalize  # pyright: ignore
     manager.save(2, overwrite_state("new"))
     manager.wait_until_finished()
+
+
+def retention_state(step: int) -> dict:
+    import jax.numpy as jnp
+
+    return {"x": jnp.full((4096,), float(step)), "n": step}
+
+
+def manager_retention_killed(directory: pathlib.Path, phase: str) -> None:
+    _setup()
+    import equinox_shard as eqxs
+    from orbax.checkpoint._src.path import deleter
+
+    manager = eqxs.CheckpointManager(directory, keep_last=2)
+    for step in (1, 2):
+        manager.save(step, retention_state(step))
+        manager.wait_until_finished()
+    # Step 3 makes retention delete step 1: stop after `phase` of its files and
+    # directories are removed (the test kills us there).
+    files = [p for p in (directory / "1").rglob("*")]
+    stops = {"first": 1, "half": len(files) // 2, "last": len(files) - 1}
+    stop_after = stops[phase] if phase in stops else int(phase)
+    removed = []
+    unlink, rmdir = os.unlink, os.rmdir
+    delete = deleter.PathDeleter.delete
+
+    def counted(original):
+        def remove(*args, **kwargs):
+            original(*args, **kwargs)
+            removed.append(args[0])
+            if len(removed) == stop_after:
+                print("DELETING", flush=True)
+                time.sleep(600)
+
+        return remove
+
+    def deleting(self, path, **kwargs):
+        assert pathlib.Path(path).name == "1", path
+        os.unlink, os.rmdir = counted(unlink), counted(rmdir)
+        try:
+            delete(self, path, **kwargs)
+        finally:
+            os.unlink, os.rmdir = unlink, rmdir
+
+    deleter.PathDeleter.delete = deleting  # pyright: ignore
+    manager.save(3, retention_state(3))
+    manager.wait_until_finished()
+    print("NOT KILLED", flush=True)
 
 
 def _train(directory: pathlib.Path, layouts: list[str], resume: bool) -> None:
@@ -317,6 +369,8 @@ def main(argv: list[str]) -> None:
         manager_multiprocess(directory, int(argv[2]), int(argv[3]), argv[4])
     elif mode == "manager-killed":
         manager_killed(directory)
+    elif mode == "manager-retention-killed":
+        manager_retention_killed(directory, argv[2])
     elif mode == "overwrite":
         overwrite(directory, argv[2])
     elif mode == "multiprocess":

@@ -5,6 +5,7 @@ midway, log lines."""
 import logging
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -250,3 +251,32 @@ def test_two_processes(tmp_path):
     assert_same_values(
         eqx.filter(out, eqx.is_array), eqx.filter(reference, eqx.is_array)
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["first", "half", "last"])
+def test_killed_while_deleting_old_steps(tmp_path, phase):
+    # keep_last=2: saving step 3 deletes step 1; killed once the first, half, or all
+    # but the last of step 1's files and directories are removed.
+    args = ("manager-retention-killed", str(tmp_path), phase)
+    line, _ = killed_after_first_line(worker.__file__, *args)
+    assert line == "DELETING\n"
+    with eqxs.CheckpointManager(tmp_path, keep_last=2) as manager:
+        assert manager.latest_step() == 3
+        out = manager.restore(worker.retention_state(0))
+        assert_same_values(out, worker.retention_state(3))
+        # The partly deleted step restores exactly, or says it is partly deleted.
+        if 1 in manager.all_steps():
+            try:
+                out = manager.restore(worker.retention_state(0), step=1)
+            except FileNotFoundError as e:
+                assert re.match(
+                    r"The checkpoint of step 1 in .* is partly deleted", str(e)
+                )
+            else:
+                assert_same_values(out, worker.retention_state(1))
+        # The next save removes it.
+        manager.save(4, worker.retention_state(4))
+        manager.wait_until_finished()
+        assert manager.all_steps() == [3, 4]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["3", "4"]
