@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import jax._src.traceback_util as traceback_util
 import jax.core
+from jax.experimental.layout import Format, Layout
 from jax.sharding import (
     AxisType,
     NamedSharding,
@@ -25,8 +26,8 @@ from ._donate import (
     raise_if_deleted,
     shares_source_buffer,
 )
+from ._kinds import sharding_of
 from ._spec import check
-from ._spec_leaves import Format, Layout, sharding_of
 
 
 traceback_util.register_exclusion(__file__)

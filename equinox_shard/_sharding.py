@@ -18,6 +18,7 @@ from jax.sharding import (
 )
 from jaxtyping import PyTree
 
+from ._kinds import kind_of
 from ._place import is_default_memory, place
 from ._spec import (
     broadcast_specs,
@@ -29,7 +30,6 @@ from ._spec import (
     resolve_each,
     spread,
 )
-from ._spec_leaves import Format
 
 
 traceback_util.register_exclusion(__file__)
@@ -61,11 +61,12 @@ def resolve_leaves(
     out = resolve_each(per_leaf, leaves, indices, where, resolver)
     if not formats:
         for i, sharding in out:
-            if type(sharding) is Format:
+            kind = kind_of(sharding)
+            if kind is not None and kind.placement_only is not None:
                 raise TypeError(
-                    f"{where(i)}: a `Format` (layout and sharding) is a spec leaf of "
-                    "`filter_device_put`, `filter_shard` and `filter_jit` only; here "
-                    f"give its sharding, `format.sharding`. Got {sharding}."
+                    f"{where(i)}: a {kind.name} is a spec leaf of "
+                    "`filter_device_put`, `filter_shard` and `filter_jit` only; "
+                    f"{kind.placement_only}. Got {sharding}."
                 )
     return out
 
@@ -132,14 +133,15 @@ def constrain_leaves(
     memory = []
     for i, sharding in todo:
         where = lambda i=i: leaf_path(value, i, value_name)
-        if type(sharding) is Format:
+        kind = kind_of(sharding)
+        how = "constrain" if kind is None else kind.in_trace
+        if how == "transfer":
+            memory.append((i, sharding))
+            continue
+        if how != "constrain":
             raise TypeError(
                 f"{where()}: inside a trace an array cannot be constrained to a "
-                f"`Format` ({sharding}): a layout is a property of a jitted "
-                "function's arguments and outputs (`filter_jit`'s `in_shardings` and "
-                "`out_shardings`) or of a placed array (`filter_device_put`). Inside "
-                "the function, constrain the sharding with `format.sharding`, and the "
-                "layout with `jax.experimental.layout.with_layout_constraint`."
+                f"{kind.name} ({sharding}): {how}."  # pyright: ignore
             )
         check(jax.numpy.shape(leaves[i]), sharding, where)
         indices, targets = groups.setdefault(

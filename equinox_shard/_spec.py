@@ -33,13 +33,11 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 from jax.tree_util import PyTreeDef
 
+from ._kinds import is_empty_format, is_kind, kind_of, names, sharding_of
 from ._spec_leaves import (
     _check_spec_leaf,
     _describe_leaf,
     _one_level,
-    _SPEC_TYPES,
-    Format,
-    is_empty_format,
     is_pytree_node,
     is_rule,
     is_spec_leaf,
@@ -280,7 +278,10 @@ def needs_leaf(spec: Any) -> bool:
 def needs_mesh(spec: Any) -> bool:
     """Whether resolving `spec` may depend on the context mesh (`jax.set_mesh`): part
     of a cache key."""
-    return isinstance(spec, (PartitionSpec, PathRules)) or is_rule(spec)
+    kind = kind_of(spec)
+    if kind is not None:
+        return kind.needs_mesh
+    return isinstance(spec, PathRules) or is_rule(spec)
 
 
 def concrete_mesh():
@@ -329,7 +330,7 @@ def call_rule(rule: Callable, leaf: Any, where: Callable[[], str]) -> Any:
 
 def resolve(
     spec: Any, leaf: Any, where: Callable[[], str], *, abstract_ok: bool, mesh=None
-) -> Sharding | Format | None:
+) -> Any:
     """Resolves one spec leaf against one array leaf to a `Sharding` (a `Format` as it
     is), or `None`.
 
@@ -341,15 +342,10 @@ def resolve(
         return None
     if is_rule(spec):
         out = call_rule(spec, leaf, where)
-        if not (
-            out is None
-            or (isinstance(out, _SPEC_TYPES) and is_spec_leaf(out))  # a `Format`'s
-        ):
+        if not (out is None or is_kind(out)):
             raise TypeError(
-                f"{where()}: the sharding rule {spec!r} must return a "
-                "`jax.sharding.Sharding`, a `jax.Device`, a "
-                "`jax.sharding.PartitionSpec`, a `Format` with a sharding or `None`; "
-                f"got {_describe_leaf(out)}."
+                f"{where()}: the sharding rule {spec!r} must return {names()}or "
+                f"`None`; got {_describe_leaf(out)}."
             )
         if out is None or is_empty_format(out):
             return None
@@ -396,10 +392,11 @@ def _spec_entry_size(entry: Any, mesh_shape: dict) -> int:
 
 
 def check(shape: Sequence[int], sharding: Any, where: Callable[[], str]) -> None:
-    """Raises if `sharding` (or a `Format`'s sharding) cannot hold an array of
-    `shape`: rank or divisibility."""
-    if type(sharding) is Format:
-        sharding = sharding.sharding
+    """Raises if the sharding that the resolved spec leaf `sharding` gives (a
+    `Format`'s sharding) cannot hold an array of `shape`: rank or divisibility."""
+    sharding = sharding_of(sharding)
+    if sharding is None:  # the array keeps its own
+        return
     if isinstance(sharding, NamedSharding):
         spec = sharding.spec
         ndim = len(shape)

@@ -1,6 +1,7 @@
-"""Spec leaves: the kinds of leaf a sharding specification may have, and `PathRules`,
-the leaf that chooses each array's spec by its key path (see `_spec` for the language
-as a whole)."""
+"""Spec leaves: what a leaf of a sharding specification may be (a leaf of one of the
+kinds of `_kinds`, `None`, a rule `leaf -> spec leaf`, or a `PathRules`), and
+`PathRules`, the leaf that chooses each array's spec by its key path (see `_spec` for
+the language as a whole)."""
 
 import re
 from collections.abc import Callable, Sequence
@@ -8,14 +9,11 @@ from typing import Any
 
 import jax
 import jax.tree_util as jtu
-from jax.experimental.layout import Format, Layout
-from jax.sharding import PartitionSpec, Sharding
 from jax.tree_util import PyTreeDef
 
+from ._kinds import is_kind, kind_of, names as kind_names, TYPES
 
-# A `Format` pairs a memory layout with a concrete `Sharding` (RFC §4): a spec leaf
-# when its sharding is one (`is_spec_leaf`).
-_SPEC_TYPES = (Sharding, PartitionSpec, jax.Device, Format)
+
 # Callable (as context decorators), but never a sharding rule.
 _NOT_RULES = (jax.sharding.Mesh, jax.sharding.AbstractMesh)
 
@@ -36,33 +34,14 @@ def is_rule(x: Any) -> bool:
         callable(x)
         # A class (e.g. `P` for `P()`) is callable but is never a rule.
         and not isinstance(x, type)
-        and not isinstance(x, _SPEC_TYPES)
+        and not isinstance(x, TYPES)
         and not isinstance(x, _NOT_RULES)
         and not is_pytree_node(x)
     )
 
 
-def is_empty_format(x: Any) -> bool:
-    """Whether `x` is `Format(None, None)`, which `jax.device_put` takes as "leave the
-    array as it is" (and `Compiled.input_formats` gives for an input XLA pruned): a
-    spec leaf that means `None`."""
-    return type(x) is Format and x.layout is None and x.sharding is None
-
-
 def is_spec_leaf(x: Any) -> bool:
-    if type(x) is Format:
-        return isinstance(x.sharding, Sharding) or is_empty_format(x)
-    return x is None or isinstance(x, (*_SPEC_TYPES, PathRules)) or is_rule(x)
-
-
-def is_auto(x: Any) -> bool:
-    """Whether `x` is a `Format` whose layout the compiler chooses (`Layout.AUTO`)."""
-    return type(x) is Format and x.layout is Layout.AUTO
-
-
-def sharding_of(x: Any) -> Any:
-    """The sharding part of a resolved spec leaf: a `Format`'s sharding, else `x`."""
-    return x.sharding if type(x) is Format else x
+    return x is None or is_kind(x) or isinstance(x, PathRules) or is_rule(x)
 
 
 def _describe_leaf(x: Any) -> str:
@@ -74,13 +53,8 @@ def _describe_leaf(x: Any) -> str:
 
 def _check_spec_leaf(x: Any, where: str) -> None:
     if not is_spec_leaf(x):
-        hint = ""
-        if isinstance(x, Format):
-            hint = (
-                " A `Format` must carry a concrete sharding, e.g. "
-                "`Format(Layout.AUTO, NamedSharding(mesh, spec))`, or be "
-                "`Format(None, None)` (leave the array as it is)."
-            )
+        kind = kind_of(x)
+        hint = "" if kind is None else kind.invalid
         if isinstance(x, _NOT_RULES):
             hint = (
                 " A mesh is not a sharding: pass "
@@ -88,9 +62,7 @@ def _check_spec_leaf(x: Any, where: str) -> None:
                 "`jax.set_mesh(mesh)` and pass a bare `PartitionSpec`."
             )
         raise TypeError(
-            f"{where}: a sharding specification leaf must be a "
-            "`jax.sharding.Sharding`, a `jax.Device`, a `jax.sharding.PartitionSpec`, "
-            "a `jax.experimental.layout.Format` (layout and sharding), `None`, a "
+            f"{where}: a sharding specification leaf must be {kind_names()}`None`, a "
             "callable `leaf -> spec`, or an `equinox_shard.PathRules`; got "
             f"{_describe_leaf(x)}.{hint}"
         )

@@ -1,0 +1,107 @@
+"""The kinds of spec leaf, in one table: for each, what it is called, when it is valid,
+whether it needs the context mesh, where it is allowed, and how it is applied inside a
+trace and by `filter_jit`. Every module that treats one kind apart from another reads
+it here; how a kind is placed eagerly is `_place`'s.
+
+A callable rule and a `PathRules` are not kinds: they choose, per array, a spec leaf
+of one of these kinds (`_spec_leaves`).
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+from jax.experimental.layout import Format, Layout
+from jax.sharding import PartitionSpec, Sharding
+
+
+class Kind(NamedTuple):
+    """One kind of spec leaf (see the module's docstring)."""
+
+    # Its Python type, and how messages name it.
+    type: type
+    name: str
+    # Whether resolving it depends on the context mesh (`jax.set_mesh`).
+    needs_mesh: bool = False
+    # The `Sharding` that its placement gives an array, to check the array's shape
+    # against and to test buffer reuse; `None`: the array's own.
+    sharding: Callable[[Any], Any] = lambda x: x
+    # Whether a value of `type` is a spec leaf, and the hint of the error if not.
+    valid: Callable[[Any], bool] = lambda x: True
+    invalid: str = ""
+    # `None` if it is a spec leaf of every function; else the hint of the `TypeError`
+    # raised where it is not (only `filter_device_put`, `filter_shard`, `filter_jit`).
+    placement_only: str | None = None
+    # Inside a trace: "constrain" (`reshard`/`with_sharding_constraint`), "transfer"
+    # (`jax.device_put`, as JAX does in a trace), or the reason it is refused.
+    in_trace: str = "constrain"
+    # In `filter_jit`'s `in_shardings`: `None` if `jax.jit` takes it, else why not.
+    jit_in: str | None = None
+    # In `out_shardings`: "jit" (given to `jax.jit`) or "body" (applied to the output
+    # inside the function, as in a trace, where `jax.jit` refuses it).
+    jit_out: str = "jit"
+
+
+KINDS: tuple[Kind, ...] = (
+    Kind(Sharding, "`jax.sharding.Sharding`"),
+    # Resolved to a `SingleDeviceSharding`, and to a `NamedSharding` on the context
+    # mesh, before anything else reads the table.
+    Kind(jax.Device, "`jax.Device`"),
+    Kind(PartitionSpec, "`jax.sharding.PartitionSpec`", needs_mesh=True),
+    Kind(
+        Format,
+        "`jax.experimental.layout.Format` (layout and sharding)",
+        sharding=lambda x: x.sharding,
+        valid=lambda x: isinstance(x.sharding, Sharding) or is_empty_format(x),
+        invalid=" A `Format` must carry a concrete sharding, e.g. "
+        "`Format(Layout.AUTO, NamedSharding(mesh, spec))`, or be "
+        "`Format(None, None)` (leave the array as it is).",
+        placement_only="here give its sharding, `format.sharding`",
+        in_trace="a layout is a property of a jitted function's arguments and outputs "
+        "(`filter_jit`'s `in_shardings` and `out_shardings`) or of a placed array "
+        "(`filter_device_put`). Inside the function, constrain the sharding with "
+        "`format.sharding`, and the layout with "
+        "`jax.experimental.layout.with_layout_constraint`",
+    ),
+)
+
+_BY_TYPE = {kind.type: kind for kind in KINDS}
+TYPES = tuple(_BY_TYPE)
+
+
+def kind_of(x: Any) -> Kind | None:
+    """The kind of the spec leaf `x`, or `None` (`None`, a rule, a `PathRules`, or not
+    a spec leaf)."""
+    kind = _BY_TYPE.get(type(x))
+    if kind is None and isinstance(x, TYPES):
+        kind = next(k for k in KINDS if isinstance(x, k.type))
+    return kind
+
+
+def is_kind(x: Any) -> bool:
+    """Whether `x` is a valid spec leaf of one of the kinds."""
+    kind = kind_of(x)
+    return kind is not None and kind.valid(x)
+
+
+def is_empty_format(x: Any) -> bool:
+    """Whether `x` is `Format(None, None)`, which `jax.device_put` takes as "leave the
+    array as it is" (and `Compiled.input_formats` gives for an input XLA pruned): a
+    spec leaf that means `None`."""
+    return type(x) is Format and x.layout is None and x.sharding is None
+
+
+def is_auto(x: Any) -> bool:
+    """Whether `x` is a `Format` whose layout the compiler chooses (`Layout.AUTO`)."""
+    return type(x) is Format and x.layout is Layout.AUTO
+
+
+def sharding_of(x: Any) -> Any:
+    """The `Sharding` that a resolved spec leaf gives an array (`None`: its own)."""
+    kind = _BY_TYPE.get(type(x))
+    return x if kind is None else kind.sharding(x)
+
+
+def names() -> str:
+    """The kinds, as a message lists them."""
+    return "".join(f"a {kind.name}, " for kind in KINDS)

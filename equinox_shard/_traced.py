@@ -1,0 +1,202 @@
+"""The function that `jax.jit` traces for an entry of `filter_jit`: it rebuilds the call
+from the dynamic trees and the static part, applies `out_shardings` at trace time
+(checked against the output, named `out[...]`; callables and path rules resolved on
+it), and returns the output's arrays in the output's own structure."""
+
+import functools as ft
+import inspect
+from typing import Any
+
+import jax
+import jax._src.traceback_util as traceback_util
+import jax.core
+import jax.tree_util as jtu
+from equinox import is_array
+
+from ._cache import ArgStructure, Cache
+from ._kinds import is_auto, kind_of
+from ._mirror import mirror, mirror_combine, OutStatic
+from ._place import place
+from ._sharding import resolve_leaves
+from ._spec import check, for_jax, leaf_path, resolve
+from ._spec_leaves import is_rule, is_spec_leaf, PathRules, unset
+
+
+traceback_util.register_exclusion(__file__)
+
+
+def traced_function(
+    cache: Cache,
+    static_fun,
+    structure: ArgStructure,
+    leaves,
+    targets,
+    mesh,
+    out_specs,
+    found,
+):
+    dynamic = set(structure.dynamic)
+    static_leaves = tuple(None if i in dynamic else x for i, x in enumerate(leaves))
+    treedef = structure.treedef
+    # A single spec leaf is a prefix of any output, also of its flat arrays.
+    structured = out_specs is not unset and not _is_single(out_specs)
+
+    def fun_wrapped(dynamic_fun, dynamic_kwargs, *dynamic_args):
+        fun = mirror_combine(dynamic_fun, static_fun)
+        flat = list(static_leaves)
+        dynamic = structure.packing.unpack(dynamic_kwargs, dynamic_args)
+        for i, x in zip(structure.dynamic, dynamic):
+            flat[i] = x
+        if targets and jax.config.jax_disable_jit:  # pyright: ignore
+            # `jax.jit` ignores `in_shardings` under `disable_jit`; we place anyway.
+            tree = treedef.unflatten(flat)
+            where = lambda i: leaf_path(tree, i, "args")
+            place(flat, _concrete(flat, targets), where)
+        args, kwargs = treedef.unflatten(flat)
+        out = fun(*args, **kwargs)
+        if out_specs is not unset:
+            out = _out_shardings(out, out_specs, found, structured, mesh)
+        leaves, out_def = jtu.tree_flatten(out)
+        static = tuple(None if is_array(x) else x for x in leaves)
+        if structured:
+            # The output's mirror, of which the mirrored `out_shardings` is a prefix.
+            mirror_def = jtu.tree_structure(mirror(out))
+            dynamic = mirror_def.unflatten(
+                [x if s is None else None for x, s in zip(leaves, static)]
+            )
+            return dynamic, OutStatic(static, out_def, True)
+        if out_specs is unset and all(x is None for x in static):
+            return out, None
+        # Flat: then `jax.jit` does not walk the output's Modules.
+        arrays = tuple(x for x, s in zip(leaves, static) if s is None)
+        return arrays, OutStatic(static, out_def, False)
+
+    fun_wrapped.__name__, fun_wrapped.__qualname__ = cache.fun_names
+    if cache.fun_source is not None:
+        # JAX's messages point at this function's source: the user's, not ours.
+        fun_wrapped.__wrapped__ = cache.fun_source  # pyright: ignore
+    # JAX names arguments by this signature in its errors: `model.layers[0].weight`.
+    n_args = len(treedef.children()[0].children()) if treedef.children() else 0
+    positional = inspect.Parameter.POSITIONAL_ONLY
+    params = [
+        inspect.Parameter(cache.fun_name, positional),
+        inspect.Parameter(cache.kwargs_name, positional),
+    ] + [inspect.Parameter(name, positional) for name in cache.names[:n_args]]
+    if n_args > len(cache.names):
+        params.append(
+            inspect.Parameter(
+                cache.var_name or "args", inspect.Parameter.VAR_POSITIONAL
+            )
+        )
+    fun_wrapped.__signature__ = inspect.Signature(params)  # pyright: ignore
+    return fun_wrapped
+
+
+def _is_single(specs) -> bool:
+    return jtu.tree_structure(specs, is_leaf=is_spec_leaf).num_nodes == 1
+
+
+def _out_shardings(out, out_specs, found: list | None, structured: bool, mesh):
+    """At trace time: checks `out_shardings` against the output, naming `out[...]`, and
+    (for callable spec leaves) records the resolved shardings in `found`, on `mesh`:
+    the mesh of the call, concrete where it was. Under `jax.disable_jit()` places the
+    output instead, as `jax.jit` would have."""
+    out_leaves, out_def = jtu.tree_flatten(out)
+    todo = resolve_leaves(
+        out,
+        out_leaves,
+        out_specs,
+        "out_shardings",
+        "out",
+        abstract_ok=True,
+        mesh=mesh,
+        formats=True,
+    )
+    for i, sharding in todo:
+        check(
+            jax.numpy.shape(out_leaves[i]),
+            sharding,
+            lambda i=i: f"out{jtu.keystr(jtu.tree_flatten_with_path(out)[0][i][0])}",
+        )
+    # The kinds that `jax.jit` refuses in `out_shardings` apply here, as in a trace.
+    body = [(i, s) for i, s in todo if in_body(s)]
+    if body and not jax.config.jax_disable_jit:  # pyright: ignore
+        moved = jax.device_put([out_leaves[i] for i, _ in body], [s for _, s in body])
+        for (i, _), x in zip(body, moved):
+            out_leaves[i] = x
+        out = out_def.unflatten(out_leaves)
+    if found is not None:
+        # In the form in which the traced function returns the output's arrays.
+        by_index = {i: None if in_body(s) else s for i, s in todo}
+        shardings = [by_index.get(i) for i in range(len(out_leaves))]
+        if structured:
+            found.append(jtu.tree_structure(mirror(out)).unflatten(shardings))
+        else:
+            found.append(tuple(s for s, x in zip(shardings, out_leaves) if is_array(x)))
+    if jax.config.jax_disable_jit and todo:  # pyright: ignore
+        where = lambda i: leaf_path(out, i, "out")
+        place(out_leaves, _concrete(out_leaves, todo), where)
+        return out_def.unflatten(out_leaves)
+    return out
+
+
+def _concrete(leaves: list, todo: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    """The items of `todo` whose leaf is a value: under `disable_jit`, a `vmap` or
+    `grad` tracer is left as `jax.jit` leaves it (it has no placement to make). A
+    `Layout.AUTO` has no compiler to choose it there: its sharding is placed."""
+    return [
+        (i, s.sharding if is_auto(s) else s)
+        for i, s in todo
+        if not isinstance(leaves[i], jax.core.Tracer)
+    ]
+
+
+def in_body(spec: Any) -> bool:
+    kind = kind_of(spec)
+    return kind is not None and kind.jit_out == "body"
+
+
+def static_out_shardings(out_specs):
+    """`out_shardings` with every spec leaf that needs no output resolved to a
+    `Sharding`: a `jax.Device`, or a bare `PartitionSpec` against the context mesh."""
+
+    def resolve_leaf(path, spec):
+        if spec is None or is_rule(spec) or isinstance(spec, PathRules):
+            return spec  # resolved per output leaf, at trace time
+        where = lambda: "out_shardings" + jtu.keystr(path)
+        return for_jax(resolve(spec, None, where, abstract_ok=False))
+
+    return jtu.tree_map_with_path(resolve_leaf, out_specs, is_leaf=is_spec_leaf)
+
+
+class ResolveRules:
+    """`out_shardings` with callable leaves need the output's shapes. The first call
+    traces the function once (resolving the callables on its outputs), then builds the
+    `jax.jit` that applies them around that trace: JAX reuses the inner trace, so the
+    user's function is traced once."""
+
+    def __init__(self, make, out_specs, jit_kwargs):
+        self.make = make
+        self.out_specs = out_specs
+        self.jit_kwargs = jit_kwargs
+
+    def __call__(self, *args):
+        # Only under `jax.disable_jit()`, where nothing is traced: the function runs,
+        # and its outputs are placed as they come.
+        return jax.jit(self.make(self.out_specs, None), **self.jit_kwargs)(*args)
+
+    def trace(self, *args):
+        found: list = []
+        fun_wrapped = self.make(self.out_specs, found)
+        inner = jax.jit(fun_wrapped)
+        inner.trace(*args)
+
+        def outer(*args):
+            return inner(*args)
+
+        ft.update_wrapper(outer, fun_wrapped)
+        del outer.__wrapped__
+        if hasattr(fun_wrapped, "__wrapped__"):  # the user's function
+            outer.__wrapped__ = fun_wrapped.__wrapped__  # pyright: ignore
+        out_shardings = (jtu.tree_map(for_jax, found[0]), None)
+        return jax.jit(outer, **self.jit_kwargs, out_shardings=out_shardings)
