@@ -63,6 +63,24 @@ KINDS: tuple[Kind, ...] = (
         "`format.sharding`, and the layout with "
         "`jax.experimental.layout.with_layout_constraint`",
     ),
+    # Moves an array to host or device memory keeping its sharding, as
+    # `jax.device_put(x, Space.Host)` does; `jax.jit` takes it in neither
+    # `in_shardings` nor `out_shardings` (JAX 0.10.2 and 0.12).
+    Kind(
+        jax.memory.Space,
+        "`jax.memory.Space`",
+        sharding=lambda x: None,
+        valid=lambda x: x is not jax.memory.Space.Any,
+        invalid=" `Space.Any` names no memory to move to: give `Space.Host` or "
+        "`Space.Device`.",
+        placement_only="here give a sharding with a memory kind, e.g. "
+        "`NamedSharding(mesh, spec, memory_kind='pinned_host')`",
+        in_trace="transfer",
+        jit_in="`jax.jit` takes no memory space for an input: give a sharding with "
+        "a memory kind, e.g. `NamedSharding(mesh, spec, memory_kind='pinned_host')`, "
+        "or move the input beforehand with `filter_device_put(x, Space.Host)`",
+        jit_out="body",
+    ),
 )
 
 _BY_TYPE = {kind.type: kind for kind in KINDS}

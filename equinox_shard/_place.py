@@ -63,6 +63,12 @@ def same_mesh(current: Sharding, target: Sharding) -> bool:
     return True
 
 
+def _memory_space(sharding: Sharding):
+    """The `jax.memory.Space` of `sharding`'s memory kind, as JAX maps them."""
+    host = sharding.memory_kind == "pinned_host"
+    return jax.memory.Space.Host if host else jax.memory.Space.Device
+
+
 def is_placed(x: jax.Array, sharding: Sharding) -> bool:
     """Whether the committed array `x` may stand for one placed on `sharding`."""
     current = x.sharding
@@ -209,6 +215,15 @@ def place(
             indices.append(i)
             targets.append(sharding)
             continue
+        if isinstance(sharding, jax.memory.Space):
+            # `jax.device_put` moves it, keeping its sharding, always as a copy.
+            if flag is not False and _is_committed_array(leaf):
+                raise_if_deleted(leaves, (i,), where, then=", so it cannot be placed")
+                if _memory_space(leaf.sharding) is sharding:
+                    continue
+            indices.append(i)
+            targets.append(sharding)
+            continue
         if isinstance(sharding, NamedSharding) and _UNCONSTRAINED in sharding.spec:
             # A transfer needs a concrete layout: an unconstrained dimension (which
             # only a compiler can choose) is placed replicated, as eager
@@ -257,7 +272,9 @@ def place(
     early = [
         k
         for k, (x, t) in enumerate(zip(sources, targets))
-        if copy[k] and shares_source_buffer(x, sharding_of(t))
+        if copy[k]
+        and not isinstance(t, jax.memory.Space)
+        and shares_source_buffer(x, sharding_of(t))
     ]
     if early:
         # A private copy on the source device first, whose buffer may then be shared.

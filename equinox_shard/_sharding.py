@@ -203,7 +203,8 @@ def filter_device_put(
         `layout`, e.g. the leaves of `Compiled.input_formats` (whose non-array
         leaves, the same as those of `x`, are accepted); `Layout.AUTO` cannot be
         placed (a `ValueError`: lower and compile first), and a typed PRNG key array
-        is placed on the sharding alone.
+        is placed on the sharding alone. A `jax.memory.Space` (`Space.Host`) moves
+        the array to that memory, keeping its sharding.
     - `donate`: passed to `jax.device_put`; a bool or a PyTree prefix of `x` of bools.
         Donation is best-effort, as in JAX.
     - `may_alias`: a bool, `None`, or a PyTree prefix of `x`. `None` (the default)

@@ -1,0 +1,170 @@
+"""`jax.memory.Space` as a spec leaf: a subtree moved to host (or device) memory, each
+array keeping its sharding, as `jax.device_put(x, Space.Host)` moves one array. The
+oracle is `jax.device_put` on each leaf (eagerly and inside `jax.jit`)."""
+
+import equinox as eqx
+import equinox_shard as eqxs
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from .helpers import auto_mesh
+
+
+Space = jax.memory.Space
+
+
+def _host_copy(tree):
+    return jtu.tree_map(
+        lambda x: np.array(x, copy=True), eqx.filter(tree, eqx.is_array)
+    )
+
+
+def _sharded_mlp(getkey, mesh):
+    model = eqx.nn.MLP(8, 8, 16, 2, key=getkey())
+    rules = eqxs.PathRules([(r"weight$", P("x", None))], default=P())
+    with jax.set_mesh(mesh):
+        return eqxs.filter_device_put(model, rules)
+
+
+def _assert_moved(out, tree, space):
+    kind = "pinned_host" if space is Space.Host else "device"
+    for x, y in zip(jtu.tree_leaves(out), jtu.tree_leaves(tree)):
+        if not eqx.is_array(y):
+            assert x is y
+            continue
+        expected = jax.device_put(y, space)  # the oracle
+        assert x.sharding == expected.sharding
+        assert x.sharding.memory_kind == kind
+        # The sharding is kept: only the memory kind changes.
+        same = x.sharding.with_memory_kind(y.sharding.memory_kind)
+        assert same.is_equivalent_to(y.sharding, y.ndim)
+        assert x.committed
+        assert np.array_equal(np.asarray(x), np.asarray(expected))
+
+
+def test_filter_device_put_moves_a_model_and_back(getkey):
+    mesh = auto_mesh()
+    model = _sharded_mlp(getkey, mesh)
+    before = _host_copy(model)
+    host = eqxs.filter_device_put(model, Space.Host)
+    _assert_moved(host, model, Space.Host)
+    assert not any(
+        x.is_deleted() for x in jtu.tree_leaves(eqx.filter(model, eqx.is_array))
+    )
+    assert jtu.tree_all(jtu.tree_map(np.array_equal, _host_copy(model), before))
+    back = eqxs.filter_device_put(host, Space.Device)
+    _assert_moved(back, host, Space.Device)
+    # Already there: the same objects, as for a sharding (`jax.device_put` copies).
+    again = eqxs.filter_device_put(host, Space.Host)
+    for x, y in zip(jtu.tree_leaves(again), jtu.tree_leaves(host)):
+        assert x is y
+
+
+def test_optimiser_state_offloaded_by_path_rules(getkey):
+    mesh = auto_mesh()
+    model = _sharded_mlp(getkey, mesh)
+    state = optax.adam(1e-3).init(eqx.filter(model, eqx.is_array))
+    rules = eqxs.PathRules([(r"\.(mu|nu)\.", Space.Host)], default=None)
+    out = eqxs.filter_device_put(state, rules)
+    for path, x in jtu.tree_flatten_with_path(out)[0]:
+        name = jtu.keystr(path)
+        if ".mu." in name or ".nu." in name:
+            assert x.sharding.memory_kind == "pinned_host", name
+        else:
+            assert x.sharding.memory_kind in (None, "device"), name
+    assert [x.shape for x in jtu.tree_leaves(out)] == [
+        x.shape for x in jtu.tree_leaves(state)
+    ]
+
+
+def test_typed_key_and_numpy_leaves():
+    tree = {"key": jax.random.key(0), "x": np.arange(4.0, dtype=np.float32)}
+    out = eqxs.filter_device_put(tree, Space.Host)
+    for name in ("key", "x"):
+        assert out[name].sharding.memory_kind == "pinned_host"
+        assert out[name].sharding == jax.device_put(tree[name], Space.Host).sharding
+    assert np.array_equal(
+        np.asarray(jax.random.key_data(out["key"])),
+        np.asarray(jax.random.key_data(tree["key"])),
+    )
+
+
+@pytest.mark.parametrize("shard", ("filter_shard", "filter_device_put"))
+def test_inside_a_trace_as_jax_device_put(shard):
+    mesh = auto_mesh()
+    x = jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P("x")))
+    fn = getattr(eqxs, shard)
+
+    @eqx.filter_jit
+    def ours(x):
+        return fn(x * 2, Space.Host)
+
+    @jax.jit
+    def oracle(x):
+        return jax.device_put(x * 2, Space.Host)
+
+    got, expected = ours(x), oracle(x)
+    assert got.sharding == expected.sharding
+    assert got.sharding.memory_kind == "pinned_host"
+    assert jnp.array_equal(jax.device_put(got, Space.Device), x * 2)
+
+
+def test_filter_jit_out_shardings(getkey):
+    mesh = auto_mesh()
+    model = _sharded_mlp(getkey, mesh)
+
+    def step(model, x):
+        return jax.vmap(model)(x), model
+
+    ours = eqxs.filter_jit(step, out_shardings=(None, Space.Host))
+
+    @jax.jit
+    def oracle(dynamic, x):
+        y, out = step(
+            eqx.combine(dynamic, eqx.filter(model, eqx.is_array, inverse=True)), x
+        )
+        return y, jtu.tree_map(
+            lambda a: jax.device_put(a, Space.Host), eqx.filter(out, eqx.is_array)
+        )
+
+    x = jnp.ones((8, 8))
+    y, out = ours(model, x)
+    y_ref, out_ref = oracle(eqx.filter(model, eqx.is_array), x)
+    assert y.sharding.memory_kind in (None, "device")
+    assert jnp.array_equal(y, y_ref)
+    for a, b in zip(jtu.tree_leaves(out), jtu.tree_leaves(out_ref)):
+        assert a.sharding == b.sharding and a.sharding.memory_kind == "pinned_host"
+        assert jnp.array_equal(
+            jax.device_put(a, Space.Device), jax.device_put(b, Space.Device)
+        )
+    assert out.activation is model.activation
+    with jax.disable_jit():
+        _, out = ours(model, x)
+    arrays = jtu.tree_leaves(eqx.filter(out, eqx.is_array))
+    assert {a.sharding.memory_kind for a in arrays} == {"pinned_host"}
+
+
+def test_refused_in_in_shardings_naming_the_leaf(getkey):
+    mesh = auto_mesh()
+    model = _sharded_mlp(getkey, mesh)
+    f = eqxs.filter_jit(lambda model, x: x, in_shardings=(Space.Host, None))
+    with pytest.raises(TypeError, match=r"model\.layers\[0\]\.weight: `in_shardings` "):
+        f(model, jnp.ones(2))
+    assert not model.layers[0].weight.is_deleted()
+
+
+def test_refused_where_only_placement_takes_it():
+    with pytest.raises(TypeError, match=r"local_data: a `jax.memory.Space`.*only"):
+        eqxs.filter_make_array_from_process_local_data(
+            Space.Host, np.ones(8, np.float32)
+        )
+
+
+def test_space_any_is_not_a_spec_leaf():
+    with pytest.raises(TypeError, match=r"MemorySpace.*`Space.Any` names no memory"):
+        eqxs.filter_device_put(jnp.ones(2), Space.Any)
