@@ -1,3 +1,6 @@
+"""`sharding_table`: where each array leaf of a PyTree lives, and which rule put it
+there, as a table a person reads."""
+
 import collections as co
 import math
 from typing import Any

@@ -1,3 +1,6 @@
+"""`filter_shard_map`: `jax.shard_map` over PyTrees of arrays and non-arrays, its specs
+PyTree prefixes in the language of `_spec`."""
+
 import functools as ft
 from collections.abc import Callable
 from typing import Any, overload, TypeVar
