@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, Sharding
 from jaxtyping import PyTree
 
 from . import _datafiles as datafiles, _progress as progress, _record as record_lib
+from ._orbax_setup import arrays_handler, composite, orbax as _orbax
 from ._sharding import resolve_leaves
 from ._spec import check
 
@@ -42,18 +43,6 @@ LOCK = threading.RLock()
 # `overwrite=True` writes the new checkpoint here, then swaps it in.
 _SWAP = ".eqxs-overwrite"
 _OLD = ".eqxs-old"
-
-
-def _orbax():
-    try:
-        import orbax.checkpoint as ocp
-    except ImportError as e:
-        raise ImportError(
-            "`equinox_shard.save` and `equinox_shard.restore` need orbax-checkpoint. "
-            'Install it with `pip install "equinox_shard[checkpoint]"` (or '
-            "`pip install orbax-checkpoint`)."
-        ) from e
-    return ocp
 
 
 def _absolute(path: str | os.PathLike) -> pathlib.Path:
@@ -134,15 +123,6 @@ def _found(path: pathlib.Path) -> pathlib.Path:
     return path
 
 
-def composite(ocp, record: dict, arrays: dict):
-    """orbax's arguments for a checkpoint of two items, `leaves` and `arrays`."""
-    return ocp.args.Composite(
-        leaves=ocp.args.JsonSave(record),  # pyright: ignore[reportCallIssue]
-        # orbax refuses an empty item: a tree of Python scalars has none.
-        **({"arrays": ocp.args.PyTreeSave(arrays)} if arrays else {}),  # pyright: ignore[reportCallIssue]
-    )
-
-
 def nbytes(arrays: dict) -> int:
     return sum(int(np.prod(np.shape(x))) * x.dtype.itemsize for x in arrays.values())
 
@@ -203,7 +183,10 @@ def save(
             _tidy(path)
         _sync(ocp, "equinox_shard.save.tidy")
         target = swap if path.exists() else path
-        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        handler = ocp.CompositeCheckpointHandler(
+            leaves=ocp.JsonCheckpointHandler(), arrays=arrays_handler(ocp)
+        )
+        with ocp.Checkpointer(handler) as checkpointer:
             checkpointer.save(target, composite(ocp, record, arrays))
         if target != path:
             if _primary():

@@ -19,15 +19,8 @@ import jax._src.traceback_util as traceback_util
 from jaxtyping import PyTree
 
 from . import _record as record_lib
-from ._checkpoint import (
-    _absolute,
-    _orbax,
-    composite,
-    LOCK,
-    logger,
-    nbytes,
-    restore_from,
-)
+from ._checkpoint import _absolute, LOCK, logger, nbytes, restore_from
+from ._orbax_setup import arrays_handler, composite, orbax as _orbax
 
 
 traceback_util.register_exclusion(__file__)
@@ -107,7 +100,7 @@ class CheckpointManager:
             options=options,
             item_handlers={
                 "leaves": ocp.JsonCheckpointHandler(),
-                "arrays": ocp.PyTreeCheckpointHandler(),
+                "arrays": arrays_handler(ocp),
             },
         )
 
