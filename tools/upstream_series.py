@@ -177,7 +177,9 @@ def main():
                 check_repository(args.equinox, pathlib.Path(tmp), args.each)
     except subprocess.CalledProcessError as e:
         sys.exit(f"upstream series check failed: {e}")
-    print(f"upstream series: {len(patches())} patches apply and their tests pass")
+    n = len(patches())
+    what = "1 patch applies" if n == 1 else f"{n} patches apply"
+    print(f"upstream series: {what} and its tests pass")
 
 
 if __name__ == "__main__":
