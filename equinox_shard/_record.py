@@ -128,9 +128,18 @@ def checksums(arrays: list) -> list[int]:
     for indices in groups.values():
         data = [arrays[i] for i in indices]
         data = [jax.random.key_data(x) if is_key_array(x) else x for x in data]
+        # An array in host memory (`jax.memory.Space.Host`) is read on its devices.
+        data = [
+            x if x.sharding.memory_kind in (None, "device") else _on_device(x)
+            for x in data
+        ]
         for i, d in zip(indices, _digests(data)):
             out[i] = int(np.asarray(d.addressable_data(0)))
     return out
+
+
+def _on_device(x: jax.Array) -> jax.Array:
+    return jax.device_put(x, x.sharding.with_memory_kind("device"))
 
 
 def numpy_checksum(x: Any) -> int:

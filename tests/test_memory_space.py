@@ -168,3 +168,20 @@ def test_refused_where_only_placement_takes_it():
 def test_space_any_is_not_a_spec_leaf():
     with pytest.raises(TypeError, match=r"MemorySpace.*`Space.Any` names no memory"):
         eqxs.filter_device_put(jnp.ones(2), Space.Any)
+
+
+def test_checkpoint_of_an_offloaded_state(getkey, tmp_path):
+    mesh = auto_mesh()
+    model = _sharded_mlp(getkey, mesh)
+    state = optax.adam(1e-3).init(eqx.filter(model, eqx.is_array))
+    host = eqxs.filter_device_put(state, Space.Host)
+    before = _host_copy(host)
+    eqxs.save(tmp_path / "state", host)
+    restored = eqxs.restore(tmp_path / "state", host)
+    for x, y in zip(jtu.tree_leaves(restored), jtu.tree_leaves(host)):
+        assert x.sharding == y.sharding and x.sharding.memory_kind == "pinned_host"
+    assert jtu.tree_all(jtu.tree_map(np.array_equal, _host_copy(restored), before))
+    on_device = eqxs.restore(tmp_path / "state", state)
+    for x, y in zip(jtu.tree_leaves(on_device), jtu.tree_leaves(state)):
+        assert x.sharding == y.sharding
+    assert jtu.tree_all(jtu.tree_map(np.array_equal, _host_copy(on_device), before))
