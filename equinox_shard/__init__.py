@@ -6,7 +6,7 @@ trace), `filter_jit` is `equinox.filter_jit` with `in_shardings`/`out_shardings`
 chooses a spec for each array by its key path; `explain_rules` says what it chose.
 """
 
-import importlib.metadata
+import importlib.metadata as _metadata
 
 from ._checkpoint import restore as restore, save as save
 from ._inspect import sharding_table as sharding_table
@@ -29,7 +29,7 @@ from ._sharding import (
 from ._spec_leaves import PathRules as PathRules
 
 
-__version__ = importlib.metadata.version("equinox_shard")
+__version__ = _metadata.version("equinox_shard")
 
 # `Compiled` and `Lowered` are what `filter_jit(f).lower(...)` returns, never built by a
 # user: importable as before, but not public, as Equinox keeps its own.
