@@ -1,8 +1,7 @@
-"""An `Entry` of `filter_jit`'s cache, built, traced and frozen in one place: the
-function given to `jax.jit` (its dynamic trees keep the user's structure, so that
-`in_shardings` and `out_shardings` are prefixes that `jax.jit` applies, and JAX's errors
-name the user's arguments), the `jax.jit` itself, what each call's inputs go through
-before it (`prepare`), and the layers of its dispatch.
+"""An `Entry` of `filter_jit`'s cache, built, traced and frozen in one place: its
+`in_shardings` resolved and checked against the call that makes it, its `jax.jit` (of
+the function that `_traced` builds), what each call's inputs go through before it
+(`prepare`), and the layers of its dispatch.
 
 `in_shardings` is the request to place: an input that is not yet there (uncommitted, or
 committed elsewhere) is moved first, so that `jax.jit` always sees inputs on their
