@@ -59,7 +59,14 @@ def _device_bytes() -> dict:
             for shard in x.addressable_shards:
                 data = shard.data
                 if jnp.issubdtype(data.dtype, jax.dtypes.prng_key):
-                    data = jax.random.key_data(data)
+                    # By identity: `key_data` would launch a computation from this
+                    # thread, which JAX 0.10.2's CPU client cannot run beside the
+                    # main thread's multi-device ones (the abort in docs/benchmarks.md).
+                    buffers[("key", id(x), shard.device.id)] = (
+                        shard.device.id,
+                        data.nbytes,
+                    )
+                    continue
                 buffers[data.unsafe_buffer_pointer()] = (shard.device.id, data.nbytes)
         except Exception:  # deleted meanwhile
             continue
