@@ -1,6 +1,7 @@
-"""Counts the Python work of one cache-hit call of `equinox_shard.filter_jit` (issue 32):
+"""Counts the Python work of one cache-hit call of `equinox_shard.filter_jit`: the
 Python function calls and bytecodes executed per call, with `sys.settrace`, for a
-plain entry, a donating one and one with `in_shardings`.
+plain entry, a donating one and one with `in_shardings` (issue 32). Python 3.11: on
+3.12 `settrace` reports no opcodes for some frames.
 
     python tools/hot_path.py           # prints a table
     python tools/hot_path.py --json F  # and writes it
