@@ -226,11 +226,15 @@ def serialized(run, dynamic, deleted, leaves, jit_id):
         return run(*dynamic)
 
 
-def donating(filter_warning: bool) -> Callable:
+def donating(filter_warning: bool, fun_arrays: bool) -> Callable:
+    """`fun_arrays`: whether the function itself holds arrays (`dynamic[0]`)."""
+
     def dispatch(run, dynamic, deleted, leaves, jit_id):
         with dispatch_lock:
             # Again under the lock: another thread may have donated an input since.
-            if deleted(leaves) or any(map(is_deleted, jtu.tree_leaves(dynamic[0]))):
+            if deleted(leaves) or (
+                fun_arrays and any(map(is_deleted, jtu.tree_leaves(dynamic[0])))
+            ):
                 raise RuntimeError("An input was donated by another thread.")
             if not filter_warning:
                 return run(*dynamic)

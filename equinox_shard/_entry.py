@@ -42,8 +42,9 @@ traceback_util.register_exclusion(__file__)
 
 class Entry:
     """One compiled function: a `jax.jit` for one static part of the arguments, and
-    `dispatch(run, dynamic, deleted, leaves, jit_id)`, which calls it (`_donate.plain`,
-    `_donate.serialized`, `_donate.donating`, `_callbacks.waiting`)."""
+    `dispatch(run, dynamic, deleted, leaves, jit_id)`, which calls it
+    (`_donate.serialized`, `_donate.donating`, `_callbacks.waiting`), or `None` where
+    no layer is needed: the call launches `run(*dynamic)` itself."""
 
     __slots__ = (
         "structure",
@@ -52,6 +53,7 @@ class Entry:
         "get_targets",
         "placed",  # `(True, sharding)` per target: committed there
         "donates",
+        "lean",  # nothing placed, nothing donated: `prepare` only packs
         "jitted",
         "dispatch",
     )
@@ -90,6 +92,7 @@ def build_entry(
     entry.donates = bool(structure.donated) or (
         cache.donate_rest and wrapper._dynamic_fun is not None
     )
+    entry.lean = not entry.donates and not targets
     jitted = entry.jitted = _jit(wrapper, cache, structure, args, leaves, formats)
     leaves, dynamic = prepare(
         wrapper._dynamic_fun, cache, entry, structure, args, kwargs, leaves
@@ -106,7 +109,8 @@ def build_entry(
         entry.jitted = AutoLayouts(entry.jitted, auto)
     shardings = [s for _, s in targets]
     shardings += [getattr(leaves[i], "sharding", None) for i in structure.dynamic]
-    entry.dispatch = _dispatch(cache, entry, guards, shardings)
+    fun_arrays = bool(jtu.tree_leaves(wrapper._dynamic_fun))
+    entry.dispatch = _dispatch(cache, entry, guards, shardings, fun_arrays)
     return entry, leaves, dynamic
 
 
@@ -173,21 +177,21 @@ def _place_inputs(leaves: list, targets: list, where, donated) -> None:
     place(leaves, todo, where, may_alias=may_alias)
 
 
-def _dispatch(cache, entry, guards, shardings):
+def _dispatch(cache, entry, guards, shardings, fun_arrays: bool):
     """The entry's dispatch, `dispatch(run, dynamic, deleted, leaves, jit_id)`, as
     layers chosen here, innermost first: the launch; under `_donate.dispatch_lock` where
     the entry donates (with the re-check of its inputs and, for `donate='all'`, JAX's
     warning filtered) or runs on several CPU devices; then the wait for callbacks. An
     AOT `Compiled` passes its executable as `run`, through the same layers."""
     if entry.donates:
-        dispatch = _donate.donating(cache.filter_warning)
+        dispatch = _donate.donating(cache.filter_warning, fun_arrays)
     elif _donate.serialize_dispatch(shardings):
         dispatch = _donate.serialized
     else:
         dispatch = _donate.plain
     if guards is not None:
-        dispatch = _callbacks.waiting(guards, dispatch)
-    return dispatch
+        return _callbacks.waiting(guards, dispatch)
+    return None if dispatch is _donate.plain else dispatch
 
 
 def _is_value(x) -> bool:

@@ -23,6 +23,7 @@ import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 import jaxtyping
 
+from ._donate import plain
 from ._spec import context_mesh
 
 
@@ -230,7 +231,7 @@ def build(cache, structure, args, kwargs, leaves, make: Callable[[], tuple]) -> 
         finally:
             _state.building = outer
         _seen(cache, entry, args, kwargs, leaves)
-    entry.dispatch = _watched(cache, entry, entry.dispatch)
+    entry.dispatch = _watched(cache, entry, entry.dispatch or plain)
     return entry, leaves, trees
 
 

@@ -68,19 +68,30 @@ def _call(wrapper, args, kwargs, compiled=None):
         entry, structure, leaves, dynamic = _compile(
             wrapper, cache, args, kwargs, leaves, treedef
         )
+    elif entry.lean and not structure.deleted(leaves):  # pyright: ignore[reportOptionalMemberAccess]
+        # Nothing to place or donate: what `prepare` returns, without its frame.
+        packing = entry.structure.packing
+        if packing.trivial:
+            dynamic = (fields["_dynamic_fun"], kwargs, *args)
+        else:
+            dynamic = (fields["_dynamic_fun"], *packing.pack(leaves))
     else:
         leaves, dynamic = prepare(
             fields["_dynamic_fun"], cache, entry, structure, args, kwargs, leaves
         )
     run = entry.jitted if compiled is None else compiled.compiled
+    dispatch = entry.dispatch
     try:
-        out = entry.dispatch(
-            run,
-            dynamic,
-            structure.deleted,  # pyright: ignore[reportOptionalMemberAccess]
-            leaves,
-            __equinox_jit_id__,
-        )
+        if dispatch is None:  # no layer: the launch alone
+            out = run(*dynamic)
+        else:
+            out = dispatch(
+                run,
+                dynamic,
+                structure.deleted,  # pyright: ignore[reportOptionalMemberAccess]
+                leaves,
+                __equinox_jit_id__,
+            )
     except eqx.EquinoxRuntimeError:
         raise
     except Exception:
