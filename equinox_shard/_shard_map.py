@@ -36,16 +36,17 @@ def _check_specs(specs: Any, name: str) -> None:
     or device leaves."""
     for path, leaf in jtu.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)[0]:
         if isinstance(leaf, PathRules):
-            inner = [spec for _, spec in leaf.rules]
+            inner = [(f" (its rule {p!r})", spec) for p, spec in leaf.rules]
             if leaf.default is not unset:
-                inner.append(leaf.default)
+                inner.append((" (its default)", leaf.default))
         else:
-            inner = [leaf]
-        for spec in inner:
+            inner = [("", leaf)]
+        for which, spec in inner:
             if not (spec is None or isinstance(spec, PartitionSpec) or is_rule(spec)):
                 raise TypeError(
-                    f"{name}{jtu.keystr(path)}: a `filter_shard_map` specification "
-                    "leaf must be a `jax.sharding.PartitionSpec` (over `mesh`), "
+                    f"{name}{jtu.keystr(path)}{which}: a `filter_shard_map` "
+                    "specification leaf must be a `jax.sharding.PartitionSpec` (over "
+                    "`mesh`), "
                     "`None`, a callable `leaf -> PartitionSpec`, or an "
                     f"`equinox_shard.PathRules` of those; got {_describe_leaf(spec)}."
                 )

@@ -185,3 +185,23 @@ def test_checkpoint_of_an_offloaded_state(getkey, tmp_path):
     for x, y in zip(jtu.tree_leaves(on_device), jtu.tree_leaves(state)):
         assert x.sharding == y.sharding
     assert jtu.tree_all(jtu.tree_map(np.array_equal, _host_copy(on_device), before))
+
+
+def test_shard_map_path_rules_with_a_space_name_the_rule():
+    # `filter_shard_map` takes only `PartitionSpec`s: a `PathRules` holding a `Space`
+    # is refused before anything runs, naming where it is and which rule holds it.
+    mesh = auto_mesh()
+    tree = {"a": jnp.ones(8), "b": jnp.ones(8)}
+    rules = eqxs.PathRules([(r"\['a'\]", Space.Host)], default=P("x"))
+    with pytest.raises(TypeError) as info:
+        eqxs.filter_shard_map(
+            lambda t: t, mesh=mesh, in_specs=(rules,), out_specs=P("x")
+        )(tree)
+    assert str(info.value).startswith(
+        "in_specs[0] (its rule \"\\\\['a'\\\\]\"): a `filter_shard_map` specification"
+    ), str(info.value)
+    rules = eqxs.PathRules([(r"\['a'\]", P("x"))], default=Space.Host)
+    with pytest.raises(TypeError, match=r"^in_specs\[0\] \(its default\): "):
+        eqxs.filter_shard_map(
+            lambda t: t, mesh=mesh, in_specs=(rules,), out_specs=P("x")
+        )(tree)
