@@ -144,11 +144,10 @@ def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple
             # The entry was checked for the shapes of the call that made it.
             diagnose(cache, args, kwargs, placed, structure.dynamic, entry.targets)
             raise
-    if not structure.packing.trivial:
-        return placed, (dynamic_fun, *structure.packing.pack(placed))
-    if placed is not leaves:
+    packing = structure.packing
+    if packing.trivial and placed is not leaves:
         args, kwargs = structure.treedef.unflatten(placed)
-    return placed, (dynamic_fun, kwargs, *args)
+    return placed, packing.arguments(dynamic_fun, args, kwargs, placed)
 
 
 def _where(cache, args, kwargs):

@@ -70,11 +70,9 @@ def _call(wrapper, args, kwargs, compiled=None):
         )
     elif entry.lean and not structure.deleted(leaves):  # pyright: ignore[reportOptionalMemberAccess]
         # Nothing to place or donate: what `prepare` returns, without its frame.
-        packing = entry.structure.packing
-        if packing.trivial:
-            dynamic = (fields["_dynamic_fun"], kwargs, *args)
-        else:
-            dynamic = (fields["_dynamic_fun"], *packing.pack(leaves))
+        dynamic = entry.structure.packing.arguments(
+            fields["_dynamic_fun"], args, kwargs, leaves
+        )
     else:
         leaves, dynamic = prepare(
             fields["_dynamic_fun"], cache, entry, structure, args, kwargs, leaves

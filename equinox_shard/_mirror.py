@@ -119,6 +119,15 @@ class Packing:
         args, kwargs = self.structure.unflatten(self.dynamic_leaves(leaves))
         return (kwargs, *args)
 
+    def arguments(self, fun: Any, args: tuple, kwargs: dict, leaves: list) -> tuple:
+        """`(fun, kwargs, *args)` to call `jax.jit` with: the call's own `args` and
+        `kwargs` where they go as they are (`trivial`; then `leaves` are theirs), else
+        packed from `leaves`."""
+        if self.trivial:
+            return (fun, kwargs, *args)
+        args, kwargs = self.structure.unflatten(self.dynamic_leaves(leaves))
+        return (fun, kwargs, *args)
+
     def unpack(self, packed_kwargs: Any, packed_args: Sequence[Any]) -> list:
         """The traced leaves, in order, from what `pack` made (or `jax.jit` returned
         for it, such as its input shardings)."""
