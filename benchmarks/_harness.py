@@ -1,9 +1,10 @@
 """Timing, memory and compilation-counting utilities shared by the benchmarks.
 
 The machine these run on is usually shared and noisy, so every comparison is made
-within one process, with the variants interleaved (A B C A B C ..., the starting
-variant rotating every round), after a warm-up, and summarised by the median of many
-repetitions. Ratios between variants of the same round are what the tables report.
+within one process, with the variants interleaved (each round runs every variant
+once, in an order drawn anew each round), after a warm-up, and summarised by the median
+of many repetitions. Ratios between variants of the same round are what the tables
+report.
 """
 
 import collections as co
@@ -11,6 +12,7 @@ import datetime
 import gc
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -60,9 +62,12 @@ def interleaved(
 ) -> dict:
     """Measures many cells (each a dict of samplers to compare), interleaved at two
     levels: every round visits every cell, and within a cell runs each sampler once,
-    the starting sampler rotating from round to round (A B C, B C A, ...). So a burst
+    in an order shuffled every round (seeded, so a run is repeatable). So a burst
     of load from elsewhere spoils a few rounds of every cell, which the medians
-    discard, rather than every round of one cell.
+    discard, rather than every round of one cell. Shuffled rather than rotated: in
+    a rotation each sampler always follows the same one, and one that follows a
+    sampler running the same code finds it warm (two instances of one function
+    differed by 5-10% that way).
 
     The objects alive when measuring starts (every cell's trees and compiled
     functions) are moved out of the garbage collector's sight (`gc.freeze`): every
@@ -72,14 +77,15 @@ def interleaved(
     Returns, per cell, `(medians, samples)`: the median of the last `reps` samples of
     each sampler, and those samples in round order."""
     samples: dict = {key: {name: [] for name in c} for key, c in cells.items()}
+    order = random.Random(0)
     gc.collect()
     gc.freeze()
     try:
         for r in range(warmup + reps):
             for key, samplers in cells.items():
                 names = list(samplers)
-                shift = r % len(names)
-                for name in names[shift:] + names[:shift]:
+                order.shuffle(names)
+                for name in names:
                     value = samplers[name]()
                     if r >= warmup:
                         samples[key][name].append(value)

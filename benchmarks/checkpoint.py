@@ -18,8 +18,9 @@ Variants, each writing its own checkpoint directory every round:
 Training with checkpoints (issue 34): the time of 10 training steps (`filter_jit` with
 `donate="all"`, the state sharded as above) that start with a save, against 10 steps
 without one: a background save (`CheckpointManager.save`, which returns once orbax has
-copied the arrays off the devices) and a blocking one (`equinox_shard.save`) of the same
-state; the median over rounds of each ratio.
+copied the arrays off the devices), orbax's own background save of the same arrays (an
+asynchronous `StandardCheckpointer`, the peer: what building on orbax costs at the
+least) and a blocking one (`equinox_shard.save`); the median over rounds of each ratio.
 
 Reported: the median wall time of a save and of a restore (waited for), the median
 over rounds of each variant's time over `orbax`'s, and the peak, over devices, of the
@@ -49,7 +50,7 @@ from .step import _batches, _loss, Transformer
 
 
 VARIANTS = ("eqxs", "orbax", "eqx", "manager")
-MODES = ("none", "background", "blocking")
+MODES = ("none", "background", "orbax-background", "blocking")
 
 
 def _device_bytes() -> dict:
@@ -168,6 +169,9 @@ def _with_saves(cfg: dict, state, root: pathlib.Path) -> dict:
     model, opt_state = jtu.tree_map(lambda x: x + 0 if eqx.is_array(x) else x, state)
     times = {m: [] for m in MODES}
     manager = eqxs.CheckpointManager(root / "background")
+    import orbax.checkpoint as ocp
+
+    checkpointer = ocp.StandardCheckpointer()
     step, loss = 0, None
     for r in range(cfg["warmup"] + cfg["reps"]):
         shift = r % len(MODES)
@@ -176,6 +180,13 @@ def _with_saves(cfg: dict, state, root: pathlib.Path) -> dict:
             start = time.perf_counter()
             if mode == "background":
                 manager.save(step, (model, opt_state), force=True)
+            elif mode == "orbax-background":
+                arrays = {
+                    jtu.keystr(p): x
+                    for p, x in jtu.tree_flatten_with_path((model, opt_state))[0]
+                    if eqx.is_array(x)
+                }
+                checkpointer.save(root / f"orbax-{step}", arrays)
             elif mode == "blocking":
                 eqxs.save(root / f"blocking-{step}", (model, opt_state))
             for tokens, targets in batches:
@@ -185,8 +196,11 @@ def _with_saves(cfg: dict, state, root: pathlib.Path) -> dict:
             if r >= cfg["warmup"]:
                 times[mode].append(time.perf_counter() - start)
             manager.wait_until_finished()  # each round on its own
-            shutil.rmtree(root / f"blocking-{step - 10}", ignore_errors=True)
+            checkpointer.wait_until_finished()
+            for name in ("blocking", "orbax"):
+                shutil.rmtree(root / f"{name}-{step - 10}", ignore_errors=True)
     manager.close()
+    checkpointer.close()
     return times
 
 
@@ -339,6 +353,7 @@ def render(result: dict) -> str:
         [
             [
                 {"none": "no save", "background": "a background save (manager)",
+                 "orbax-background": "orbax's background save (StandardCheckpointer)",
                  "blocking": "a blocking save (eqxs.save)"}[m],
                 f"{result['steps_seconds'][m] * 1e3:.0f}",
                 h.fmt(result["steps_ratio_to_none"][m], "x"),

@@ -8,6 +8,9 @@ Variants, all called on the same placed (committed) inputs:
 - `jit+shard`: the same, with `in_shardings`/`out_shardings`.
 - `flat` (`flat sketch` in the tables): the ~35-line flat-leaf filtered jit of
     `benchmarks/flat_jit.py`, what a careful user would write by hand: the peer.
+- `flat+lock` (`flat sketch+lock`): the flat sketch launching under a lock wherever
+    `equinox_shard.filter_jit` does (a multi-device sharding on the CPU): the peer at
+    equal thread safety.
 - `eqx`: `equinox.filter_jit`.
 - `eqxs`: `equinox_shard.filter_jit` without shardings.
 - `eqxs+shard`: `equinox_shard.filter_jit` with `in_shardings`/`out_shardings`.
@@ -17,7 +20,11 @@ asynchronous dispatch; `sync` is wall time per call, each call waited for.
 
 Targets (issue 23), per cell of asynchronous dispatch, every N and layout: `eqxs` at
 most 1.1x the flat sketch, and at most 1.15x the floor at N >= 10 (1.3x at N = 1).
+The same 1.1x against `flat+lock` is reported beside it: on the CPU a multi-device call
+of ours pays for a lock that the flat sketch, which is not thread-safe, does not.
 """
+
+import threading
 
 import equinox as eqx
 import equinox_shard as eqxs
@@ -27,9 +34,10 @@ from . import _harness as h, _trees as t
 from .flat_jit import flat_jit
 
 
-VARIANTS = ("floor", "jit+shard", "flat", "eqx", "eqxs", "eqxs+shard")
+VARIANTS = ("floor", "jit+shard", "flat", "flat+lock", "eqx", "eqxs", "eqxs+shard")
 MODES = ("async", "sync")
-NAMES = {"flat": "flat sketch"}  # how a variant is named in the tables
+# How a variant is named in the tables.
+NAMES = {"flat": "flat sketch", "flat+lock": "flat sketch+lock"}
 
 TARGET_FLAT = 1.1  # eqxs/flat, asynchronous dispatch, every cell
 TARGET_FLOOR = 1.15  # eqxs/floor, asynchronous dispatch, N >= 10
@@ -42,11 +50,15 @@ def floor_target(n: int) -> float:
 
 def _variants(tree, s):
     dynamic, static = eqx.partition(tree, eqx.is_array)
+    serialized = jax.default_backend() == "cpu" and len(s.device_set) > 1
 
     def on_partition(dynamic):
         return eqx.partition(t.add_one(eqx.combine(dynamic, static)), eqx.is_array)[0]
 
     def add_one_flat(tree):
+        return t.add_one(tree)
+
+    def add_one_flat_lock(tree):
         return t.add_one(tree)
 
     def add_one_eqx(tree):
@@ -65,6 +77,10 @@ def _variants(tree, s):
             (dynamic,),
         ),
         "flat": (flat_jit(add_one_flat), (tree,)),
+        "flat+lock": (
+            flat_jit(add_one_flat_lock, threading.RLock() if serialized else None),
+            (tree,),
+        ),
         "eqx": (eqx.filter_jit(add_one_eqx), (tree,)),
         "eqxs": (eqxs.filter_jit(add_one_eqxs), (tree,)),
         "eqxs+shard": (
@@ -112,6 +128,8 @@ def run(cfg: dict) -> dict:
             to_eqxs = paired(["eqx"], "eqxs")
             to_eqxs_shard = paired(["eqx"], "eqxs+shard")
             to_flat = paired(["eqxs", "eqxs+shard"], "flat")
+            to_flat_lock = paired(["eqxs"], "flat+lock")
+            same_code = paired(["flat+lock"], "flat")
             to_jit_shard = paired(["eqxs+shard"], "jit+shard")
             rows.append(
                 {
@@ -127,6 +145,8 @@ def run(cfg: dict) -> dict:
                     "ratio_to_flat": {
                         v: to_flat[(v, mode)] for v in ("eqxs", "eqxs+shard")
                     },
+                    "eqxs_over_flat_lock": to_flat_lock[("eqxs", mode)],
+                    "flat_lock_over_flat": same_code[("flat+lock", mode)],
                     "eqxs_shard_over_jit_shard": to_jit_shard[("eqxs+shard", mode)],
                 }
             )
@@ -186,6 +206,7 @@ def render(result: dict) -> str:
             "N",
             *map(_name, variants),
             "eqxs/flat sketch" + (f" (<= {TARGET_FLAT}x)" if marked else ""),
+            "eqxs/flat sketch+lock",
             "eqxs/floor"
             + (f" (<= {TARGET_FLOOR}x; {TARGET_FLOOR_N1}x at N=1)" if marked else ""),
             *(f"{_name(v)}/floor" for v in variants if v not in ("floor", "eqxs")),
@@ -212,6 +233,7 @@ def render(result: dict) -> str:
                     r["n"],
                     *(h.fmt(r["seconds"][v]) for v in variants),
                     _marked(to_flat, TARGET_FLAT) if marked else h.fmt(to_flat, "x"),
+                    h.fmt(r["eqxs_over_flat_lock"], "x"),
                     _marked(to_floor, floor_target(r["n"]))
                     if marked
                     else h.fmt(to_floor, "x"),
@@ -227,6 +249,19 @@ def render(result: dict) -> str:
                 ]
             )
         text = f"### Dispatch: {title}\n\n"
+        aa = [
+            r["flat_lock_over_flat"]
+            for r in result["rows"]
+            if r["mode"] == mode and r["layout"] == "single"
+        ]
+        if marked and aa and None not in aa:
+            # On one device the sketch takes no lock: the same code, twice.
+            text += (
+                "Noise: on single-device cells `flat sketch+lock` takes no lock, so it "
+                "is the flat sketch again, measured as a separate function; its ratio "
+                f"to the flat sketch ranges {min(aa):.2f}-{max(aa):.2f}x in this "
+                "run.\n\n"
+            )
         if marked:
             text += (
                 "`floor` is `jax.jit` on the pre-partitioned leaves; `flat sketch` is "

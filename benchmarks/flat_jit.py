@@ -15,6 +15,11 @@ no filtering at all, and `equinox.filter_jit` does more than a filtered jit need
 is about the least that any filtered jit does per call, so what ours costs above it is
 the price of its checks and its layering. It has no checks: a deleted or donated input,
 a stale mesh, an unhashable non-array leaf are left to JAX (or fail).
+
+`flat_jit(fun, lock)` launches each call under `lock`: the sketch with the thread safety
+that `equinox_shard.filter_jit` gives a multi-device call on the CPU (its
+`dispatch_lock`, RFC §6), so that the two can be compared at equal safety. Without a
+lock the call path is unchanged.
 """
 
 import dataclasses
@@ -45,7 +50,7 @@ def _mask(leaves) -> tuple:
     return mask
 
 
-def flat_jit(fun):
+def flat_jit(fun, lock=None):
     cache = {}
 
     def build(treedef, mask, static):
@@ -59,7 +64,16 @@ def flat_jit(fun):
             out_dynamic = [x for x, m in zip(out_leaves, out_mask) if m]
             return out_dynamic, _Out(out_def, out_mask, out_static)
 
-        return jax.jit(flat)
+        jitted = jax.jit(flat)
+        if lock is None:
+            return jitted
+        held = lock
+
+        def locked(dynamic):
+            with held:
+                return jitted(dynamic)
+
+        return locked
 
     def call(*args, **kwargs):
         leaves, treedef = jax.tree.flatten((args, kwargs))

@@ -60,6 +60,7 @@ def test_quick_run(tmp_path):
         "floor",
         "jit+shard",
         "flat",
+        "flat+lock",
         "eqx",
         "eqxs",
         "eqxs+shard",
@@ -77,6 +78,13 @@ def test_quick_run(tmp_path):
     # targets of issue 23.
     assert proc.stdout.count("| flat sketch |") == 2
     assert "eqxs/flat sketch (<= 1.1x)" in proc.stdout
+    # Beside it, the flat sketch with the lock that ours takes (multi-device, CPU), and
+    # the noise of one cell: that sketch on one device, where it takes no lock.
+    assert proc.stdout.count("| flat sketch+lock |") == 2
+    assert "eqxs/flat sketch+lock" in proc.stdout
+    assert "Noise: on single-device cells" in proc.stdout
+    for row in dispatch["rows"]:
+        assert row["eqxs_over_flat_lock"] > 0 and row["flat_lock_over_flat"] > 0
     async_table = proc.stdout.split("### Dispatch: wall")[0]
     assert async_table.count(" pass |") + async_table.count(" FAIL |") == 2 * len(
         [r for r in dispatch["rows"] if r["mode"] == "async"]
@@ -159,5 +167,9 @@ def test_checkpoint_quick_run(tmp_path):
     assert peaks["eqx"] >= checkpoint["state_bytes"]
     assert all(s > 0 for s in checkpoint["save_seconds"].values())
     assert all(s > 0 for s in checkpoint["restore_seconds"].values())
+    # 10 training steps with each kind of save, orbax's own background save the peer.
+    modes = {"none", "background", "orbax-background", "blocking"}
+    assert set(checkpoint["steps_seconds"]) == modes
+    assert all(s > 0 for s in checkpoint["steps_seconds"].values())
     targets = [t["target"] for t in results["targets"]]
     assert targets == ["checkpoint save eqxs/orbax", "checkpoint restore eqxs/orbax"]
