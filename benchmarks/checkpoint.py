@@ -122,16 +122,20 @@ def _spec(x):
     return jax.P()
 
 
-def _orbax_save(path, state):
-    import orbax.checkpoint as ocp
-
-    arrays = {
+def _arrays_by_path(state) -> dict:
+    """What orbax used directly saves: the array leaves, keyed by key path."""
+    return {
         jtu.keystr(p): x
         for p, x in jtu.tree_flatten_with_path(state)[0]
         if eqx.is_array(x)
     }
+
+
+def _orbax_save(path, state):
+    import orbax.checkpoint as ocp
+
     with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(path, arrays)
+        checkpointer.save(path, _arrays_by_path(state))
         checkpointer.wait_until_finished()
 
 
@@ -181,11 +185,7 @@ def _with_saves(cfg: dict, state, root: pathlib.Path) -> dict:
             if mode == "background":
                 manager.save(step, (model, opt_state), force=True)
             elif mode == "orbax-background":
-                arrays = {
-                    jtu.keystr(p): x
-                    for p, x in jtu.tree_flatten_with_path((model, opt_state))[0]
-                    if eqx.is_array(x)
-                }
+                arrays = _arrays_by_path((model, opt_state))
                 checkpointer.save(root / f"orbax-{step}", arrays)
             elif mode == "blocking":
                 eqxs.save(root / f"blocking-{step}", (model, opt_state))

@@ -29,6 +29,7 @@ import threading
 import equinox as eqx
 import equinox_shard as eqxs
 import jax
+from equinox_shard._donate import serialize_dispatch
 
 from . import _harness as h, _trees as t
 from .flat_jit import flat_jit
@@ -50,7 +51,8 @@ def floor_target(n: int) -> float:
 
 def _variants(tree, s):
     dynamic, static = eqx.partition(tree, eqx.is_array)
-    serialized = jax.default_backend() == "cpu" and len(s.device_set) > 1
+    # The lock wherever `filter_jit` takes it.
+    serialized = serialize_dispatch([s])
 
     def on_partition(dynamic):
         return eqx.partition(t.add_one(eqx.combine(dynamic, static)), eqx.is_array)[0]

@@ -125,6 +125,7 @@ class Packing:
         packed from `leaves`."""
         if self.trivial:
             return (fun, kwargs, *args)
+        # As `pack`, inlined: one frame fewer on every cache hit (tools/hot_path.py).
         args, kwargs = self.structure.unflatten(self.dynamic_leaves(leaves))
         return (fun, kwargs, *args)
 

@@ -46,8 +46,7 @@ def _check_specs(specs: Any, name: str) -> None:
                 raise TypeError(
                     f"{name}{jtu.keystr(path)}{which}: a `filter_shard_map` "
                     "specification leaf must be a `jax.sharding.PartitionSpec` (over "
-                    "`mesh`), "
-                    "`None`, a callable `leaf -> PartitionSpec`, or an "
+                    "`mesh`), `None`, a callable `leaf -> PartitionSpec`, or an "
                     f"`equinox_shard.PathRules` of those; got {_describe_leaf(spec)}."
                 )
 
