@@ -352,13 +352,20 @@ def filter_jit(
     - `in_shardings`: where the array arguments live: a single specification for every
         array argument, or a tuple with one PyTree prefix per positional parameter of
         `fun` (after binding the call to its signature). Spec leaves are those of
-        [`equinox_shard.filter_device_put`][]; `None`, and any argument not covered,
-        is unspecified. An array not yet on its sharding is moved there first, as a
-        copy that leaves the caller's array alive, unless it is donated: then it is
-        freed wherever `jax.jit` would free it (a move onto its own device, or a
-        replication over devices that include its own).
+        [`equinox_shard.filter_device_put`][]: a `jax.sharding.Sharding`, a
+        `jax.Device`, a bare `jax.sharding.PartitionSpec`, a
+        `jax.experimental.layout.Format` (whose `Layout.AUTO` leaves the layout to
+        the compiler), a callable `leaf -> spec` or an
+        [`equinox_shard.PathRules`][]; `None`, and any argument not covered, is
+        unspecified. A `jax.memory.Space` is refused here (`jax.jit` takes none for
+        an input): give a sharding with a memory kind. An array not yet on its
+        sharding is moved there first, as a copy that leaves the caller's array
+        alive, unless it is donated: then it is freed wherever `jax.jit` would free
+        it (a move onto its own device, or a replication over devices that include
+        its own).
     - `out_shardings`: a PyTree prefix of the output, in the same language, given to
-        `jax.jit`'s own `out_shardings`. Non-array outputs are returned untouched.
+        `jax.jit`'s own `out_shardings`; a `jax.memory.Space` is taken here too, and
+        applied inside the function. Non-array outputs are returned untouched.
     - `donate`: as in `equinox.filter_jit`: `'all'`, `'all-except-first'`, `'warn'`,
         `'warn-except-first'` or `'none'` (the default). An array reachable twice in
         one call is not donated, so no kept array is ever deleted.

@@ -103,8 +103,9 @@ class PathRules:
     - `rules`: a sequence of `(pattern, spec)` pairs. Each `pattern` is a regular
         expression (a string, or compiled with `re.compile`); each `spec` is a spec
         leaf: a `jax.sharding.Sharding`, a `jax.Device`, a bare
-        `jax.sharding.PartitionSpec`, a `Format`, a `jax.memory.Space`, `None`
-        (leave the array as it is), or a callable `leaf -> spec`.
+        `jax.sharding.PartitionSpec`, a `jax.experimental.layout.Format`, a
+        `jax.memory.Space`, `None` (leave the array as it is), or a callable
+        `leaf -> spec`.
     - `default`: the spec leaf for an array that no pattern matches. Without it, such
         an array is a `ValueError` naming its key path.
     - `strict`: if `True`, every call that applies these rules first checks that
