@@ -294,7 +294,7 @@ def build(cache, structure, args, kwargs, leaves, make: Callable[[], tuple]) -> 
     """`make()` (which builds and traces a new entry: `_entry.build_entry`) under the
     flag: explains the miss first, and records the call; the entry's dispatch then
     tells `_recompiled` which call it makes. Loggers are as they were afterwards."""
-    with listening():
+    with listening(), _each_report_once():
         _miss(cache, structure, args, kwargs, leaves)
         outer, _state.building = getattr(_state, "building", False), True
         try:
@@ -338,7 +338,7 @@ def _watched(cache, entry, dispatch: Callable) -> Callable:
             return dispatch(run, dynamic, deleted, leaves, jit_id)
         outer, _state.call = getattr(_state, "call", None), (cache, entry, leaves)
         try:
-            with listening():
+            with listening(), _each_report_once():
                 return dispatch(run, dynamic, deleted, leaves, jit_id)
         finally:
             _state.call = outer
@@ -386,6 +386,11 @@ class _JaxReports(logging.Filter):
             return False
         record.msg = f"{prefix}{_user_callsite()}:\n{rest}"
         record.args = ()
+        said = getattr(_state, "said", None)
+        if said is not None:
+            if record.msg in said:
+                return False
+            said.add(record.msg)
         _state.jax_explained = True
         return True
 
@@ -413,6 +418,17 @@ class _Compiles(logging.Filter):
 
 _state = threading.local()
 _reports = _JaxReports()
+
+
+@contextlib.contextmanager
+def _each_report_once():
+    """JAX's reports of our `jax.jit` said once per call: for an entry with callbacks
+    it is traced twice (`_callbacks.Guards`), and JAX explains each trace."""
+    outer, _state.said = getattr(_state, "said", None), set()
+    try:
+        yield
+    finally:
+        _state.said = outer
 
 
 class _Listening:

@@ -13,6 +13,7 @@ import equinox as eqx
 import equinox_shard as eqxs
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -405,3 +406,21 @@ def test_a_shape_that_a_rule_sees(explain):
         "it sees"
     ]
     _check_clean(explain)
+
+
+def test_jax_report_once_for_an_entry_with_callbacks(explain):
+    @eqxs.filter_jit
+    def checked(x):
+        return eqx.error_if(x, x < 0, "negative")
+
+    checked(np.ones(8, np.float32))
+    explain.clear()
+    checked(np.ones(16, np.float32))
+    assert not _ours(explain)
+    # Equinox's own `jax.jit`s inside `error_if` report at Equinox's lines, as under
+    # `eqx.filter_jit`; the `jax.jit` of `checked` is traced twice, and said once.
+    mine = [r.getMessage() for r in explain.records if r.name != "equinox_shard"]
+    mine = [m for m in mine if _HERE in m.splitlines()[0]]
+    assert len(mine) == 1
+    assert mine[0].endswith("  * at x, now f32[16] and before f32[8]")
+    assert "equinox_shard/_" not in _text(explain)
