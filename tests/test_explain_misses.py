@@ -11,6 +11,7 @@ import types
 
 import equinox as eqx
 import equinox_shard as eqxs
+import equinox_shard._cache as cache_module
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -367,12 +368,12 @@ def test_a_static_change_beside_a_batch_that_in_shardings_moves(explain, getkey)
 
 def test_a_new_key_field_is_explained_by_its_name(explain, monkeypatch):
     # A field added to the entry key, as a change to `_cache` alone would add it.
-    fields = [*eqxs._cache.EntryKey._fields, "generation"]
+    fields = [*cache_module.EntryKey._fields, "generation"]
     EntryKey = collections.namedtuple("EntryKey", fields)
-    entry_key = eqxs._cache.ArgStructure.entry_key
+    entry_key = cache_module.ArgStructure.entry_key
     generation = [0]
     monkeypatch.setattr(
-        eqxs._cache.ArgStructure,
+        cache_module.ArgStructure,
         "entry_key",
         lambda self, leaves: EntryKey(*entry_key(self, leaves), generation[0]),
     )
