@@ -5,10 +5,11 @@
 import collections as co
 import functools as ft
 import inspect
+import sys
 import threading
 import weakref
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import equinox._caches
 import jax
@@ -16,6 +17,7 @@ import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 from equinox import Module
 from jax.sharding import Sharding
+from jax.tree_util import PyTreeDef
 
 from ._donate import (
     deleted_test,
@@ -38,10 +40,45 @@ from ._spec_leaves import is_spec_leaf, PathRules, RulesUsage, unset
 traceback_util.register_exclusion(__file__)
 
 
+#
+# The two keys of a call. Explanations of a cache miss (`_explain`) name the fields
+# that differ by these names, so a new field is explained without changing them.
+#
+
+
+class StructureKey(NamedTuple):
+    """The key of `Cache.structures`: what a call's arguments must share to share an
+    `ArgStructure`. The cache hit (`_jit._call`) builds it in place, as the plain
+    tuple `(treedef, leaf_types, dynamic)`: calling this class would cost it a frame."""
+
+    # The structure of the bound `(args, kwargs)`.
+    treedef: PyTreeDef  # pyright: ignore[reportInvalidTypeForm]
+    # The type of every leaf (which leaves are arrays, which are NumPy's).
+    leaf_types: tuple
+    # Which leaves are traced: `equinox.is_array` for a call; `.lower` and
+    # `.eval_shape` also trace `jax.ShapeDtypeStruct`s.
+    dynamic: Callable[[Any], bool]
+
+
+class EntryKey(NamedTuple):
+    """The key of `ArgStructure.entries` (`ArgStructure.entry_key`): what a call's
+    leaves must share to share an `Entry`, so one `jax.jit`."""
+
+    # The static leaves.
+    static: tuple
+    # The shape and dtype of each leaf that rules see (RFC §13).
+    avals: tuple
+    # The context mesh, when a bare `PartitionSpec` or a rule resolves against it.
+    mesh: Any
+
+
+_entry_key = ft.partial(tuple.__new__, EntryKey)  # no Python frame, unlike `EntryKey()`
+
+
 class Cache:
     """The configuration of one `filter_jit` decoration and its compiled functions:
-    `structures[(treedef, leaf types)]` -> `ArgStructure`, whose
-    `entries[static key]` -> `Entry`."""
+    `structures[StructureKey]` -> `ArgStructure`, whose `entries[EntryKey]` ->
+    `Entry`."""
 
     def __init__(self, fun, donate, in_shardings, out_shardings):
         try:
@@ -66,8 +103,11 @@ class Cache:
         taken = {p.name for p in params}
         self.fun_name = _unique("fun", taken)
         self.kwargs_name = var_keyword[0] if var_keyword else _unique("kwargs", taken)
-        self.min_args = sum(p.default is p.empty for p in positional)
-        self.max_args = float("inf") if var else len(positional)
+        # The numbers of positional arguments that bind without `inspect`'s help.
+        self.arity = range(
+            sum(p.default is p.empty for p in positional),
+            sys.maxsize if var else len(positional) + 1,
+        )
         self.in_shardings = in_shardings
         self.in_leaves = None
         if in_shardings is not unset:
@@ -206,11 +246,12 @@ class ArgStructure:
     """What depends only on the structure and leaf types of the bound arguments: which
     leaves are traced and donated, and the `in_shardings` leaf above each leaf."""
 
-    def __init__(self, cache: Cache, args, kwargs, leaves, treedef, dynamic):
+    def __init__(self, cache: Cache, args, kwargs, leaves, key: StructureKey):
+        self.structure_key = key
+        treedef, _, dynamic = key
         mask = tuple(map(dynamic, leaves))
         self.treedef = treedef
         self.dynamic = tuple(i for i, m in enumerate(mask) if m)
-        self.dynamic_leaves = getter(self.dynamic)
         self.static = tuple(i for i, m in enumerate(mask) if not m)
         self.static_of = getter(self.static)
         # How the traced leaves go to `jax.jit`.
@@ -222,22 +263,22 @@ class ArgStructure:
             if (cache.donate_first if i < n_first else cache.donate_rest)
         )
         self.specs = _in_specs(cache, args, kwargs, leaves, dynamic)
-        # The entry key of a call's leaves: its static leaves, and what resolving
-        # its specs depends on (RFC §13): the shapes and dtypes of the leaves that
-        # rules see (every traced leaf when `out_shardings` rules see the output), and
-        # the context mesh.
+        # What resolving the specs depends on: the leaves that rules see (every
+        # traced leaf when `out_shardings` rules see the output), and the mesh.
         in_rules = tuple(i for i in self.dynamic if needs_leaf(self.specs[i]))
         self.rules = self.dynamic if cache.out_rules else in_rules
         self.needs_mesh = cache.out_mesh or any(map(needs_mesh, self.specs))
-        self.key = self._key if self.rules or self.needs_mesh else self.static_of
+        # The key that `entries` is keyed by: the `EntryKey`, or its `static` alone
+        # (a C-level getter, no frame) where its other fields cannot vary.
+        self.key = self.entry_key if self.rules or self.needs_mesh else self.static_of
         self.deleted = deleted_test(leaves, self.dynamic)
         # Shared by every argument structure with the same traced leaves (NumPy, JAX).
         self.entries = cache.entries.setdefault((treedef, mask), {})
 
-    def _key(self, leaves: list) -> Any:
+    def entry_key(self, leaves: list) -> EntryKey:
         avals = tuple((leaves[i].shape, leaves[i].dtype) for i in self.rules)
         mesh = context_mesh(abstract_ok=True) if self.needs_mesh else None
-        return (self.static_of(leaves), avals, mesh)
+        return _entry_key((self.static_of(leaves), avals, mesh))
 
 
 def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, dynamic) -> list:
@@ -283,6 +324,14 @@ def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, dynamic) ->
 def arg_path(names: Sequence[str], args: tuple, kwargs: dict, index: int) -> str:
     """The key path of leaf `index` of `(args, kwargs)`, from the parameter name."""
     path, _ = jtu.tree_flatten_with_path((args, kwargs))[0][index]
+    return path_name(names, path)
+
+
+def path_name(names: Sequence[str], path: tuple) -> str:
+    """A key path into the bound `(args, kwargs)`, rooted at the parameter's name
+    (`names`: the positional parameters')."""
+    if len(path) < 2:
+        return "the arguments"
     group, key, *rest = path
     if group.idx == 0:  # pyright: ignore
         position: int = key.idx  # pyright: ignore

@@ -23,8 +23,8 @@ import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 import jaxtyping
 
+from ._cache import path_name
 from ._donate import plain
-from ._spec import context_mesh
 
 
 traceback_util.register_exclusion(__file__)
@@ -86,28 +86,23 @@ def _array(x) -> dict:
 
 
 def _describe(cache, structure, args, kwargs, leaves) -> dict:
-    """A call, as an explanation compares it: key path -> the static leaf itself, or
-    the traced leaf's type, sharding, memory kind and committedness."""
-    dynamic, flat = set(structure.dynamic), jtu.tree_flatten_with_path((args, kwargs))
-    paths = {
-        _user_name(cache, path): _array(x) if i in dynamic else ("static", x)
-        for i, ((path, _), x) in enumerate(zip(flat[0], leaves))
-    }
-    mesh = context_mesh(abstract_ok=True) if structure.needs_mesh else None
-    return {"paths": paths, "given": paths, "mesh": mesh, "treedef": structure.treedef}
+    """A call, as explanations compare it: its two cache keys field by field
+    (`_cache.StructureKey`, then `_cache.EntryKey`), the caller's name of each leaf,
+    and what the `jax.jit` beneath keys on of each traced leaf (`_array`)."""
+    flat, _ = jtu.tree_flatten_with_path((args, kwargs))
+    names = [path_name(cache.names, path) for path, _ in flat]
+    key = structure.structure_key._asdict() | structure.entry_key(leaves)._asdict()
+    arrays = {names[i]: _array(leaves[i]) for i in structure.dynamic}
+    return {"key": key, "names": names, "structure": structure, "arrays": arrays}
 
 
-def _user_name(cache, path: tuple) -> str:
-    """A key path of `(args, kwargs)` in the caller's argument names."""
-    if len(path) < 2:
-        return "the arguments"
-    group, key, *rest = path
-    if group.idx == 0:  # pyright: ignore
-        pos = key.idx  # pyright: ignore
-        name = cache.names[pos] if pos < len(cache.names) else f"args[{pos}]"
-    else:
-        name = str(key.key)  # pyright: ignore
-    return name + jtu.keystr(tuple(rest))
+def _per_leaf(call: dict, field: str) -> dict:
+    """A key field that holds one item per leaf (of some leaves), by leaf name."""
+    structure = call["structure"]
+    indices = {"static": structure.static, "avals": structure.rules}.get(
+        field, range(len(call["names"]))
+    )
+    return dict(zip((call["names"][i] for i in indices), call["key"][field]))
 
 
 def _node(tree: Any, path: tuple) -> Any:
@@ -122,13 +117,13 @@ def _key(path: tuple) -> Any:
     return getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))
 
 
-def _one_level(tree: Any) -> tuple[list, Any]:
+def _children(tree: Any) -> tuple[list, Any]:
     return jtu.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
 
 
 def _differences(new: Any, old: Any, path: tuple = ()):
     """`(path, now, before, why)` where two trees first differ, one level at a time."""
-    (new_children, new_def), (old_children, old_def) = _one_level(new), _one_level(old)
+    (new_children, new_def), (old_children, old_def) = _children(new), _children(old)
     if new_def == old_def:
         for (key, a), (_, b) in zip(new_children, old_children):
             yield from _differences(a, b, path + key)
@@ -148,7 +143,7 @@ def _structure(cache, new_def, old_def) -> list[str]:
     lines = []
     new, old = (d.unflatten([None] * d.num_leaves) for d in (new_def, old_def))
     for path, now, before, why in _differences(new, old):
-        where = _user_name(cache, tuple(path))
+        where = path_name(cache.names, tuple(path))
         if "metadata" in why:
             a, b = (_node(t, tuple(path)) for t in (new, old))
             if type(a) is type(b) and dataclasses.is_dataclass(a):
@@ -167,47 +162,123 @@ def _structure(cache, new_def, old_def) -> list[str]:
     return lines
 
 
-def _diff(cache, new: dict, old: dict, key: str = "paths") -> list[str]:
-    """What differs, causes of a new entry first: structure, static leaves, mesh."""
-    lines, arrays = [], []
-    if new["treedef"] != old["treedef"]:
-        lines.extend(_structure(cache, new["treedef"], old["treedef"]))
-    if new["mesh"] != old["mesh"]:
-        lines.append(
-            "the context mesh, that bare PartitionSpecs and rules resolve against: "
-            f"now {_mesh(new['mesh'])} and before {_mesh(old['mesh'])}"
-        )
-    for path, now in new[key].items():
-        before = old[key].get(path, now)
-        if now == before:
+def _leaf(call: dict, name: str) -> str:
+    static = _per_leaf(call, "static")
+    if name in static:
+        return f"{_short(static[name])} (a static leaf)"
+    return f"an array ({_per_leaf(call, 'leaf_types')[name].__name__})"
+
+
+def _treedef(cache, new: dict, old: dict) -> list[str]:
+    return _structure(cache, new["key"]["treedef"], old["key"]["treedef"])
+
+
+def _leaf_types(cache, new: dict, old: dict) -> list[str]:
+    now, before = _per_leaf(new, "leaf_types"), _per_leaf(old, "leaf_types")
+    return [
+        f"at {name}, now {_leaf(new, name)} and before {_leaf(old, name)}"
+        for name, t in now.items()
+        if before.get(name, t) is not t
+    ]
+
+
+def _dynamic(cache, new: dict, old: dict) -> list[str]:
+    now, before = (getattr(c["key"]["dynamic"], "__name__", "?") for c in (new, old))
+    return [f"the leaves traced: now those of `{now}` and before those of `{before}`"]
+
+
+def _static(cache, new: dict, old: dict) -> list[str]:
+    now, before = _per_leaf(new, "static"), _per_leaf(old, "static")
+    types = _per_leaf(new, "leaf_types"), _per_leaf(old, "leaf_types")
+    return [
+        f"at {name}, now {_short(x)} and before {_short(before[name])} (a static leaf)"
+        for name, x in now.items()
+        if name in before
+        and types[0][name] is types[1][name]  # else `_leaf_types` says it
+        and not _equal(x, before[name])
+    ]
+
+
+def _avals(cache, new: dict, old: dict) -> list[str]:
+    now, before = _per_leaf(new, "avals"), _per_leaf(old, "avals")
+    aval = lambda x: f"{x[1]}{list(x[0])}"
+    return [
+        f"at {name}, now {aval(x)} and before {aval(before[name])}, which the "
+        "sharding rule above it sees"
+        for name, x in now.items()
+        if name in before and x != before[name]
+    ]
+
+
+def _context_mesh(cache, new: dict, old: dict) -> list[str]:
+    return [
+        "the context mesh, that bare PartitionSpecs and rules resolve against: "
+        f"now {_mesh(new['key']['mesh'])} and before {_mesh(old['key']['mesh'])}"
+    ]
+
+
+# How a field of the cache keys that differs is said, by the field's name; any other
+# field is said by its name alone, so a new field is explained without a line here.
+_FIELDS = {
+    "treedef": _treedef,
+    "leaf_types": _leaf_types,
+    "dynamic": _dynamic,
+    "static": _static,
+    "avals": _avals,
+    "mesh": _context_mesh,
+}
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:
+        return a is b
+
+
+def _key_diff(cache, new: dict, old: dict) -> list[str]:
+    """Why `new` missed the entry of `old`: the fields of the cache keys that differ,
+    in the keys' order, each said once."""
+    lines = []
+    for field, now in new["key"].items():
+        before = old["key"].get(field)
+        if _equal(now, before):
             continue
-        if isinstance(now, tuple) and isinstance(before, tuple):
-            if now[1] is not before[1]:
-                lines.append(
-                    f"at {path}, now {_short(now[1])} and before {_short(before[1])} "
-                    "(a static leaf)"
-                )
-        elif isinstance(now, tuple) or isinstance(before, tuple):
-            kind = lambda x: "a static leaf" if isinstance(x, tuple) else "an array"
-            lines.append(f"at {path}, now {kind(now)} and before {kind(before)}")
-        else:
-            arrays.extend(
-                f"at {path}, {what} now {now[what]} and before {before.get(what)}"
-                for what in now
-                if now[what] != before.get(what)
+        say = _FIELDS.get(field)
+        if say is None:
+            lines.append(
+                f"the cache key's `{field}`: now {_short(now)} and before "
+                f"{_short(before)}"
             )
-    return lines + arrays
+        else:
+            lines.extend(say(cache, new, old))
+    return lines
 
 
-def _report(cache, new: dict, seen: list, head: str, key: str = "paths") -> str:
+def _array_diff(cache, new: dict, old: dict) -> list[str]:
+    """How the traced leaves differ in what the `jax.jit` beneath keys on, for a call
+    that found its entry."""
+    del cache
+    lines = []
+    for name, now in new["arrays"].items():
+        before = old["arrays"].get(name, now)
+        lines.extend(
+            f"at {name}, {what} now {now[what]} and before {before.get(what)}"
+            for what in now
+            if now[what] != before.get(what)
+        )
+    return lines
+
+
+def _report(cache, new: dict, seen: list, head: str, diff: Callable) -> str:
     code = getattr(cache.fun_source, "__code__", None)
     where = f" defined at {code.co_filename}:{code.co_firstlineno}" if code else ""
     lines = [f"FILTER_JIT CACHE MISS at {_user_callsite()}:"]
     lines.append(f"  for {cache.fun_names[0]}{where}")
     candidates = [
-        (len(d) + 1000 * (old["treedef"] != new["treedef"]), d)
+        (len(d) + 1000 * (old["key"]["treedef"] != new["key"]["treedef"]), d)
         for old in seen
-        for d in [_diff(cache, new, old, key)]
+        for d in [diff(cache, new, old)]
     ]
     if not candidates:
         lines.append("  first call")
@@ -223,7 +294,7 @@ def build(cache, structure, args, kwargs, leaves, make: Callable[[], tuple]) -> 
     """`make()` (which builds and traces a new entry: `_entry.build_entry`) under the
     flag: explains the miss first, and records the call; the entry's dispatch then
     tells `_recompiled` which call it makes. Loggers are as they were afterwards."""
-    with listening():
+    with listening(), _each_report_once():
         _miss(cache, structure, args, kwargs, leaves)
         outer, _state.building = getattr(_state, "building", False), True
         try:
@@ -239,11 +310,9 @@ def _miss(cache, structure, args, kwargs, leaves) -> None:
     """A new entry (a new `jax.jit`) is about to be built: explains why."""
     try:
         new = _describe(cache, structure, args, kwargs, leaves)
-        report = _report(cache, new, cache.seen, "a new jax.jit", "given")
-        _state.given = new["paths"]
+        report = _report(cache, new, cache.seen, "a new jax.jit", _key_diff)
     except Exception as e:  # an explanation never fails a call
         report = f"FILTER_JIT CACHE MISS, not explained: {e!r}"
-        _state.given = None
     if not cache.seen and cache.structures:
         report = report.replace("first call", "first call seen with the flag on")
     logger.warning(report)
@@ -253,8 +322,7 @@ def _seen(cache, entry, args, kwargs, leaves) -> None:
     """Records a call that compiled (with the leaves as `jax.jit` got them)."""
     with contextlib.suppress(Exception):  # then "not explained" was said
         new = _describe(cache, entry.structure, args, kwargs, leaves)
-        # Compared with the next new entry's call as given, before any placing.
-        new["given"], new["entry"] = _state.given or new["paths"], entry
+        new["entry"] = entry
         cache.seen.append(new)
 
 
@@ -270,7 +338,7 @@ def _watched(cache, entry, dispatch: Callable) -> Callable:
             return dispatch(run, dynamic, deleted, leaves, jit_id)
         outer, _state.call = getattr(_state, "call", None), (cache, entry, leaves)
         try:
-            with listening():
+            with listening(), _each_report_once():
                 return dispatch(run, dynamic, deleted, leaves, jit_id)
         finally:
             _state.call = outer
@@ -295,11 +363,11 @@ def _recompiled(module_name) -> None:
     new = _describe(cache, entry.structure, args, kwargs, leaves)
     new["entry"] = entry
     same = [old for old in cache.seen if old.get("entry") is entry]
-    if not all(_diff(cache, new, old) for old in same):
+    if not all(_array_diff(cache, new, old) for old in same):
         return  # a call like one seen before: the entry's first compile, traced
     if not explained:
         head = "the jax.jit beneath recompiles without retracing"
-        logger.warning(_report(cache, new, same, head))
+        logger.warning(_report(cache, new, same, head, _array_diff))
     cache.seen.append(new)
 
 
@@ -318,6 +386,11 @@ class _JaxReports(logging.Filter):
             return False
         record.msg = f"{prefix}{_user_callsite()}:\n{rest}"
         record.args = ()
+        said = getattr(_state, "said", None)
+        if said is not None:
+            if record.msg in said:
+                return False
+            said.add(record.msg)
         _state.jax_explained = True
         return True
 
@@ -345,6 +418,17 @@ class _Compiles(logging.Filter):
 
 _state = threading.local()
 _reports = _JaxReports()
+
+
+@contextlib.contextmanager
+def _each_report_once():
+    """JAX's reports of our `jax.jit` said once per call: for an entry with callbacks
+    it is traced twice (`_callbacks.Guards`), and JAX explains each trace."""
+    outer, _state.said = getattr(_state, "said", None), set()
+    try:
+        yield
+    finally:
+        _state.said = outer
 
 
 class _Listening:

@@ -88,7 +88,10 @@ def _rule_notes(report: RulesReport) -> list[str]:
     notes = []
     if report.unused:
         notes.append("unused rules (matched no array):")
-        notes += [f"  {_rule_text(m)}" for m in report.unused]
+        for match in report.unused:
+            suggestion = report.did_you_mean.get(match.pattern)
+            mean = "" if suggestion is None else f" (did you mean {suggestion}?)"
+            notes.append(f"  {_rule_text(match)}{mean}")
     if report.overlaps:
         notes.append("overlaps (first match wins):")
         for key, (won, lost) in report.overlaps.items():

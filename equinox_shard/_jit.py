@@ -15,7 +15,7 @@ import jax.tree_util as jtu
 from equinox import field, is_array, Module, module_update_wrapper, Partial
 
 from . import _explain
-from ._cache import ArgStructure, Cache, diagnose, get_cache
+from ._cache import ArgStructure, Cache, diagnose, get_cache, StructureKey
 from ._donate import unusable_donations_ignored
 from ._entry import AutoLayouts, build_entry, Entry, prepare
 from ._mirror import mirror_combine, mirror_partition
@@ -52,11 +52,13 @@ def _call(wrapper, args, kwargs, compiled=None):
     cache: Cache = fields["_cache"]
     # Read by `eqx.error_if`'s stacks: one per decoration.
     __equinox_jit_id__ = fields["_jit_id"]
-    if kwargs or not (cache.min_args <= len(args) <= cache.max_args):
+    if kwargs or len(args) not in cache.arity:
         args, kwargs = _bind(cache, args, kwargs)
     leaves, treedef = jtu.tree_flatten((args, kwargs))
     if compiled is None:
-        structure = cache.structures.get((treedef, tuple(map(type, leaves))))
+        # A `StructureKey`, built in place.
+        key = (treedef, tuple(map(type, leaves)), is_array)
+        structure = cache.structures.get(key)
         entry = (
             None if structure is None else structure.entries.get(structure.key(leaves))
         )
@@ -66,11 +68,16 @@ def _call(wrapper, args, kwargs, compiled=None):
         _check_compiled(entry, treedef, leaves)
     if entry is None:
         entry, structure, leaves, dynamic = _compile(
-            wrapper, cache, args, kwargs, leaves, treedef
+            wrapper,
+            cache,
+            args,
+            kwargs,
+            leaves,
+            key,  # pyright: ignore[reportPossiblyUnboundVariable]
         )
     elif entry.lean and not structure.deleted(leaves):  # pyright: ignore[reportOptionalMemberAccess]
         # Nothing to place or donate: what `prepare` returns, without its frame.
-        dynamic = entry.structure.packing.arguments(
+        dynamic = structure.packing.arguments(  # pyright: ignore[reportOptionalMemberAccess]
             fields["_dynamic_fun"], args, kwargs, leaves
         )
     else:
@@ -120,16 +127,15 @@ def _check_compiled(entry: Entry, treedef, leaves) -> None:
         )
 
 
-def _compile(wrapper, cache, args, kwargs, leaves, treedef, dynamic=is_array):
+def _compile(wrapper, cache, args, kwargs, leaves, structure_key: tuple):
     """The slow path of a call (or of `.lower()`): finds or makes the argument
-    structure and the entry, under the cache's lock."""
-    structure_key = (treedef, tuple(map(type, leaves)))
-    if dynamic is not is_array:
-        structure_key += (dynamic,)
+    structure (`structure_key`: the call's `StructureKey`, or that tuple) and the
+    entry, under the cache's lock."""
     with cache.lock:
         structure = cache.structures.get(structure_key)
         if structure is None:
-            structure = ArgStructure(cache, args, kwargs, leaves, treedef, dynamic)
+            structure_key = StructureKey(*structure_key)
+            structure = ArgStructure(cache, args, kwargs, leaves, structure_key)
         key = structure.key(leaves)
         entry = structure.entries.get(key)
         if entry is not None:  # made by another thread meanwhile
@@ -265,9 +271,8 @@ class _JitWrapper(Module):
         cache = self._cache
         args, kwargs = _bind(cache, args, kwargs)
         leaves, treedef = jtu.tree_flatten((args, kwargs))
-        entry, _, leaves, dynamic = _compile(
-            self, cache, args, kwargs, leaves, treedef, _is_array_or_struct
-        )
+        key = StructureKey(treedef, tuple(map(type, leaves)), _is_array_or_struct)
+        entry, _, leaves, dynamic = _compile(self, cache, args, kwargs, leaves, key)
         try:
             return entry, stage(entry.jitted, dynamic)
         except Exception:
@@ -347,13 +352,20 @@ def filter_jit(
     - `in_shardings`: where the array arguments live: a single specification for every
         array argument, or a tuple with one PyTree prefix per positional parameter of
         `fun` (after binding the call to its signature). Spec leaves are those of
-        [`equinox_shard.filter_device_put`][]; `None`, and any argument not covered,
-        is unspecified. An array not yet on its sharding is moved there first, as a
-        copy that leaves the caller's array alive, unless it is donated: then it is
-        freed wherever `jax.jit` would free it (a move onto its own device, or a
-        replication over devices that include its own).
+        [`equinox_shard.filter_device_put`][]: a `jax.sharding.Sharding`, a
+        `jax.Device`, a bare `jax.sharding.PartitionSpec`, a
+        `jax.experimental.layout.Format` (whose `Layout.AUTO` leaves the layout to
+        the compiler), a callable `leaf -> spec` or an
+        [`equinox_shard.PathRules`][]; `None`, and any argument not covered, is
+        unspecified. A `jax.memory.Space` is refused here (`jax.jit` takes none for
+        an input): give a sharding with a memory kind. An array not yet on its
+        sharding is moved there first, as a copy that leaves the caller's array
+        alive, unless it is donated: then it is freed wherever `jax.jit` would free
+        it (a move onto its own device, or a replication over devices that include
+        its own).
     - `out_shardings`: a PyTree prefix of the output, in the same language, given to
-        `jax.jit`'s own `out_shardings`. Non-array outputs are returned untouched.
+        `jax.jit`'s own `out_shardings`; a `jax.memory.Space` is taken here too, and
+        applied inside the function. Non-array outputs are returned untouched.
     - `donate`: as in `equinox.filter_jit`: `'all'`, `'all-except-first'`, `'warn'`,
         `'warn-except-first'` or `'none'` (the default). An array reachable twice in
         one call is not donated, so no kept array is ever deleted.

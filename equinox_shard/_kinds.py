@@ -1,14 +1,31 @@
-"""The kinds of spec leaf, in one table: for each, what it is called, when it is valid,
-whether it needs the context mesh, where it is allowed, and how it is applied inside a
-trace and by `filter_jit`. Every module that treats one kind apart from another reads
-it here; how a kind is placed eagerly is `_place`'s.
+"""The kinds of spec leaf, in one table (`KINDS`). For each kind it owns: its type and
+the name messages give it; whether a value is valid, and the hint if not; whether
+resolving it depends on the context mesh; the `Sharding` its placement gives an array
+(`sharding_of`); which functions take it; and how it is applied inside a trace and
+by `filter_jit`'s `in_shardings` and `out_shardings`. Modules that treat one kind
+apart from another in these respects read the table (`_spec`, `_spec_leaves`,
+`_sharding`, `_entry`, `_traced`).
+
+What a kind means is not all here. Outside the table:
+
+- resolution: `_spec.resolve` turns a `jax.Device` into a `SingleDeviceSharding` and
+    a bare `PartitionSpec` into a `NamedSharding` on the context mesh by testing their
+    types itself, and `_spec.resolve_each` takes a `Sharding` as resolved;
+- eager placement: `_place.place` (with `_format_target`, `_is_formatted` and
+    `_onto_format_shardings`) places a `Format` on its layout and sharding and a
+    `jax.memory.Space` in that memory by testing their types itself;
+- `Layout.AUTO` (`is_auto`): `_entry._auto_layouts` and `_entry.AutoLayouts`
+    (compiled before a call), `_callbacks._own_layouts` (the arguments' own layouts
+    for such an executable) and `_traced._eager_targets` (under `jax.disable_jit`, the
+    sharding alone);
+- `Format(None, None)` (`is_empty_format`) is `None` wherever `_spec.resolve` runs.
 
 A callable rule and a `PathRules` are not kinds: they choose, per array, a spec leaf
 of one of these kinds (`_spec_leaves`).
 """
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 from jax.experimental.layout import Format, Layout
@@ -39,7 +56,7 @@ class Kind(NamedTuple):
     jit_in: str | None = None
     # In `out_shardings`: "jit" (given to `jax.jit`) or "body" (applied to the output
     # inside the function, as in a trace, where `jax.jit` refuses it).
-    jit_out: str = "jit"
+    jit_out: Literal["jit", "body"] = "jit"
 
 
 KINDS: tuple[Kind, ...] = (

@@ -85,14 +85,14 @@ def processes_of(sharding: Sharding) -> frozenset[int]:
 #
 
 
-def _digest(*parts: bytes) -> np.ndarray:
+def _hash64(*parts: bytes) -> np.ndarray:
     h = hashlib.blake2b(digest_size=8)
     for part in parts:
         h.update(part)
     return np.frombuffer(h.digest(), dtype=np.uint32)
 
 
-def _describe_sharding(sharding: Sharding) -> str:
+def _sharding_identity(sharding: Sharding) -> str:
     if isinstance(sharding, NamedSharding):
         mesh = sharding.mesh
         return repr(
@@ -132,15 +132,15 @@ def check_identical(items: list[tuple[str, np.ndarray, Any, Sharding]]) -> None:
     content = np.empty((len(items), 2), np.uint32)
     for k, (path, data, impl, sharding) in enumerate(items):
         description = (path, data.shape, str(data.dtype), str(impl))
-        structure[k] = _digest(
-            repr(description).encode(), _describe_sharding(sharding).encode()
+        structure[k] = _hash64(
+            repr(description).encode(), _sharding_identity(sharding).encode()
         )
-        content[k] = _digest(np.ascontiguousarray(data).tobytes())
+        content[k] = _hash64(np.ascontiguousarray(data).tobytes())
     summary = np.concatenate(
         [
             np.array([len(items)], np.uint32),
-            _digest(structure.tobytes()),
-            _digest(content.tobytes()),
+            _hash64(structure.tobytes()),
+            _hash64(content.tobytes()),
         ]
     )
     rows = _allgather(summary)

@@ -9,7 +9,7 @@ from equinox import is_array
 from jaxtyping import PyTree
 
 from ._spec import spread
-from ._spec_leaves import RulesUsage, unset
+from ._spec_leaves import did_you_mean, RulesUsage, unset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,16 +57,63 @@ class RulesReport:
     - `unmatched`: the key paths of the arrays that no rule matched, beneath a
         `PathRules` without a default (placing the tree would raise a `ValueError`
         naming the first).
+    - `did_you_mean`: for each unused rule anchored at the start of the key path
+        (`^embed\\.weight$`), which can never match there because every key path
+        starts with `.` or `[`: its pattern -> the same pattern anchored after that
+        start, where it matches a key path (`^\\.embed\\.weight$`).
 
     A tree whose rules are all as intended has `not report.unused and not
     report.overlaps and not report.unmatched`: what `PathRules(..., strict=True)`
-    checks (except `unmatched`, which raises anyway).
+    checks (except `unmatched`, which raises anyway). `str(report)` is a short table:
+    each rule, the number of arrays it places, and the problems below it.
     """
 
     placed: dict[str, RuleMatch]
     unused: tuple[RuleMatch, ...]
     overlaps: dict[str, RuleOverlap]
     unmatched: tuple[str, ...]
+    did_you_mean: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def __str__(self) -> str:
+        counts: list[list] = []  # [rule, arrays it places], in order of first use
+        for match in self.placed.values():
+            row = next((row for row in counts if row[0] == match), None)
+            if row is None:
+                counts.append([match, 1])
+            else:
+                row[1] += 1
+        rows = [("rule", "pattern", "spec", "arrays")]
+        counts += [[match, 0] for match in self.unused]
+        counts.sort(key=lambda row: (row[0].index is None, row[0].index or 0))
+        for match, n in counts:
+            index = "" if match.index is None else str(match.index)
+            rows.append((index, match.pattern, str(match.spec), str(n)))
+        widths = [max(len(row[c]) for row in rows) for c in range(3)]
+        lines = [
+            "  ".join(x.ljust(w) for x, w in zip(row, widths)) + "  " + row[3]
+            for row in rows
+        ]
+        for match in self.unused:
+            line = f"unused: rule {match.index} `{match.pattern}` matched no array"
+            suggestion = self.did_you_mean.get(match.pattern)
+            if suggestion is not None:
+                line += (
+                    f"; key paths start with `.` or `[`: did you mean `{suggestion}`?"
+                )
+            lines.append(line)
+        for path, (won, lost) in self.overlaps.items():
+            losers = ", ".join(str(m.index) for m in lost)
+            lines.append(
+                f"overlap: {path or '(root)'} is placed by rule {won.index}, also "
+                f"matched by rule {losers}"
+            )
+        if self.unmatched:
+            some = ", ".join(p or "(root)" for p in self.unmatched[:8])
+            more = len(self.unmatched) - 8
+            lines.append(
+                f"no rule and no default: {some}" + f" (and {more} more)" * (more > 0)
+            )
+        return "\n".join(lines)
 
 
 def _is_placeable(x: Any) -> bool:
@@ -147,6 +194,7 @@ def explain_rules(
     overlaps: dict[str, RuleOverlap] = {}
     unmatched: list[str] = []
     unused: list[RuleMatch] = []
+    suggestions: dict[str, str] = {}
     found = []
     for rules, _, seen in usage.groups.values():
         for where, _, matches in seen:
@@ -161,10 +209,16 @@ def explain_rules(
             else:
                 unmatched.append(path)
         used = {k for _, _, matches in seen for k in matches}
-        unused += [_rule(rules, k) for k in range(len(rules.rules)) if k not in used]
+        for k in range(len(rules.rules)):
+            if k in used:
+                continue
+            unused.append(_rule(rules, k))
+            suggestion = did_you_mean(rules, k, [path for _, path, _ in seen])
+            if suggestion is not None:
+                suggestions[rules.rules[k][0]] = suggestion
     # In the order of the tree's leaves (groups gather equal rules from anywhere).
     order = {path: i for i, path in enumerate(names)}
     placed = dict(sorted(found, key=lambda item: order[item[0]]))
     overlaps = dict(sorted(overlaps.items(), key=lambda item: order[item[0]]))
     unmatched.sort(key=order.__getitem__)
-    return RulesReport(placed, tuple(unused), overlaps, tuple(unmatched))
+    return RulesReport(placed, tuple(unused), overlaps, tuple(unmatched), suggestions)

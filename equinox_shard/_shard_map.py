@@ -110,10 +110,7 @@ def _to_explicit(mesh, leaves: list, specs: list, indices: list) -> None:
             todo.append(i)
     if not todo:
         return
-    if isinstance(mesh, jax.sharding.Mesh) or not mesh.empty:
-        targets = [NamedSharding(mesh, specs[i]) for i in todo]
-    else:  # pragma: no cover - `_get_mesh` never returns an empty mesh
-        targets = [specs[i] for i in todo]
+    targets = [NamedSharding(mesh, specs[i]) for i in todo]
     moved = jax.sharding.reshard([leaves[i] for i in todo], targets)
     for i, x in zip(todo, moved):
         leaves[i] = x
@@ -271,7 +268,7 @@ def filter_shard_map(
             check(jax.numpy.shape(leaves[i]), sharding, where)
         manual = frozenset(axis_names) or frozenset(mesh_.axis_names)
         types = dict(zip(mesh_.axis_names, mesh_.axis_types))
-        if indices and all(types.get(a) == AxisType.Explicit for a in manual):
+        if indices and manual and all(types[a] == AxisType.Explicit for a in manual):
             leaves = list(leaves)
             _to_explicit(mesh_, leaves, specs, indices)
         # Filled in by `body`, which `jax.shard_map` traces; named by the outputs' key

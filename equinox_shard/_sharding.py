@@ -324,9 +324,11 @@ def filter_shard(x: PyTree[Any], device_or_shardings: Any) -> PyTree[Any]:
 
     - `x`: any PyTree; only its array leaves (`equinox.is_array`) are affected.
     - `device_or_shardings`: a PyTree prefix of `x` in the specification language of
-        [`equinox_shard.filter_device_put`][]: `Sharding`, `jax.Device`, bare
-        `PartitionSpec` (needs `jax.set_mesh`), `None` (leave as is) or a callable
-        `leaf -> spec`.
+        [`equinox_shard.filter_device_put`][]: a `jax.sharding.Sharding`, a
+        `jax.Device`, a bare `jax.sharding.PartitionSpec` (needs `jax.set_mesh`), a
+        `jax.experimental.layout.Format` (outside a trace only), a `jax.memory.Space`
+        (moves the array to that memory, also inside a trace), `None` (leave as is),
+        a callable `leaf -> spec` or an [`equinox_shard.PathRules`][].
 
     **Returns:**
 

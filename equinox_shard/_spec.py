@@ -1,13 +1,16 @@
 """The sharding-specification language shared by every public function.
 
 A *specification* is a PyTree prefix of a value. Each of its leaves ("spec leaves") is
-one of:
+one of (the first five are the kinds of `_kinds`):
 
 - a `jax.sharding.Sharding`;
 - a `jax.Device`, meaning `jax.sharding.SingleDeviceSharding(device)`;
 - a `jax.experimental.layout.Format(layout, sharding)`: a concrete `Sharding` with a
     memory layout (`Layout.AUTO`: the compiler's choice, `filter_jit` only; RFC §4);
     `Format(None, None)` means `None`, as it does to `jax.device_put`;
+- a `jax.memory.Space` (`Space.Host`, `Space.Device`): the array's own sharding, in
+    that memory (`filter_device_put`, `filter_shard` and `filter_jit`'s
+    `out_shardings` only);
 - a bare `jax.sharding.PartitionSpec`, resolved against the mesh set by `jax.set_mesh`;
 - `None`, meaning "leave this subtree exactly as it is";
 - a callable (that is not itself a PyTree node) `leaf -> spec leaf`, called on every

@@ -103,8 +103,9 @@ class PathRules:
     - `rules`: a sequence of `(pattern, spec)` pairs. Each `pattern` is a regular
         expression (a string, or compiled with `re.compile`); each `spec` is a spec
         leaf: a `jax.sharding.Sharding`, a `jax.Device`, a bare
-        `jax.sharding.PartitionSpec`, a `Format`, a `jax.memory.Space`, `None`
-        (leave the array as it is), or a callable `leaf -> spec`.
+        `jax.sharding.PartitionSpec`, a `jax.experimental.layout.Format`, a
+        `jax.memory.Space`, `None` (leave the array as it is), or a callable
+        `leaf -> spec`.
     - `default`: the spec leaf for an array that no pattern matches. Without it, such
         an array is a `ValueError` naming its key path.
     - `strict`: if `True`, every call that applies these rules first checks that
@@ -318,6 +319,28 @@ def _some(names: list[str]) -> str:
     return text + f" (and {more} more)" if more > 0 else text
 
 
+def did_you_mean(rules: "PathRules", k: int, paths: Sequence[str]) -> str | None:
+    """For rule `k`, which matched none of `paths` (key paths relative to the subtree
+    the rules cover): a pattern anchored at the start (`^embed`) never matches a name
+    there, as every key path starts with `.` or `[` (`.embed.weight`,
+    `[0].embed.weight`). The pattern anchored after the shortest such start that makes
+    it match one of `paths` (`^\\.embed`), or `None`."""
+    pattern = rules._patterns[k]
+    if not pattern.pattern.startswith("^"):
+        return None
+    rest = re.compile(pattern.pattern[1:], pattern.flags)
+    starts = sorted(
+        (j, path)
+        for path in set(paths)
+        for j in range(1, len(path))
+        if path[j - 1] == "." or path[j] == "["
+    )
+    for j, path in starts:
+        if rest.match(path, j):
+            return "^" + re.escape(path[:j]) + rest.pattern
+    return None
+
+
 def _strict_problems(rules: "PathRules", seen: list) -> list[str]:
     problems = []
     used = {k for _, _, matches in seen for k in matches}
@@ -332,7 +355,11 @@ def _strict_problems(rules: "PathRules", seen: list) -> list[str]:
             hint = f"; every one of its {len(seen)} arrays is placed by another rule"
         else:
             hint = "; it covers no array"
-        problems.append(f"rule {k} {pattern!r} matched no key path{hint}.")
+        problem = f"rule {k} {pattern!r} matched no key path{hint}."
+        suggestion = did_you_mean(rules, k, [path for _, path, _ in seen])
+        if suggestion is not None:
+            problem += f" Key paths start with `.` or `[`: did you mean {suggestion!r}?"
+        problems.append(problem)
     overlaps: dict[tuple[int, ...], list[str]] = {}
     for where, _, matches in seen:
         if len(matches) > 1:

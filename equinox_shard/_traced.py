@@ -51,7 +51,7 @@ def traced_function(
             # `jax.jit` ignores `in_shardings` under `disable_jit`; we place anyway.
             tree = treedef.unflatten(flat)
             where = lambda i: leaf_path(tree, i, "args")
-            place(flat, _concrete(flat, targets), where)
+            place(flat, _eager_targets(flat, targets), where)
         args, kwargs = treedef.unflatten(flat)
         out = fun(*args, **kwargs)
         if out_specs is not unset:
@@ -135,12 +135,12 @@ def _out_shardings(out, out_specs, found: list | None, structured: bool, mesh):
             found.append(tuple(s for s, x in zip(shardings, out_leaves) if is_array(x)))
     if jax.config.jax_disable_jit and todo:  # pyright: ignore
         where = lambda i: leaf_path(out, i, "out")
-        place(out_leaves, _concrete(out_leaves, todo), where)
+        place(out_leaves, _eager_targets(out_leaves, todo), where)
         return out_def.unflatten(out_leaves)
     return out
 
 
-def _concrete(leaves: list, todo: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+def _eager_targets(leaves: list, todo: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
     """The items of `todo` whose leaf is a value: under `disable_jit`, a `vmap` or
     `grad` tracer is left as `jax.jit` leaves it (it has no placement to make). A
     `Layout.AUTO` has no compiler to choose it there: its sharding is placed."""

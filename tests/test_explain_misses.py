@@ -4,14 +4,17 @@ ours (a static leaf, the structure, the context mesh) on the `equinox_shard` log
 and those of the `jax.jit` beneath (shape, dtype, sharding) in JAX's own report, pointed
 at the caller's line instead of our modules."""
 
+import collections
 import inspect
 import logging
 import types
 
 import equinox as eqx
 import equinox_shard as eqxs
+import equinox_shard._cache as cache_module
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -38,6 +41,10 @@ def _text(caplog) -> str:
 
 def _ours(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "equinox_shard"]
+
+
+def _bullets(msg: str) -> list[str]:
+    return [line[4:] for line in msg.splitlines() if line.startswith("  * ")]
 
 
 def _check_clean(caplog):
@@ -130,8 +137,9 @@ def test_committed_beside_a_static_change(explain):
     explain.clear()
     shift(jax.device_put(jnp.ones(4), jax.devices()[0]), 2)
     (msg,) = _ours(explain)
-    assert "at by, now 2 and before 1" in msg
-    assert "at x, committed now True and before False" in msg
+    # The static leaf is the cause; `x` would be traced anew by the new `jax.jit`
+    # however it was committed, so it is not one.
+    assert _bullets(msg) == ["at by, now 2 and before 1 (a static leaf)"]
     _check_clean(explain)
 
 
@@ -317,3 +325,103 @@ def test_explanations_do_not_read_the_call_path_frames(explain, monkeypatch):
     assert "the jax.jit beneath recompiles without retracing" in msg
     assert "at x, committed now True and before False" in msg
     _check_clean(explain)
+
+
+def test_a_mesh_change_is_said_once(explain):
+    @eqxs.filter_jit(in_shardings=P("data"))
+    def total(tree):
+        return sum(x.sum() for x in tree.values())
+
+    for shape, names in (((8,), ("data",)), ((4, 2), ("data", "model"))):
+        mesh = auto_mesh(shape, names)
+        sharding = NamedSharding(mesh, P("data"))
+        tree = {k: jax.device_put(jnp.ones(8), sharding) for k in "abcd"}
+        explain.clear()
+        with jax.set_mesh(mesh):
+            total(tree)
+    (msg,) = _ours(explain)
+    # The mesh is the one cause: not also each array's sharding on it.
+    assert _bullets(msg) == [
+        "the context mesh, that bare PartitionSpecs and rules resolve against: "
+        "now Mesh({'data': 4, 'model': 2}, axis_types=(Auto, Auto)) and before "
+        "Mesh({'data': 8}, axis_types=(Auto))"
+    ]
+    _check_clean(explain)
+
+
+def test_a_static_change_beside_a_batch_that_in_shardings_moves(explain, getkey):
+    mesh = auto_mesh((8,), ("data",))
+    replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+
+    @eqxs.filter_jit(in_shardings=(replicated, None, batch))
+    def step(model, learning_rate, x):
+        return jax.vmap(model)(x) * learning_rate
+
+    model = eqx.nn.Linear(4, 4, key=getkey())
+    step(model, 0.1, jnp.ones((8, 4)))
+    explain.clear()
+    step(model, 0.2, jax.device_put(jnp.ones((8, 4)), batch))
+    (msg,) = _ours(explain)
+    assert _bullets(msg) == ["at learning_rate, now 0.2 and before 0.1 (a static leaf)"]
+    _check_clean(explain)
+
+
+def test_a_new_key_field_is_explained_by_its_name(explain, monkeypatch):
+    # A field added to the entry key, as a change to `_cache` alone would add it.
+    fields = [*cache_module.EntryKey._fields, "generation"]
+    EntryKey = collections.namedtuple("EntryKey", fields)
+    entry_key = cache_module.ArgStructure.entry_key
+    generation = [0]
+    monkeypatch.setattr(
+        cache_module.ArgStructure,
+        "entry_key",
+        lambda self, leaves: EntryKey(*entry_key(self, leaves), generation[0]),
+    )
+
+    @eqxs.filter_jit(in_shardings=P())
+    def inc(x):
+        return x + 1
+
+    with jax.set_mesh(auto_mesh((8,), ("data",))):
+        inc(jnp.ones(4))
+        generation[0] = 1
+        explain.clear()
+        inc(jnp.ones(4))
+    (msg,) = _ours(explain)
+    assert _bullets(msg) == ["the cache key's `generation`: now 1 and before 0"]
+    _check_clean(explain)
+
+
+def test_a_shape_that_a_rule_sees(explain):
+    @eqxs.filter_jit(in_shardings=lambda x: P("data") if x.shape[0] > 8 else P())
+    def inc(x):
+        return x + 1
+
+    with jax.set_mesh(auto_mesh((8,), ("data",))):
+        inc(jnp.ones(8))
+        explain.clear()
+        inc(jnp.ones(16))
+    (msg,) = _ours(explain)
+    assert _bullets(msg) == [
+        "at x, now float32[16] and before float32[8], which the sharding rule above "
+        "it sees"
+    ]
+    _check_clean(explain)
+
+
+def test_jax_report_once_for_an_entry_with_callbacks(explain):
+    @eqxs.filter_jit
+    def checked(x):
+        return eqx.error_if(x, x < 0, "negative")
+
+    checked(np.ones(8, np.float32))
+    explain.clear()
+    checked(np.ones(16, np.float32))
+    assert not _ours(explain)
+    # Equinox's own `jax.jit`s inside `error_if` report at Equinox's lines, as under
+    # `eqx.filter_jit`; the `jax.jit` of `checked` is traced twice, and said once.
+    mine = [r.getMessage() for r in explain.records if r.name != "equinox_shard"]
+    mine = [m for m in mine if _HERE in m.splitlines()[0]]
+    assert len(mine) == 1
+    assert mine[0].endswith("  * at x, now f32[16] and before f32[8]")
+    assert "equinox_shard/_" not in _text(explain)

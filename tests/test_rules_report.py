@@ -462,3 +462,60 @@ def test_sharding_table_rules_per_argument():
         "no rule and no default (placing this tree would raise):",
         "  .layers[0].bias, .layers[1].bias",
     ]
+
+
+#
+# Reading a report, and a pattern anchored where no key path starts.
+#
+
+
+def test_report_str_is_a_table_of_rules_and_problems():
+    net = _net()
+    rules = eqxs.PathRules(
+        [
+            (r"query_proj\.weight$", P("model", None)),
+            (MISSPELT, P(None, "model")),
+            (r"weight$", P()),
+        ],
+        default=P(),
+    )
+    report = eqxs.explain_rules(net, rules, name="net")
+    # 6 weights (query, key, value, output; 2 in the MLP) and 2 biases.
+    assert str(report).splitlines() == [
+        r"rule  pattern                         spec              arrays",
+        r"0     query_proj\.weight$             P('model', None)  1",
+        r"1     atention\.output_proj\.weight$  P(None, 'model')  0",
+        r"2     weight$                         P()               5",
+        r"      default                         P()               2",
+        r"unused: rule 1 `atention\.output_proj\.weight$` matched no array",
+        "overlap: net.attention.query_proj.weight is placed by rule 0, also matched "
+        "by rule 2",
+    ]
+
+
+def test_a_pattern_anchored_before_the_first_key_suggests_the_path():
+    net = _net()
+    anchored = r"^mlp\.layers\[0\]\.weight$"
+    rules = eqxs.PathRules([(anchored, P("model", None))], default=P())
+    report = eqxs.explain_rules(net, rules)
+    assert report.unused == (eqxs.RuleMatch(0, anchored, P("model", None)),)
+    assert report.did_you_mean == {anchored: r"^\.mlp\.layers\[0\]\.weight$"}
+    assert r"did you mean `^\.mlp\.layers\[0\]\.weight$`?" in str(report)
+    # Under a tuple the path starts with its index.
+    report = eqxs.explain_rules((net, _adam(net)), rules)
+    assert report.did_you_mean == {anchored: r"^\[0\]\.mlp\.layers\[0\]\.weight$"}
+    # The suggestion matches, and a pattern that is not anchored gets none.
+    fixed = eqxs.PathRules([(report.did_you_mean[anchored], P())], default=P())
+    assert not eqxs.explain_rules((net, _adam(net)), fixed).unused
+    assert eqxs.explain_rules(net, _rules()).did_you_mean == {}
+    # Where strict rules raise, they say the same.
+    strict = eqxs.PathRules(rules.rules, default=P(), strict=True)
+    with pytest.raises(
+        ValueError, match=re.escape(r"'^\\.mlp\\.layers\\[0\\]\\.weight$'?")
+    ):
+        eqxs.filter_device_put(net, strict)
+    table = eqxs.sharding_table(net, rules=rules)
+    assert (
+        r"#0 ^mlp\.layers\[0\]\.weight$ (did you mean ^\.mlp\.layers\[0\]\.weight$?)"
+        in table
+    )

@@ -3,9 +3,12 @@
 
 import contextlib
 import functools as ft
+import re
 
 import equinox as eqx
 import equinox_shard as eqxs
+import equinox_shard._kinds as kinds_module
+import equinox_shard._spec as spec_module
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -657,3 +660,20 @@ def test_error_mixed_auto_explicit_inside_trace(function):
     assert_shardings(out, sharding)
     assert_same_values(out, expected)
     assert_alive(x)
+
+
+def test_every_kind_is_named_where_the_kinds_are_listed():
+    # Each kind by its full name, as `_kinds` names it in messages.
+    kinds = [re.match(r"`([^`]+)`", k.name).group(1) for k in kinds_module.KINDS]  # pyright: ignore[reportOptionalMemberAccess]
+    docs = {
+        "the language (_spec)": spec_module.__doc__,
+        "filter_device_put": eqxs.filter_device_put.__doc__,
+        "filter_shard": eqxs.filter_shard.__doc__,
+        "filter_jit": eqxs.filter_jit.__doc__,
+        "PathRules": eqxs.PathRules.__doc__,
+    }
+    missing = {
+        name: [k for k in kinds if k not in str(doc)] for name, doc in docs.items()
+    }
+    assert missing == dict.fromkeys(docs, [])
+    assert "jax.memory.Space" in kinds  # the newest kind, read from the table
