@@ -93,7 +93,7 @@ QUICK = {
             "depth": 1,
             "batch": 8,
         },
-        "checkpoint": {"reps": 1, "warmup": 0},
+        "checkpoint": {"reps": 1, "warmup": 1},
     },
 }
 
