@@ -18,10 +18,20 @@ no transfer (arrays already placed, a `filter_jit` cache hit with committed inpu
 sets "strict" and "raise" for every test, in `conftest.py`), so that those two cells
 differ from it. The arguments are always made outside the context.
 
+Where JAX itself follows the context, so do we, and the expectation says so: under
+`jax.default_device` an uncommitted result is on that device (where `jnp.asarray`
+puts it); a `filter_jit` call without shardings is compared with `eqx.filter_jit` in
+the same context (under `jax.set_mesh`, `jax.jit` commits its outputs to the mesh);
+under `jax.disable_jit()` floats are compared to 1e-5 (run op by op, rounded
+otherwise). Everything else must be bit for bit the same.
+
 The functions run on an `eqx.nn.MLP` (its activation functions are non-array leaves),
-a typed PRNG key array and a string, placed by rules that split what divides the mesh.
+a typed PRNG key array, a NumPy array, a Python int and a string, placed by rules that
+split what divides the mesh. The heavier cells (checkpoints under every flag, the
+`CheckpointManager`, `jax.disable_jit()` of a training step) are `slow`.
 """
 
+import contextlib
 import dataclasses
 import functools as ft
 import pathlib
@@ -57,7 +67,7 @@ def _mesh(kind: str) -> jax.sharding.Mesh:
 CONTEXTS: dict[str, Callable[[], Any]] = {
     "set_mesh auto": lambda: jax.set_mesh(_mesh("auto")),
     "set_mesh explicit": lambda: jax.set_mesh(_mesh("explicit")),
-    "default_device": lambda: jax.default_device(jax.devices()[3]),  # uncommitted here
+    "default_device": lambda: jax.default_device(jax.devices()[3]),
     "disable_jit": lambda: jax.disable_jit(),
     "x64": lambda: jax.enable_x64(True),
     "dtype strict": lambda: jax.numpy_dtype_promotion("strict"),
@@ -67,23 +77,11 @@ CONTEXTS: dict[str, Callable[[], Any]] = {
 }
 
 
+@contextlib.contextmanager
 def _outside():
     # JAX's own defaults, which `conftest.py` overrides for the whole suite.
-    stack = jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow")
-    return _Both(*stack)
-
-
-class _Both:
-    def __init__(self, *contexts):
-        self.contexts = contexts
-
-    def __enter__(self):
-        for c in self.contexts:
-            c.__enter__()
-
-    def __exit__(self, *exc):
-        for c in reversed(self.contexts):
-            c.__exit__(*exc)
+    with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
+        yield
 
 
 #
