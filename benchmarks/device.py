@@ -139,6 +139,16 @@ def _device_tree(total_bytes: int) -> dict:
     return {"arrays": leaves, "name": "a non-array leaf"}
 
 
+def _size(nbytes: int) -> str:
+    return (
+        f"{nbytes / 2**20:.0f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KiB"
+    )
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 100_000 else f"{n:,}"
+
+
 def _nbytes(tree) -> int:
     return sum(x.nbytes for x in jtu.tree_leaves(tree) if eqx.is_array(x))
 
@@ -181,7 +191,7 @@ def _transfer(cfg) -> list[dict]:
             gbs("jax"),
             "GB/s",
             ratio,
-            f"{nbytes / 2**20:.0f} MiB, NumPy, split over {jax.device_count()} "
+            f"{_size(nbytes)}, NumPy, split over {jax.device_count()} "
             "devices; ratio of times",
         )
     ]
@@ -220,7 +230,7 @@ def _offload(cfg) -> list[dict]:
             gbs("jax"),
             "GB/s",
             ratio,
-            f"{nbytes / 2**20:.0f} MiB to pinned_host and back; ratio of times",
+            f"{_size(nbytes)} to pinned_host and back; ratio of times",
         )
     ]
 
@@ -361,7 +371,7 @@ def _step(cfg) -> list[dict]:
             medians["jit"] * 1e3,
             "ms/step",
             h.paired_ratios(samples, ["eqxs"], "jit")["eqxs"],
-            f"examples/train_transformer.py, {n_params / 1e6:.2f}M parameters, "
+            f"examples/train_transformer.py, {_count(n_params)} parameters, "
             f"batch {config.batch}x{config.length}, data-parallel on "
             f"{jax.device_count()} devices",
         )
@@ -403,8 +413,8 @@ def _checkpoint(cfg) -> list[dict]:
             nbytes / restore["orbax"] / 1e9,
             "GB/s",
             result["restore_ratio_to_orbax"]["eqxs"],
-            f"{result['n_params'] / 1e6:.2f}M parameters and Adam state, "
-            f"{nbytes / 2**20:.1f} MiB, sharded; ratio of times",
+            f"{_count(result['n_params'])} parameters and Adam state, "
+            f"{_size(nbytes)}, sharded; ratio of times",
         ),
         _row(
             "background save",
