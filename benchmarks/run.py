@@ -2,8 +2,11 @@
 
     python -m benchmarks            # the full run: a few minutes
     python -m benchmarks --quick    # a smoke run: seconds, numbers meaningless
+    python -m benchmarks --device   # on JAX's default backend (an accelerator)
 
-The simulated devices are set up here, before JAX computes anything.
+The simulated devices are set up here, before JAX computes anything. `--device` runs
+`benchmarks/device.py` instead of the sections, on JAX's default backend (with
+`--quick`, sizes scaled down: a CPU runs it in under a minute).
 """
 
 import argparse
@@ -273,6 +276,39 @@ def _load(values) -> str:
     return "/".join(f"{x:.1f}" for x in values) if values else "?"
 
 
+def _device(args) -> dict:
+    import jax
+
+    # Only a CPU backend reads this: an accelerator's devices are its own.
+    jax.config.update("jax_num_cpu_devices", 8)
+
+    from . import _harness as h, device
+
+    cfg = dict(device.QUICK if args.quick else device.FULL)
+    cfg["verbose"] = not args.quiet
+    command = "python -m benchmarks --device" + (" --quick" if args.quick else "")
+    start = time.perf_counter()
+    results: dict = {"meta": {**h.machine(), "command": command, "quick": args.quick}}
+    results["device"] = device.run(cfg)
+    meta = results["meta"]
+    meta["seconds"] = time.perf_counter() - start
+    kind = jax.devices()[0].device_kind
+    print(
+        f"`{command}` on {meta['devices']} x {kind} ({meta['platform']}), "
+        f"{meta['nproc']} x {meta['cpu']}, jax {meta['jax']}, equinox "
+        f"{meta['equinox']}, python {meta['python']}, {meta['date']}, "
+        f"{meta['seconds']:.0f} s; load average {_load(meta.get('loadavg_at_start'))} "
+        "at the start.\n\n" + device.render(results["device"])
+    )
+    name = "device-quick.json" if args.quick else "device.json"
+    json_path = args.json or DEFAULT_JSON.with_name(name)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    if cfg["verbose"]:
+        print(f"wrote {json_path}", file=sys.stderr)
+    return results
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny smoke run")
@@ -286,9 +322,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", type=pathlib.Path, default=None, help="output file")
     parser.add_argument("--reps", type=int, default=None, help="override repetitions")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument(
+        "--device",
+        action="store_true",
+        help="the accelerator run (benchmarks/device.py), on JAX's default backend",
+    )
     args = parser.parse_args(argv)
 
     import jax
+
+    if args.device:
+        return _device(args)
 
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", 8)

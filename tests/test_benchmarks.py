@@ -1,4 +1,5 @@
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -173,3 +174,39 @@ def test_checkpoint_quick_run(tmp_path):
     assert all(s > 0 for s in checkpoint["steps_seconds"].values())
     targets = [t["target"] for t in results["targets"]]
     assert targets == ["checkpoint save eqxs/orbax", "checkpoint restore eqxs/orbax"]
+
+
+@pytest.mark.benchmark
+@pytest.mark.slow
+def test_device_quick_run(tmp_path):
+    # `python -m benchmarks --device --quick` on the CPU: the accelerator run's table,
+    # every row present, each measured or saying what the backend lacks (a CPU has no
+    # `memory_stats`). Times are never asserted.
+    pytest.importorskip("orbax.checkpoint")
+    out = tmp_path / "device.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--device", "--quick", "--quiet"]
+        + ["--json", str(out)],
+        cwd=_ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "### On an accelerator" in proc.stdout
+    from benchmarks.device import ROWS
+
+    lines = proc.stdout.splitlines()
+    for row in ROWS:
+        assert any(line.startswith("|") and f" {row} |" in line for line in lines), row
+    rows = {r["row"]: r for r in json.loads(out.read_text())["device"]["rows"]}
+    assert list(rows) == list(ROWS)
+    assert rows["training step peak memory"] == {
+        "row": "training step peak memory",
+        "na": "n/a (backend has no memory_stats)",
+    }
+    assert "n/a (backend has no memory_stats) |" in proc.stdout
+    measured = [r for r in rows.values() if "na" not in r]
+    assert len(measured) == len(ROWS) - 1
+    for r in measured:
+        assert r["eqxs"] > 0 and r["peer_value"] > 0 and r["ratio"] > 0, r
