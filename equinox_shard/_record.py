@@ -215,9 +215,7 @@ def build(tree: Any, name: str) -> tuple[dict, dict]:
         k = kind(x)
         if k is None:
             continue
-        raise_if_deleted(
-            [x], (0,), lambda _: where, then=", so it cannot be saved", error=ValueError
-        )
+        raise_if_deleted([x], (0,), lambda _: where, then=", so it cannot be saved")
         e = entry(k, x)
         e["path"] = jtu.keystr(key_path)
         entries.append(e)
