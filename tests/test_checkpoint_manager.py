@@ -201,16 +201,20 @@ def test_docs_training_loop_runs(tmp_path):
     setup = 'import jax\njax.config.update("jax_num_cpu_devices", 8)\n'
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    result = subprocess.run(
-        [sys.executable, "-c", setup + code],
-        capture_output=True, text=True, timeout=HANG_SECONDS, env=env,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
-    lines = result.stdout.splitlines()
-    assert len(lines) == 2, result.stdout
-    assert lines[0].startswith("steps 0..25: loss ") and lines[0].endswith("[20, 25]")
-    assert lines[1].startswith("steps 25..40: loss ") and lines[1].endswith("[30, 40]")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["30", "40"]
+    runs = []
+    for _ in range(2):  # run again on the same directory: nothing to do
+        result = subprocess.run(
+            [sys.executable, "-c", setup + code],
+            capture_output=True, text=True, timeout=HANG_SECONDS, env=env,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-4000:]
+        runs.append(result.stdout.splitlines())
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["30", "40"]
+    first, second = runs
+    assert len(first) == 2, first
+    assert first[0].startswith("steps 0..25: loss ") and first[0].endswith("[20, 25]")
+    assert first[1].startswith("steps 25..40: loss ") and first[1].endswith("[30, 40]")
+    assert second == ["steps 40..40: nothing to do; kept [30, 40]"] * 2
 
 
 def _free_port() -> int:
