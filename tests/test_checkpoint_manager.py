@@ -185,7 +185,8 @@ def test_interrupted_save_is_never_latest(tmp_path):
         manager.save(2, worker.overwrite_state("new"))
         manager.wait_until_finished()
         assert manager.all_steps() == [1, 2]
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
+        steps = sorted(p.name for p in tmp_path.iterdir())
+        assert steps == [".eqxs-writer", "1", "2"]  # and the open manager's lock
 
 
 @pytest.mark.slow
@@ -287,4 +288,5 @@ def test_killed_while_deleting_old_steps(tmp_path, phase):
         manager.save(4, worker.retention_state(4))
         manager.wait_until_finished()
         assert manager.all_steps() == [3, 4]
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["3", "4"]
+        steps = sorted(p.name for p in tmp_path.iterdir())
+        assert steps == [".eqxs-writer", "3", "4"]  # and the open manager's lock
