@@ -162,6 +162,17 @@ def check_json(path: pathlib.Path, file: pathlib.Path) -> None:
         ) from None
 
 
+def error_number(e: BaseException) -> int | None:
+    """The `errno` of an `OSError`, or of a TensorStore error that says one."""
+    if isinstance(e, OSError) and e.errno is not None:
+        return e.errno
+    text = str(e)
+    for code in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT):
+        if os.strerror(code) in text:
+            return code
+    return None
+
+
 def nbytes(arrays: dict) -> int:
     return sum(int(np.prod(np.shape(x))) * x.dtype.itemsize for x in arrays.values())
 
@@ -201,7 +212,10 @@ def save(
     (naming the leaf by its key path) for an abstract leaf (a `jax.ShapeDtypeStruct`
     or a tracer); `RuntimeError`, as [`equinox_shard.filter_jit`][] raises it, for an
     array that was deleted (donated). `ImportError` if orbax-checkpoint is not
-    installed.
+    installed. While writing (a full disk, a read-only directory): `OSError` (with
+    the system's error number; `RuntimeError` where there is none) naming `path`,
+    once what the failed save wrote is removed (a checkpoint that `overwrite` was to
+    replace is kept).
 
     !!! example
 
@@ -229,8 +243,15 @@ def save(
         handler = ocp.CompositeCheckpointHandler(
             leaves=ocp.JsonCheckpointHandler(), arrays=arrays_handler(ocp)
         )
-        with ocp.Checkpointer(handler) as checkpointer:
-            checkpointer.save(target, composite(ocp, record, arrays))
+        try:
+            with ocp.Checkpointer(handler) as checkpointer:
+                checkpointer.save(target, composite(ocp, record, arrays))
+        except Exception as e:
+            if _primary():
+                _tidy(path)  # what the failed save left; an old checkpoint stays
+            message = f"The save to {path} failed: {type(e).__name__}: {e}"
+            code = error_number(e)
+            raise (OSError(code, message) if code else RuntimeError(message)) from e
         if target != path:
             if _primary():
                 _swap_in(target, path)

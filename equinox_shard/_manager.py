@@ -26,7 +26,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from . import _record as record_lib
-from ._checkpoint import _absolute, LOCK, logger, nbytes, restore_from
+from ._checkpoint import _absolute, error_number, LOCK, logger, nbytes, restore_from
 from ._orbax_setup import (
     arrays_handler,
     composite,
@@ -64,6 +64,37 @@ LOCK_FILE = ".eqxs-writer"
 _HOLDERS: "weakref.WeakValueDictionary[pathlib.Path, CheckpointManager]" = (
     weakref.WeakValueDictionary()
 )
+
+
+# Managers not closed yet: closed when the program exits, before Python waits for
+# orbax's background threads (a failed save's would otherwise keep it from exiting).
+_OPEN: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
+_AT_EXIT: list[bool] = []
+
+
+def _close_all() -> None:
+    for manager in list(_OPEN):
+        try:
+            manager.close()
+        except Exception:
+            logger.exception("closing the CheckpointManager of %s", manager.directory)
+
+
+def _close_at_exit() -> None:
+    if _AT_EXIT:
+        return
+    _AT_EXIT.append(True)
+    # Runs before the interpreter joins non-daemon threads (`atexit` runs after).
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is not None:
+            register(_close_all)
+            return
+    except RuntimeError:  # already shutting down
+        return
+    import atexit
+
+    atexit.register(_close_all)
 
 
 def _alive(pid: int) -> bool:
@@ -136,17 +167,6 @@ def _drop_lock(directory: pathlib.Path) -> None:
     if owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname():
         lock.unlink(missing_ok=True)
     _HOLDERS.pop(directory, None)
-
-
-def _errno(e: BaseException) -> int | None:
-    """The `errno` of an `OSError` or of a TensorStore error saying one."""
-    if isinstance(e, OSError) and e.errno is not None:
-        return e.errno
-    text = str(e)
-    for code in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT):
-        if os.strerror(code) in text:
-            return code
-    return None
 
 
 class CheckpointManager:
@@ -238,6 +258,8 @@ class CheckpointManager:
                 _drop_lock(self.directory)
             raise
         self._closed = False
+        _OPEN.add(self)
+        _close_at_exit()
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -289,7 +311,7 @@ class CheckpointManager:
             f"The save of {where} failed{also}: {type(e).__name__}: {e}. The steps "
             f"saved before it are complete and restorable."
         )
-        code = _errno(e)
+        code = error_number(e)
         return OSError(code, message) if code is not None else RuntimeError(message)
 
     def should_save(self, step: Any) -> bool:
@@ -461,6 +483,7 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
+        _OPEN.discard(self)
         error = None
         try:
             self._manager.wait_until_finished()

@@ -51,11 +51,11 @@ def operation_id() -> str:
 
 
 def release(operation: str) -> None:
-    """Cancels the background threads of orbax's save `operation` that are still
+    """Wakes the background threads of orbax's save `operation` that are still
     waiting: once one of its threads fails (a read-only directory, a full disk), the
     others wait for a signal the failed one never sends, until orbax's coordination
-    timeout, and Python waits for them at exit (the process hangs). Each is cancelled,
-    then woken by the signal it waits for, and returns without writing."""
+    timeout, and Python waits for them at exit (the process hangs). Each is sent the
+    signal it waits for, runs, and fails on its own (its step is already lost)."""
     if jax.process_count() > 1:
         return  # the signals are the job's: its other processes wait on them too
     try:
@@ -72,8 +72,7 @@ def release(operation: str) -> None:
             continue
         if getattr(thread, "_operation_id", None) != operation:
             continue
-        thread.cancel()  # pyright: ignore[reportAttributeAccessIssue]
         for signal in getattr(thread, "_receive_signals", ()):
             key = contract.get_unique_awaitable_singal_key(signal, operation)
             if client.key_value_try_get(key) is None:
-                client.key_value_set(key, "cancelled", allow_overwrite=True)
+                client.key_value_set(key, "released", allow_overwrite=True)

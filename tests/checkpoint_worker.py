@@ -31,8 +31,8 @@ layout and checking its own shards.
 `manager-fails`: a `CheckpointManager` saves step 1, then step 3 in the background,
 whose directory cannot be created (`os.mkdir` fails with EROFS, as on a read-only file
 system); then CALL (`wait`: `wait_until_finished()` then `close()`; `close`: only
-`close()`) prints the error raised, and the process exits (the test's deadline
-catches a hang). `manager-writer`: a `CheckpointManager` on DIR prints `LOCKED` (or the
+`close()`; `none`: neither) prints the error raised, and the process exits (the test's
+deadline catches a hang). `manager-writer`: a `CheckpointManager` on DIR prints `LOCKED` (or the
 error refusing it) and waits for stdin to close.
 """
 
@@ -390,7 +390,8 @@ def manager_fails(directory: pathlib.Path, call: str) -> None:
                 manager.wait_until_finished()
             except Exception as e:
                 print("WAIT", type(e).__name__, e, flush=True)
-        manager.close()
+        if call != "none":
+            manager.close()
     except Exception as e:
         print("CLOSE", type(e).__name__, e, flush=True)
     print("EXITING", flush=True)

@@ -68,15 +68,34 @@ def test_failed_background_save_raised_by_close(tmp_path):
         assert manager.all_steps() == [1]
 
 
+@pytest.mark.slow
+def test_failed_background_save_and_no_close(tmp_path):
+    # Neither waited for nor closed: the manager is closed as the program exits,
+    # which logs the failure, and the process exits.
+    try:
+        result = subprocess.run(
+            [sys.executable, worker.__file__, "manager-fails", str(tmp_path), "none"],
+            capture_output=True, text=True, timeout=DEADLINE, env=_env(),
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        pytest.fail("the process hung at exit after a failed save")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == ["SAVE True", "EXITING"]
+    assert f"The save of step 3 to {tmp_path / '3'} failed" in result.stderr
+
+
 @contextlib.contextmanager
 def _small_disk(path, size="256k"):
     """A tmpfs of `size` at `path` where this machine lets us mount one (as root),
     else `None`."""
     path.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-        capture_output=True,
-    ).returncode == 0  # fmt: skip
+    try:
+        mounted = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+            capture_output=True,
+        ).returncode == 0  # fmt: skip
+    except OSError:  # no `mount`
+        mounted = False
     try:
         yield path if mounted else None
     finally:
@@ -84,12 +103,12 @@ def _small_disk(path, size="256k"):
             subprocess.run(["umount", "-l", str(path)], check=True)
 
 
-def _full_disk_patch(monkeypatch):
+def _full_disk_patch(monkeypatch, name="/2."):
     # No tmpfs to fill: a step's directory cannot be created, as on a full disk.
     mkdir = os.mkdir
 
     def full(path, *args, **kwargs):
-        if "orbax-checkpoint-tmp" in os.fspath(path) and "/2." in os.fspath(path):
+        if "orbax-checkpoint-tmp" in os.fspath(path) and name in os.fspath(path):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path))
         return mkdir(path, *args, **kwargs)
 
@@ -122,6 +141,26 @@ def test_full_disk_raises_naming_the_step(tmp_path, caplog, monkeypatch):
         with eqxs.CheckpointManager(directory) as manager:
             assert manager.latest_step() == 1
             assert_same_values(manager.restore(small), snapshot(small))
+
+
+def test_save_on_a_full_disk(tmp_path, monkeypatch):
+    small = {"x": jnp.arange(16.0)}
+    big = {"x": jnp.asarray(np.random.default_rng(0).standard_normal(1 << 17))}
+    with _small_disk(tmp_path / "disk") as disk:
+        root = disk or tmp_path / "disk"
+        eqxs.save(root / "ckpt", small)
+        if disk is None:
+            _full_disk_patch(monkeypatch, "")
+        for path, overwrite in ((root / "new", False), (root / "ckpt", True)):
+            with pytest.raises(OSError) as info:
+                eqxs.save(path, big, overwrite=overwrite)
+            assert info.value.errno == errno.ENOSPC
+            assert str(info.value).startswith(
+                f"[Errno {errno.ENOSPC}] The save to {path} failed: "
+            ), str(info.value)
+        # Nothing left of the failed saves; the old checkpoint intact.
+        assert sorted(p.name for p in root.iterdir()) == ["ckpt"]
+        assert_same_values(eqxs.restore(root / "ckpt", small), snapshot(small))
 
 
 def test_read_only_directory(tmp_path):
