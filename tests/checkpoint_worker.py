@@ -32,8 +32,8 @@ layout and checking its own shards.
 whose directory cannot be created (`os.mkdir` fails with EROFS, as on a read-only file
 system); then CALL (`wait`: `wait_until_finished()` then `close()`; `close`: only
 `close()`; `none`: neither) prints the error raised, and the process exits (the test's
-deadline catches a hang). `manager-writer`: a `CheckpointManager` on DIR prints `LOCKED` (or the
-error refusing it) and waits for stdin to close.
+deadline catches a hang). `manager-writer`: a `CheckpointManager` on DIR prints
+`LOCKED` (or the error refusing it) and waits for stdin to close.
 """
 
 import json
