@@ -180,6 +180,13 @@ class CheckpointManager:
     never listed: orbax writes into a temporary directory and renames it when
     complete (and removes such leftovers when a manager is created).
 
+    One manager writes to a directory at a time: it holds the lock file
+    `directory/.eqxs-writer` (its process id and host) until `close()`, and a second
+    manager on the directory, in any process, is refused (a lock whose process has
+    died is taken over). The processes of one `jax.distributed` program share the
+    directory: process 0 holds the lock for all. A manager left open is closed when
+    the program exits.
+
     **Arguments:**
 
     - `directory`: where the step directories go (created if needed). In a
@@ -195,6 +202,11 @@ class CheckpointManager:
     - `background`: write in the background (orbax's asynchronous checkpointing):
         `save` returns once every array it writes has been copied off its device
         (see `save`). `False`: `save` returns once the checkpoint is complete.
+
+    **Raises:**
+
+    Before anything is written: `NotADirectoryError` if `directory` is a file;
+    `RuntimeError` naming the process that holds the directory's lock.
     """
 
     def __init__(
@@ -284,8 +296,8 @@ class CheckpointManager:
     def _failed(self, e: BaseException, current: int | None) -> Exception | None:
         """The error for a save that failed (found by orbax when `current`'s save
         started, or by a wait): it names the step it belongs to and its directory.
-        Cancels what is left of that save in the background. `None` if that failure
-        was raised already (orbax raises it again)."""
+        Wakes what is left of that save in the background (see `release`). `None`
+        if that failure was raised already (orbax raises it again)."""
         self._finished()
         if str(e) in self._reported:
             return None
@@ -299,11 +311,9 @@ class CheckpointManager:
         for operation in operations:
             release(operation)
         step = failed[0] if failed else current
-        where = (
-            f"step {step} to {self.directory / str(step)}"
-            if step is not None
-            else (f"a step to {self.directory}")
-        )
+        where = f"a step to {self.directory}"
+        if step is not None:
+            where = f"step {step} to {self.directory / str(step)}"
         also = ""
         if current is not None and step != current:
             also = f" (so step {current} was not saved)"
