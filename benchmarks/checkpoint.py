@@ -22,6 +22,11 @@ copied the arrays off the devices), orbax's own background save of the same arra
 asynchronous `StandardCheckpointer`, the peer: what building on orbax costs at the
 least) and a blocking one (`equinox_shard.save`); the median over rounds of each ratio.
 
+The first restore in a fresh process (issue 44): what every resumed job pays. Each
+round, for `eqxs` and `orbax` in turn, a child process (8 CPU devices) builds the
+abstract `like` and times only its first restore of the checkpoint written here; the
+median over rounds of each and of their ratio.
+
 Reported: the median wall time of a save and of a restore (waited for), the median
 over rounds of each variant's time over `orbax`'s, and the peak, over devices, of the
 bytes held on one device during a restore (live buffers counted once each, sampled on
@@ -30,9 +35,13 @@ the state.
 """
 
 import collections
+import json
+import os
 import pathlib
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -155,6 +164,56 @@ def _orbax_restore(path, like):
         for p, x in paths_leaves
     ]
     return jtu.tree_unflatten(treedef, leaves)
+
+
+_COLD = """
+import json, sys, time
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import equinox as eqx
+import equinox_shard as eqxs
+import jax.tree_util as jtu
+from jax.sharding import NamedSharding
+from benchmarks import checkpoint as c, _trees as t
+variant, cfg, path = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+mesh = t.mesh()
+put = lambda x: NamedSharding(mesh, c._spec(x))
+like = jtu.tree_map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=put(x))
+    if isinstance(x, jax.ShapeDtypeStruct) else x,
+    eqx.filter_eval_shape(c._state, cfg),
+)
+start = time.perf_counter()
+out = eqxs.restore(path, like) if variant == "eqxs" else c._orbax_restore(path, like)
+jax.block_until_ready(eqx.filter(out, eqx.is_array))
+print("SECONDS", time.perf_counter() - start)
+"""
+
+
+def _cold_restores(cfg: dict, state, root: pathlib.Path) -> dict:
+    """The first restore in a fresh process, `eqxs` and `orbax`, `rounds` times."""
+    paths = {"eqxs": root / "cold-eqxs", "orbax": root / "cold-orbax"}
+    eqxs.save(paths["eqxs"], state)
+    _orbax_save(paths["orbax"], state)
+    keys = ("vocab", "length", "width", "heads", "depth")
+    model_cfg = json.dumps({k: cfg[k] for k in keys})
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    root_dir = str(pathlib.Path(__file__).parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([root_dir, env.get("PYTHONPATH", "")])
+    times: dict[str, list[float]] = {"eqxs": [], "orbax": []}
+    for _ in range(cfg.get("cold_rounds", 3)):
+        for variant, path in paths.items():
+            result = subprocess.run(
+                [sys.executable, "-c", _COLD, variant, model_cfg, str(path)],
+                capture_output=True, text=True, env=env, cwd=root_dir, check=True,
+            )  # fmt: skip
+            line = [x for x in result.stdout.splitlines() if x.startswith("SECONDS")]
+            times[variant].append(float(line[-1].split()[1]))
+    return {
+        "cold_restore_seconds": {v: statistics.median(times[v]) for v in times},
+        "cold_restore_ratio_to_orbax": h.paired_ratios(times, list(times), "orbax"),
+    }
 
 
 def _with_saves(cfg: dict, state, root: pathlib.Path) -> dict:
@@ -293,6 +352,7 @@ def run(cfg: dict) -> dict:
             if cfg["verbose"]:
                 print(f"  checkpoint round {r + 1}", flush=True)
         steps = _with_saves(cfg, state, root)
+        cold = _cold_restores(cfg, state, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return {
@@ -311,6 +371,7 @@ def run(cfg: dict) -> dict:
             restore_times, list(VARIANTS), "orbax"
         ),
         "restore_peak_device_bytes": peaks,
+        **cold,
         "restored_equal": equal,
     }
 
@@ -361,4 +422,12 @@ def render(result: dict) -> str:
             for m in MODES
         ],
     )  # fmt: skip
-    return title + "\n\n" + h.table(headers, rows) + "\n\n" + steps
+    cold = h.table(
+        ["first restore in a fresh process", "ms", "/ orbax"],
+        [
+            [v, f"{result['cold_restore_seconds'][v] * 1e3:.0f}",
+             h.fmt(result["cold_restore_ratio_to_orbax"][v], "x")]
+            for v in ("eqxs", "orbax")
+        ],
+    )  # fmt: skip
+    return title + "\n\n" + h.table(headers, rows) + "\n\n" + steps + "\n\n" + cold

@@ -11,6 +11,7 @@ checkpoint before a single array is read.
 
 import ctypes
 import errno
+import json
 import logging
 import os
 import pathlib
@@ -123,6 +124,55 @@ def _found(path: pathlib.Path) -> pathlib.Path:
     return path
 
 
+def is_checkpoint(path: pathlib.Path) -> bool:
+    """Whether the directory `path` holds a checkpoint (of `save`, or an orbax one)."""
+    return (path / "_CHECKPOINT_METADATA").is_file() or (path / "leaves").is_dir()
+
+
+def _refuse_to_replace(path: pathlib.Path) -> None:
+    """Raises unless `path` is absent, an empty directory or a checkpoint: what
+    `overwrite=True` may replace."""
+    if not os.path.lexists(path):
+        return
+    if not path.is_dir():
+        raise FileExistsError(
+            f"{path} is a file, not a checkpoint directory; `save` does not replace "
+            "it (even with `overwrite=True`). Remove it, or save elsewhere."
+        )
+    if any(path.iterdir()) and not is_checkpoint(path):
+        raise FileExistsError(
+            f"{path} is a directory that is not a checkpoint (it has neither "
+            "'_CHECKPOINT_METADATA' nor 'leaves'); `save` does not replace it (even "
+            "with `overwrite=True`), so as not to delete its files. Remove it, or save "
+            "elsewhere."
+        )
+
+
+def check_json(path: pathlib.Path, file: pathlib.Path) -> None:
+    """Raises `ValueError` naming the checkpoint `path` and its metadata `file` if
+    that file is not valid JSON (orbax's own error is a bare `JSONDecodeError`)."""
+    try:
+        json.loads(file.read_bytes())
+    except OSError:
+        return  # missing or unreadable: orbax's own error names the file
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(
+            f"The checkpoint at {path} is damaged: its metadata file {file} is not "
+            f"valid JSON ({e}), so it cannot be restored."
+        ) from None
+
+
+def error_number(e: BaseException) -> int | None:
+    """The `errno` of an `OSError`, or of a TensorStore error that says one."""
+    if isinstance(e, OSError) and e.errno is not None:
+        return e.errno
+    text = str(e)
+    for code in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT):
+        if os.strerror(code) in text:
+            return code
+    return None
+
+
 def nbytes(arrays: dict) -> int:
     return sum(int(np.prod(np.shape(x))) * x.dtype.itemsize for x in arrays.values())
 
@@ -157,9 +207,15 @@ def save(
     **Raises:**
 
     Before anything is written: `FileExistsError` if `path` exists and not
-    `overwrite`; `ValueError` (naming the leaf by its key path) for an abstract leaf
-    (a `jax.ShapeDtypeStruct` or a tracer) or an array that was deleted (donated).
-    `ImportError` if orbax-checkpoint is not installed.
+    `overwrite`, or (even with `overwrite`) if `path` is a file, or a non-empty
+    directory that is not a checkpoint (its files are never deleted); `ValueError`
+    (naming the leaf by its key path) for an abstract leaf (a `jax.ShapeDtypeStruct`
+    or a tracer); `RuntimeError`, as [`equinox_shard.filter_jit`][] raises it, for an
+    array that was deleted (donated). `ImportError` if orbax-checkpoint is not
+    installed. While writing (a full disk, a read-only directory): `OSError` (with
+    the system's error number; `RuntimeError` where there is none) naming `path`,
+    once what the failed save wrote is removed (a checkpoint that `overwrite` was to
+    replace is kept).
 
     !!! example
 
@@ -177,6 +233,7 @@ def save(
         raise FileExistsError(
             f"{path} already exists; pass `overwrite=True` to replace it."
         )
+    _refuse_to_replace(path)
     start = time.perf_counter()
     with LOCK:
         if _primary():
@@ -186,8 +243,15 @@ def save(
         handler = ocp.CompositeCheckpointHandler(
             leaves=ocp.JsonCheckpointHandler(), arrays=arrays_handler(ocp)
         )
-        with ocp.Checkpointer(handler) as checkpointer:
-            checkpointer.save(target, composite(ocp, record, arrays))
+        try:
+            with ocp.Checkpointer(handler) as checkpointer:
+                checkpointer.save(target, composite(ocp, record, arrays))
+        except Exception as e:
+            if _primary():
+                _tidy(path)  # what the failed save left; an old checkpoint stays
+            message = f"The save to {path} failed: {type(e).__name__}: {e}"
+            code = error_number(e)
+            raise (OSError(code, message) if code else RuntimeError(message)) from e
         if target != path:
             if _primary():
                 _swap_in(target, path)
@@ -213,6 +277,7 @@ def _read_record(ocp, path: pathlib.Path) -> list[dict]:
             f"{path} is not a checkpoint written by `equinox_shard.save` (it has no "
             "'leaves' item)."
         )
+    check_json(path, path / "leaves" / "metadata")
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         out = checkpointer.restore(
             path,
@@ -379,6 +444,7 @@ def restore_from(
             )
     read = {}
     if items:
+        check_json(path, path / "arrays" / "_METADATA")
         stored = datafiles.check(path, names, "like")
         with (
             progress.Bar(f"restoring {what or path.name}", stored),

@@ -10,17 +10,30 @@ format of `save`/`restore` (each step directory is exactly what `equinox_shard.s
 writes, with its record of leaves and checksums) and their `like`/`shardings` language.
 """
 
+import errno
+import json
 import os
 import pathlib
+import socket
+import threading
 import time
+import weakref
 from typing import Any
 
+import jax
 import jax._src.traceback_util as traceback_util
+import numpy as np
 from jaxtyping import PyTree
 
 from . import _record as record_lib
-from ._checkpoint import _absolute, LOCK, logger, nbytes, restore_from
-from ._orbax_setup import arrays_handler, composite, orbax as _orbax
+from ._checkpoint import _absolute, error_number, LOCK, logger, nbytes, restore_from
+from ._orbax_setup import (
+    arrays_handler,
+    composite,
+    operation_id,
+    orbax as _orbax,
+    release,
+)
 
 
 traceback_util.register_exclusion(__file__)
@@ -33,6 +46,129 @@ def _positive(name: str, value: Any, kind: type | tuple[type, ...]) -> None:
         raise ValueError(f"`{name}` must be a positive number or None, not {value!r}.")
 
 
+def _step(step: Any, name: str = "step") -> int:
+    """`step` as an `int`: a non-negative Python or NumPy integer (not a `bool`)."""
+    if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
+        raise TypeError(
+            f"`{name}` must be a non-negative int (a Python or NumPy integer), not "
+            f"{step} of type {type(step).__name__}."
+        )
+    if step < 0:
+        raise ValueError(f"`{name}` must be a non-negative int, not {step}.")
+    return int(step)
+
+
+# The file in a manager's directory naming the process that writes there.
+LOCK_FILE = ".eqxs-writer"
+# The managers of this process that hold their directory's lock.
+_HOLDERS: "weakref.WeakValueDictionary[pathlib.Path, CheckpointManager]" = (
+    weakref.WeakValueDictionary()
+)
+
+
+# Managers not closed yet: closed when the program exits, before Python waits for
+# orbax's background threads (a failed save's would otherwise keep it from exiting).
+_OPEN: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
+_AT_EXIT: list[bool] = []
+
+
+def _close_all() -> None:
+    for manager in list(_OPEN):
+        try:
+            manager.close()
+        except Exception:
+            logger.exception("closing the CheckpointManager of %s", manager.directory)
+
+
+def _close_at_exit() -> None:
+    if _AT_EXIT:
+        return
+    _AT_EXIT.append(True)
+    # Runs before the interpreter joins non-daemon threads (`atexit` runs after).
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is not None:
+            register(_close_all)
+            return
+    except RuntimeError:  # already shutting down
+        return
+    import atexit
+
+    atexit.register(_close_all)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _take_lock(directory: pathlib.Path, manager: "CheckpointManager") -> bool:
+    """Takes the writer's lock of `directory` for `manager` (`False`: not this
+    process's to take), or raises naming the process that holds it. The processes
+    of one `jax.distributed` program share a directory: process 0 takes the lock
+    for all of them."""
+    if jax.process_index() != 0:
+        return False
+    lock = directory / LOCK_FILE
+    me = {"pid": os.getpid(), "host": socket.gethostname()}
+    for _ in range(3):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except OSError as e:
+            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                manager._read_only = e  # no writer there: `save` raises, naming it
+                return False
+            if not isinstance(e, FileExistsError):
+                raise
+            try:
+                owner = json.loads(lock.read_text())
+                pid, host = int(owner["pid"]), str(owner["host"])
+            except (OSError, ValueError, KeyError, TypeError):
+                pid, host = None, None
+            held = _HOLDERS.get(directory)
+            if pid is not None and host == me["host"]:
+                mine = pid == me["pid"]
+                if (mine and (held is None or held._closed)) or (
+                    not mine and not _alive(pid)
+                ):
+                    lock.unlink(missing_ok=True)  # stale: its process is gone
+                    continue
+            who = (
+                f"process {pid} on host {host}"
+                if pid is not None
+                else "another process"
+            )
+            if pid == me["pid"] and host == me["host"]:
+                who = "another CheckpointManager of this process (close it first)"
+            raise RuntimeError(
+                f"Another CheckpointManager writes to {directory}: {who} holds its "
+                f"lock {lock}. Two writers on one directory overwrite and delete each "
+                "other's steps, so this one is refused. If that process is gone (on "
+                "another host, say), delete the lock file."
+            )
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        _HOLDERS[directory] = manager
+        return True
+    raise RuntimeError(f"Could not take the writer's lock {lock} of {directory}.")
+
+
+def _drop_lock(directory: pathlib.Path) -> None:
+    lock = directory / LOCK_FILE
+    try:
+        owner = json.loads(lock.read_text())
+    except (OSError, ValueError):
+        return
+    if owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname():
+        lock.unlink(missing_ok=True)
+    _HOLDERS.pop(directory, None)
+
+
 class CheckpointManager:
     """The checkpoints of a training loop in one directory, one per step, on
     orbax-checkpoint's `CheckpointManager`: save every N steps and/or every T minutes,
@@ -43,6 +179,13 @@ class CheckpointManager:
     (so [`equinox_shard.restore`][] reads it too). A save killed at any moment is
     never listed: orbax writes into a temporary directory and renames it when
     complete (and removes such leftovers when a manager is created).
+
+    One manager writes to a directory at a time: it holds the lock file
+    `directory/.eqxs-writer` (its process id and host) until `close()`, and a second
+    manager on the directory, in any process, is refused (a lock whose process has
+    died is taken over). The processes of one `jax.distributed` program share the
+    directory: process 0 holds the lock for all. A manager left open is closed when
+    the program exits.
 
     **Arguments:**
 
@@ -59,6 +202,11 @@ class CheckpointManager:
     - `background`: write in the background (orbax's asynchronous checkpointing):
         `save` returns once every array it writes has been copied off its device
         (see `save`). `False`: `save` returns once the checkpoint is complete.
+
+    **Raises:**
+
+    Before anything is written: `NotADirectoryError` if `directory` is a file;
+    `RuntimeError` naming the process that holds the directory's lock.
     """
 
     def __init__(
@@ -78,7 +226,16 @@ class CheckpointManager:
         _positive("every_minutes", every_minutes, (int, float))
         _positive("keep_last", keep_last, int)
         _positive("keep_every", keep_every, int)
+        self._closed = True  # until it holds its directory
+        self._locked = False
+        self._read_only: OSError | None = None
+        self._reported: set[str] = set()
         self.directory = _absolute(directory)
+        if os.path.lexists(self.directory) and not self.directory.is_dir():
+            raise NotADirectoryError(
+                f"{self.directory} is a file, not a directory: a CheckpointManager "
+                "keeps its checkpoints in a directory (one per step)."
+            )
         when: list = [cm.FixedIntervalPolicy(every_steps)] if every_steps else []
         if every_minutes is not None:
             seconds = max(1, round(every_minutes * 60))
@@ -94,30 +251,86 @@ class CheckpointManager:
             create=True,
         )
         self._background = background
-        self._pending: list[tuple[int, int, float]] = []
-        self._manager = ocp.CheckpointManager(
-            self.directory,
-            options=options,
-            item_handlers={
-                "leaves": ocp.JsonCheckpointHandler(),
-                "arrays": arrays_handler(ocp),
-            },
-        )
+        # Steps started and not yet logged: step -> (bytes, start, orbax's operation).
+        self._pending: dict[int, tuple[int, float, str]] = {}
+        self._pending_lock = threading.Lock()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._locked = _take_lock(self.directory, self)
+        try:
+            self._manager = ocp.CheckpointManager(
+                self.directory,
+                options=options,
+                item_handlers={
+                    "leaves": ocp.JsonCheckpointHandler(),
+                    "arrays": arrays_handler(ocp),
+                },
+            )
+        except BaseException:
+            if self._locked:
+                _drop_lock(self.directory)
+            raise
+        self._closed = False
+        _OPEN.add(self)
+        _close_at_exit()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"`{what}` on a closed CheckpointManager (of {self.directory}); create "
+                "a new one."
+            )
 
     def _finished(self) -> None:
-        while self._pending:
-            step, size, start = self._pending.pop(0)
-            logger.info(
-                "saved step %d to %s: %d bytes in %.2f s",
-                step, self.directory / str(step), size, time.perf_counter() - start,
-            )  # fmt: skip
+        """Logs each step started whose directory is final (orbax renames it when
+        complete): called by orbax once a save is finalised, and after a save."""
+        with self._pending_lock:
+            done = [s for s in self._pending if (self.directory / str(s)).is_dir()]
+            for step in sorted(done):
+                size, start, _ = self._pending.pop(step)
+                logger.info(
+                    "saved step %d to %s: %d bytes in %.2f s",
+                    step, self.directory / str(step), size,
+                    time.perf_counter() - start,
+                )  # fmt: skip
 
-    def should_save(self, step: int) -> bool:
+    def _failed(self, e: BaseException, current: int | None) -> Exception | None:
+        """The error for a save that failed (found by orbax when `current`'s save
+        started, or by a wait): it names the step it belongs to and its directory.
+        Wakes what is left of that save in the background (see `release`). `None`
+        if that failure was raised already (orbax raises it again)."""
+        self._finished()
+        if str(e) in self._reported:
+            return None
+        self._reported.add(str(e))
+        with self._pending_lock:
+            failed = sorted(s for s in self._pending if s != current)
+            if not failed and current is not None:
+                failed = [current]
+            operations = [self._pending.pop(s)[2] for s in failed]
+            self._pending.pop(current, None)  # type: ignore[arg-type]
+        for operation in operations:
+            release(operation)
+        step = failed[0] if failed else current
+        where = f"a step to {self.directory}"
+        if step is not None:
+            where = f"step {step} to {self.directory / str(step)}"
+        also = ""
+        if current is not None and step != current:
+            also = f" (so step {current} was not saved)"
+        message = (
+            f"The save of {where} failed{also}: {type(e).__name__}: {e}. The steps "
+            f"saved before it are complete and restorable."
+        )
+        code = error_number(e)
+        return OSError(code, message) if code is not None else RuntimeError(message)
+
+    def should_save(self, step: Any) -> bool:
         """Whether the policies (`every_steps`, `every_minutes`) save `step`: never a
         step at or before the latest checkpoint."""
-        return self._manager.should_save(step)
+        self._check_open("should_save")
+        return self._manager.should_save(_step(step))
 
-    def save(self, step: int, state: PyTree[Any], *, force: bool = False) -> bool:
+    def save(self, step: Any, state: PyTree[Any], *, force: bool = False) -> bool:
         """Saves `state` as `directory/<step>` if `should_save(step)` (or `force`),
         in the format of [`equinox_shard.save`][].
 
@@ -129,9 +342,16 @@ class CheckpointManager:
         host copy is a view of the device buffer, which XLA then does not donate
         (it copies instead), so the values saved are still those of `step`.
 
+        A background save that fails (a full disk, a read-only directory) raises at
+        the next `save`, `wait_until_finished` or `close`, naming its step and
+        directory (an `OSError` with the system's error number where there is one,
+        else a `RuntimeError`); the "saved step N" log line comes only once
+        `directory/<step>` is complete.
+
         **Arguments:**
 
-        - `step`: the training step, an `int` above the latest saved.
+        - `step`: the training step, a non-negative `int` (or NumPy integer) above
+            the latest saved.
         - `state`: any PyTree, as for [`equinox_shard.save`][].
         - `force`: save even if the policies would not.
 
@@ -141,20 +361,51 @@ class CheckpointManager:
 
         **Raises:**
 
-        Before anything is written, as [`equinox_shard.save`][] (naming the leaf as
-        `state<key path>`).
+        Before anything is written: `TypeError` if `step` is not an integer,
+        `ValueError` if it is negative, or if it is at or below the latest step
+        and `force` (without `force`, the policies never save such a step, and this
+        returns `False`): a step is never saved again, so that `latest_step()` is
+        always the checkpoint `restore()` reads; as [`equinox_shard.save`][]
+        (naming the leaf as `state<key path>`). `RuntimeError` on a closed manager.
         """
-        if not force and not self.should_save(step):
+        self._check_open("save")
+        step = _step(step)
+        if not force and not self._manager.should_save(step):
             return False
+        latest = self._manager.latest_step()
+        if latest is not None and step <= latest:
+            raise ValueError(
+                f"step {step}: the latest checkpoint in {self.directory} is step "
+                f"{latest}, and a step is saved only above the latest (so that "
+                "`latest_step()` is always the checkpoint that `restore()` reads). "
+                "To go back to an earlier step, restore it with `restore(like, "
+                "step=...)` and save into a new directory."
+            )
+        if self._read_only is not None:
+            raise OSError(
+                self._read_only.errno,
+                f"step {step}: cannot save to {self.directory / str(step)}: the "
+                f"directory cannot be written ({self._read_only.strerror}); nothing "
+                "was written.",
+            )
         ocp = _orbax()
         record, arrays = record_lib.build(state, "state")
         start = time.perf_counter()
         size = nbytes(arrays)
-        self._pending.append((step, size, start))
+        saved = False
         with LOCK:
-            saved = self._manager.save(
-                step, args=composite(ocp, record, arrays), force=True
-            )
+            for retry in (False, True):
+                try:
+                    saved = self._manager.save(
+                        step, args=composite(ocp, record, arrays), force=True
+                    )
+                    break
+                except Exception as e:
+                    error = self._failed(e, step)
+                    if error is not None or retry:
+                        raise (error or e) from e
+            with self._pending_lock:
+                self._pending[step] = (size, start, operation_id())
         if not self._background:
             self._finished()
         else:
@@ -168,18 +419,27 @@ class CheckpointManager:
         """The latest step saved (including one still being written in the
         background by this manager), or `None`. A save that was killed is never
         one."""
+        self._check_open("latest_step")
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
         """Every step kept, in increasing order."""
+        self._check_open("all_steps")
         return sorted(self._manager.all_steps())
 
     def wait_until_finished(self) -> None:
-        """Returns once every save started is complete (and old ones removed)."""
-        self._manager.wait_until_finished()
+        """Returns once every save started is complete (and old ones removed).
+        Raises, naming its step, if a save in the background failed."""
+        self._check_open("wait_until_finished")
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            if (error := self._failed(e, None)) is not None:
+                raise error from e
+        self._finished()
 
     def restore(
-        self, like: PyTree[Any], step: int | None = None, shardings: Any = None
+        self, like: PyTree[Any], step: Any = None, shardings: Any = None
     ) -> PyTree[Any]:
         """Restores the checkpoint of `step` (by default the latest), as
         [`equinox_shard.restore`][] does: `like` gives the structure (and, where
@@ -192,6 +452,9 @@ class CheckpointManager:
         (a deletion of old steps that was interrupted); otherwise as
         [`equinox_shard.restore`][], naming the leaf before any array is read.
         """
+        self._check_open("restore")
+        if step is not None:
+            step = _step(step)
         self.wait_until_finished()
         steps = self.all_steps()
         if step is None:
@@ -223,11 +486,38 @@ class CheckpointManager:
         return out
 
     def close(self) -> None:
-        """Waits for the saves still running, and releases orbax's resources."""
-        self._manager.close()
+        """Waits for the saves still running, releases orbax's resources and the
+        directory (for another manager). Raises, naming its step, if a save in the
+        background failed; the manager is closed either way. Closing twice is
+        fine; any other method of a closed manager raises `RuntimeError`."""
+        if self._closed:
+            return
+        self._closed = True
+        _OPEN.discard(self)
+        error = None
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            error = e
+        try:
+            self._manager.close()
+        except Exception as e:
+            error = error or e
+        finally:
+            if self._locked:
+                _drop_lock(self.directory)
+        if error is not None and (failed := self._failed(error, None)) is not None:
+            raise failed from error
+        self._finished()
 
     def __enter__(self) -> "CheckpointManager":
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        try:
+            self.close()
+        except Exception:
+            if exc[0] is None:
+                raise
+            # The exception leaving the `with` block is the one to see.
+            logger.exception("closing the CheckpointManager of %s", self.directory)

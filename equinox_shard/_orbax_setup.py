@@ -1,6 +1,8 @@
 """How `save`, `restore` and `CheckpointManager` call orbax-checkpoint: its import, the
 two items of a checkpoint (`leaves`, `arrays`), and the handler that writes `arrays`."""
 
+import threading
+
 import jax
 import numpy as np
 
@@ -39,3 +41,38 @@ def arrays_handler(ocp):
         (np.ndarray, handlers.NumpyHandler()),
     )
     return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+
+
+def operation_id() -> str:
+    """orbax's id of the save it started last in this process (call under `LOCK`)."""
+    from orbax.checkpoint._src.futures import synchronization
+
+    return synchronization.OperationIdGenerator.get_current_operation_id()
+
+
+def release(operation: str) -> None:
+    """Wakes the background threads of orbax's save `operation` that are still
+    waiting: once one of its threads fails (a read-only directory, a full disk), the
+    others wait for a signal the failed one never sends, until orbax's coordination
+    timeout, and Python waits for them at exit (the process hangs). Each is sent the
+    signal it waits for, runs, and fails on its own (its step is already lost)."""
+    if jax.process_count() > 1:
+        return  # the signals are the job's: its other processes wait on them too
+    try:
+        from orbax.checkpoint._src.futures import future, signaling_client
+    except ImportError:
+        return
+    thread_type = getattr(future, "_SignalingThread", None)
+    contract = getattr(future, "AwaitableSignalsContract", None)
+    if thread_type is None or contract is None:
+        return
+    client = signaling_client.get_signaling_client()
+    for thread in threading.enumerate():
+        if not isinstance(thread, thread_type) or not thread.is_alive():
+            continue
+        if getattr(thread, "_operation_id", None) != operation:
+            continue
+        for signal in getattr(thread, "_receive_signals", ()):
+            key = contract.get_unique_awaitable_singal_key(signal, operation)
+            if client.key_value_try_get(key) is None:
+                client.key_value_set(key, "released", allow_overwrite=True)

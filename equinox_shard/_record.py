@@ -6,7 +6,8 @@ else is read, and its checksums by `verify` once the arrays are read.
 A checksum covers the values, not the layout, so a checkpoint restored onto any
 sharding is checked the same way: for a JAX array (a PRNG key array: its key data) it is
 the sum, modulo 2**32, of a 32-bit mix of each element's bits with its flat index,
-computed on the devices that hold the array (one jitted pass, no gather); for a NumPy
+computed on the host with NumPy from the shards each process holds (nothing compiled,
+nothing run on a device, so the caller's mesh and flags play no part); for a NumPy
 array, the CRC-32 of its bytes.
 """
 
@@ -16,7 +17,6 @@ from typing import Any
 import jax
 import jax._src.traceback_util as traceback_util
 import jax.core
-import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -73,73 +73,123 @@ def entry(kind: str, x: Any) -> dict:
 #
 
 
-def _fmix(h):
-    # MurmurHash3's 32-bit finaliser: a bijection, so one changed element always
-    # changes the sum.
-    h = h ^ (h >> 16)
-    h = h * np.uint32(0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = h * np.uint32(0xC2B2AE35)
-    return h ^ (h >> 16)
+_CHUNK = 1 << 16  # elements per step: numpy's temporaries stay in the cache
 
 
-def _lanes(x):
+def _fmix(h: np.ndarray, scratch: np.ndarray) -> None:
+    # MurmurHash3's 32-bit finaliser, in place: a bijection, so one changed element
+    # always changes the sum.
+    h ^= np.right_shift(h, 16, out=scratch)
+    h *= np.uint32(0x85EBCA6B)
+    h ^= np.right_shift(h, 13, out=scratch)
+    h *= np.uint32(0xC2B2AE35)
+    h ^= np.right_shift(h, 16, out=scratch)
+
+
+def _lanes(x: np.ndarray) -> np.ndarray:
     """Each element's bits as uint32 (a 64-bit element as two, along a new axis)."""
     dtype = x.dtype
-    if dtype == jnp.bool_:
-        return x.astype(jnp.uint32)
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        return jnp.stack([_lanes(jnp.real(x)), _lanes(jnp.imag(x))], axis=-1)
-    info = jnp.finfo(dtype) if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype)
-    bits = info.bits
+    if dtype == np.bool_:
+        return x.astype(np.uint32)
+    if np.issubdtype(dtype, np.complexfloating):
+        parts = [np.ascontiguousarray(np.real(x)), np.ascontiguousarray(np.imag(x))]
+        return np.stack([_lanes(p) for p in parts], axis=-1)
+    if jnp.issubdtype(dtype, jnp.floating):
+        bits, wide = jnp.finfo(dtype).bits, np.float32
+    else:
+        bits, wide = jnp.iinfo(dtype).bits, np.int32
     if bits == 64:
-        return lax.bitcast_convert_type(x, jnp.uint32)
+        return x.view(np.uint32).reshape(x.shape + (2,))
     if bits in (8, 16, 32):
-        unsigned = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}[bits]
-        return lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+        unsigned = {8: np.uint8, 16: np.uint16, 32: np.uint32}[bits]
+        return x.view(unsigned).astype(np.uint32, copy=False)
     # 4- and 6-bit types: their values, exactly, in a 32-bit type.
-    wide = jnp.float32 if jnp.issubdtype(dtype, jnp.floating) else jnp.int32
-    return lax.bitcast_convert_type(x.astype(wide), jnp.uint32)
+    return x.astype(wide).view(np.uint32)
 
 
-def _digest(x):
-    lanes = _lanes(x)
-    # Each element's flat index, without reshaping (which could move shards).
-    index = jnp.zeros(lanes.shape, jnp.uint32)
-    stride = 1
-    for axis in reversed(range(lanes.ndim)):
-        iota = lax.broadcasted_iota(jnp.uint32, lanes.shape, axis)
-        index = index + iota * np.uint32(stride % 2**32)
-        stride *= lanes.shape[axis]
-    mixed = _fmix(lanes ^ _fmix(index + np.uint32(0x9E3779B9)))
-    return jnp.sum(mixed, dtype=jnp.uint32)
+def _partial_sum(data: np.ndarray, index: tuple, shape: tuple) -> int:
+    """The checksum's sum over one shard (`data`, at `index`: slices of `shape`)."""
+    if data.size == 0:
+        return 0
+    if data.ndim == 0:
+        data, index, shape = data.reshape(1), (slice(None),), (1,)
+    starts = [s.indices(n)[0] for s, n in zip(index, shape)]
+    extra = _lanes(np.zeros(1, data.dtype)).shape[1:]  # lanes per element
+    full, here = tuple(shape) + extra, data.shape + extra
+    strides = [int(np.prod(full[a + 1 :], dtype=np.uint64)) for a in range(len(full))]
+    starts += [0] * len(extra)
+    # Axes from `k` on are whole in this shard (but `k` itself): each run along them
+    # is contiguous in the flat index.
+    k = len(full) - 1
+    while k > 0 and here[k] == full[k]:
+        k -= 1
+    run = int(np.prod(here[k:], dtype=np.uint64))
+    first = np.full((), (starts[k] * strides[k] + 0x9E3779B9) % 2**32, np.uint64)
+    for a in range(k):
+        axis = (np.arange(here[a], dtype=np.uint64) + starts[a]) * strides[a]
+        first = np.add.outer(first, axis)
+    first = (first.reshape(-1) % 2**32).astype(np.uint32)
+    rows = data.reshape(len(first), -1)  # one run of the flat index per row
+    per_element = run // rows.shape[1]  # lanes
+    h, scratch = np.empty(_CHUNK, np.uint32), np.empty(_CHUNK, np.uint32)
+    iota = np.arange(min(run, _CHUNK), dtype=np.uint32)
+    total = 0
 
+    def add(lanes: np.ndarray, a: np.ndarray, b: Any) -> None:
+        nonlocal total
+        m = lanes.size
+        hh, ss = h[:m], scratch[:m]
+        np.add(a, b, out=hh.reshape(np.broadcast_shapes(np.shape(a), np.shape(b))))
+        _fmix(hh, ss)
+        hh ^= lanes.reshape(-1)
+        _fmix(hh, ss)
+        total += int(hh.sum(dtype=np.uint64))
 
-_digests = jax.jit(lambda xs: [_digest(x) for x in xs])
+    if run <= _CHUNK:  # whole rows at a time
+        n = _CHUNK // run
+        for r in range(0, len(rows), n):
+            add(_lanes(rows[r : r + n]), first[r : r + n, None], iota[None, :])
+    else:  # each row in pieces
+        n = max(1, _CHUNK // per_element)
+        for r, row in enumerate(rows):
+            for e in range(0, len(row), n):
+                lanes = _lanes(row[e : e + n])
+                offset = np.uint32((int(first[r]) + e * per_element) % 2**32)
+                add(lanes, iota[: lanes.size], offset)
+    return total
 
 
 def checksums(arrays: list) -> list[int]:
-    """The checksum of each JAX array (its key data for a PRNG key array), computed
-    where it lies: one jitted pass per set of devices."""
-    groups: dict[frozenset, list[int]] = {}
+    """The checksum of each array (a JAX array, its key data for a PRNG key array, or
+    a NumPy array), computed on the host with NumPy from the shards this process holds
+    (those with `replica_id == 0`): nothing runs on a device, so nothing is compiled,
+    and no mesh, default device or flag of the caller changes it. The sums of an array
+    split over several processes are gathered from each."""
+    out, spread = [], []
     for i, x in enumerate(arrays):
-        groups.setdefault(frozenset(x.sharding.device_set), []).append(i)
-    out = [0] * len(arrays)
-    for indices in groups.values():
-        data = [arrays[i] for i in indices]
-        data = [jax.random.key_data(x) if is_key_array(x) else x for x in data]
-        # An array in host memory (`jax.memory.Space.Host`) is read on its devices.
-        data = [
-            x if x.sharding.memory_kind in (None, "device") else _on_device(x)
-            for x in data
-        ]
-        for i, d in zip(indices, _digests(data)):
-            out[i] = int(np.asarray(d.addressable_data(0)))
-    return out
+        if isinstance(x, np.ndarray):
+            out.append(_partial_sum(x, (slice(None),) * x.ndim, x.shape))
+            continue
+        if is_key_array(x):
+            x = jax.random.key_data(x)
+        total = 0
+        for shard in x.addressable_shards:
+            if shard.replica_id == 0:
+                data = jax.device_get(shard.data)  # explicit: allowed by any guard
+                total += _partial_sum(data, shard.index, x.shape)
+        out.append(total)
+        if not x.is_fully_addressable:
+            spread.append(i)
+    if spread:
+        from jax.experimental import multihost_utils
 
-
-def _on_device(x: jax.Array) -> jax.Array:
-    return jax.device_put(x, x.sharding.with_memory_kind("device"))
+        with jax.set_mesh(None):
+            sums = multihost_utils.process_allgather(
+                np.asarray([out[i] % 2**32 for i in spread], np.uint32), tiled=False
+            )
+        for i, s in zip(spread, np.asarray(sums).astype(np.uint64).sum(axis=0)):
+            out[i] = int(s)
+    return [s % 2**32 for s in out]
 
 
 def numpy_checksum(x: Any) -> int:
@@ -165,9 +215,7 @@ def build(tree: Any, name: str) -> tuple[dict, dict]:
         k = kind(x)
         if k is None:
             continue
-        raise_if_deleted(
-            [x], (0,), lambda _: where, then=", so it cannot be saved", error=ValueError
-        )
+        raise_if_deleted([x], (0,), lambda _: where, then=", so it cannot be saved")
         e = entry(k, x)
         e["path"] = jtu.keystr(key_path)
         entries.append(e)
@@ -245,7 +293,6 @@ def verify(path: Any, entries: list[dict], stored: dict) -> None:
     checked = [e for e in entries if e.get("checksum") is not None]
     on_device = [e for e in checked if e["kind"] != "numpy"]
     values = [stored[e["name"]] for e in on_device]
-    values = [x if isinstance(x, jax.Array) else jax.device_put(x) for x in values]
     got = dict(zip((e["name"] for e in on_device), checksums(values)))
     for e in checked:
         name = e["name"]

@@ -9,6 +9,8 @@
     python tests/checkpoint_worker.py manager-killed DIR
     python tests/checkpoint_worker.py manager-retention-killed DIR PHASE
     python tests/checkpoint_worker.py manager-multiprocess DIR PROCESS_ID NUM COORD
+    python tests/checkpoint_worker.py manager-fails DIR CALL
+    python tests/checkpoint_worker.py manager-writer DIR
 
 `clean`: a save and a restore onto another layout, as a user would run them (the test
 checks that nothing at all is printed on stderr). `killed`: a save that stops just
@@ -26,6 +28,12 @@ and 3, stopping while retention deletes step 1 once PHASE (`first`, `half`, all 
 `manager-multiprocess`: one of several `jax.distributed` processes saving steps 0 and 3
 with a `CheckpointManager` in the background, then restoring the latest onto another
 layout and checking its own shards.
+`manager-fails`: a `CheckpointManager` saves step 1, then step 3 in the background,
+whose directory cannot be created (`os.mkdir` fails with EROFS, as on a read-only file
+system); then CALL (`wait`: `wait_until_finished()` then `close()`; `close`: only
+`close()`; `none`: neither) prints the error raised, and the process exits (the test's
+deadline catches a hang). `manager-writer`: a `CheckpointManager` on DIR prints
+`LOCKED` (or the error refusing it) and waits for stdin to close.
 """
 
 import json
@@ -357,6 +365,52 @@ def multiprocess(directory: pathlib.Path, process_id: int, num: int, coordinator
     print("multiprocess: ok", flush=True)
 
 
+def manager_fails(directory: pathlib.Path, call: str) -> None:
+    _setup()
+    import errno
+
+    import equinox_shard as eqxs
+    import jax.numpy as jnp
+
+    manager = eqxs.CheckpointManager(directory)
+    manager.save(1, {"x": jnp.ones(64)})
+    manager.wait_until_finished()
+    mkdir = os.mkdir
+
+    def read_only(path, *args, **kwargs):
+        if "orbax-checkpoint-tmp" in os.fspath(path):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
+        return mkdir(path, *args, **kwargs)
+
+    os.mkdir = read_only
+    print("SAVE", manager.save(3, {"x": jnp.ones(64)}), flush=True)
+    try:
+        if call == "wait":
+            try:
+                manager.wait_until_finished()
+            except Exception as e:
+                print("WAIT", type(e).__name__, e, flush=True)
+        if call != "none":
+            manager.close()
+    except Exception as e:
+        print("CLOSE", type(e).__name__, e, flush=True)
+    print("EXITING", flush=True)
+
+
+def manager_writer(directory: pathlib.Path) -> None:
+    _setup()
+    import equinox_shard as eqxs
+
+    try:
+        manager = eqxs.CheckpointManager(directory)
+    except Exception as e:
+        print("REFUSED", type(e).__name__, e, flush=True)
+        return
+    print("LOCKED", flush=True)
+    sys.stdin.read()
+    manager.close()
+
+
 def main(argv: list[str]) -> None:
     mode, directory = argv[0], pathlib.Path(argv[1])
     if mode == "clean":
@@ -369,6 +423,10 @@ def main(argv: list[str]) -> None:
         manager_multiprocess(directory, int(argv[2]), int(argv[3]), argv[4])
     elif mode == "manager-killed":
         manager_killed(directory)
+    elif mode == "manager-fails":
+        manager_fails(directory, argv[2])
+    elif mode == "manager-writer":
+        manager_writer(directory)
     elif mode == "manager-retention-killed":
         manager_retention_killed(directory, argv[2])
     elif mode == "overwrite":

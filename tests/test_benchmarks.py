@@ -173,7 +173,14 @@ def test_checkpoint_quick_run(tmp_path):
     assert set(checkpoint["steps_seconds"]) == modes
     assert all(s > 0 for s in checkpoint["steps_seconds"].values())
     targets = [t["target"] for t in results["targets"]]
-    assert targets == ["checkpoint save eqxs/orbax", "checkpoint restore eqxs/orbax"]
+    assert targets == [
+        "checkpoint save eqxs/orbax",
+        "checkpoint restore eqxs/orbax",
+        "checkpoint first restore in a fresh process eqxs/orbax",
+    ]
+    # The first restore in a fresh process (child processes), eqxs and orbax.
+    assert all(s > 0 for s in checkpoint["cold_restore_seconds"].values())
+    assert checkpoint["cold_restore_ratio_to_orbax"]["eqxs"] > 0
 
 
 @pytest.mark.benchmark

@@ -373,16 +373,6 @@ OPS: dict[str, Op] = {
     ),
 }
 
-# The restore defect of issue 41: the per-array checksum runs a `jax.jit` over arrays
-# on one device under the user's mesh.
-_RESTORE_DEFECT = {
-    ("restore single-device like", "set_mesh auto"),
-    ("restore single-device like", "set_mesh explicit"),
-    ("CheckpointManager single-device like", "set_mesh auto"),
-    ("CheckpointManager single-device like", "set_mesh explicit"),
-}
-
-
 #
 # What is compared.
 #
@@ -489,13 +479,6 @@ def _cells():
                 continue
             slow = op.quick is not None and context not in op.quick
             marks = [pytest.mark.slow] if slow else []
-            if (name, context) in _RESTORE_DEFECT:
-                marks.append(
-                    pytest.mark.xfail(
-                        strict=True,
-                        reason="restore under set_mesh: fixed on the ckpt branch",
-                    )
-                )
             yield pytest.param(name, context, marks=marks, id=f"{name}-{context}")
 
 

@@ -1,0 +1,156 @@
+"""`save`, `restore` and `CheckpointManager` under whatever the caller has set (a mesh
+with Auto or Explicit axes, a default device, x64, strict promotion, rank promotion
+raising, NaN checks, a transfer guard): the same checkpoint and the same restored
+values as outside it."""
+
+import contextlib
+
+import equinox_shard as eqxs
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from .helpers import assert_same_values, auto_mesh, explicit_mesh, snapshot
+
+
+pytest.importorskip("orbax.checkpoint")
+
+CONTEXTS = {
+    "auto_mesh": lambda: jax.set_mesh(auto_mesh((4, 2), ("data", "model"))),
+    "explicit_mesh": lambda: jax.set_mesh(explicit_mesh((4, 2), ("data", "model"))),
+    "default_device": lambda: jax.default_device(jax.devices()[5]),
+    "x64": lambda: jax.enable_x64(True),
+    "strict_promotion": lambda: jax.numpy_dtype_promotion("strict"),
+    "rank_promotion_raise": lambda: jax.numpy_rank_promotion("raise"),
+    "debug_nans": lambda: jax.debug_nans(True),
+    "transfer_guard": lambda: jax.transfer_guard("disallow"),
+}
+
+
+def _state():
+    # A leaf on one device (device 3), one split over a mesh of its own, a typed key
+    # on one device, a NumPy array and a Python scalar.
+    mesh = auto_mesh((8,), ("x",))
+    return {
+        "one": jax.device_put(jnp.arange(6.0).reshape(2, 3), jax.devices()[3]),
+        "split": jax.device_put(
+            jnp.arange(32, dtype=jnp.int32).reshape(8, 4), NamedSharding(mesh, P("x"))
+        ),
+        "key": jax.device_put(jax.random.key(7), jax.devices()[3]),
+        "host": np.linspace(0.0, 1.0, 5, dtype=np.float32),
+        "n": 3,
+    }
+
+
+def _context(name):
+    return CONTEXTS[name]()
+
+
+@pytest.mark.parametrize("name", list(CONTEXTS))
+def test_save_and_restore_under_context(tmp_path, name):
+    state = _state()
+    expected = snapshot(state)
+    eqxs.save(tmp_path / "outside", state)
+    with _context(name):
+        eqxs.save(tmp_path / "inside", state)
+        out = eqxs.restore(tmp_path / "outside", state)
+    assert_same_values(out, expected)
+    assert out["one"].sharding == state["one"].sharding
+    assert out["split"].sharding == state["split"].sharding
+    # Written under the context, read outside it: the same values, and the same
+    # record of leaves (checksums included).
+    assert_same_values(eqxs.restore(tmp_path / "inside", state), expected)
+    record = (tmp_path / "inside" / "leaves" / "metadata").read_text()
+    assert record == (tmp_path / "outside" / "leaves" / "metadata").read_text()
+    assert_same_values(state, expected)  # nothing changed
+
+
+@pytest.mark.parametrize("name", list(CONTEXTS))
+def test_manager_under_context(tmp_path, name):
+    state = _state()
+    expected = snapshot(state)
+    with eqxs.CheckpointManager(tmp_path / "outside") as manager:
+        manager.save(1, state)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_context(name))
+        manager = stack.enter_context(eqxs.CheckpointManager(tmp_path / "inside"))
+        assert manager.save(1, state)
+        assert manager.latest_step() == 1
+        out = manager.restore(state)
+        assert manager.all_steps() == [1]
+    assert_same_values(out, expected)
+    assert out["one"].sharding == state["one"].sharding
+    with eqxs.CheckpointManager(tmp_path / "inside") as manager:
+        assert_same_values(manager.restore(state), expected)
+    record = (tmp_path / "inside" / "1" / "leaves" / "metadata").read_text()
+    assert record == (tmp_path / "outside" / "1" / "leaves" / "metadata").read_text()
+
+
+def _reference_checksum(x):
+    # The checksum as version 2 of the record defines it, written with jax.numpy and
+    # run on the array's devices (as `save` computed it before it moved to the host).
+    def fmix(h):
+        h = h ^ (h >> 16)
+        h = h * np.uint32(0x85EBCA6B)
+        h = h ^ (h >> 13)
+        h = h * np.uint32(0xC2B2AE35)
+        return h ^ (h >> 16)
+
+    def lanes(x):
+        if x.dtype == jnp.bool_:
+            return x.astype(jnp.uint32)
+        if jnp.issubdtype(x.dtype, jnp.complexfloating):
+            return jnp.stack([lanes(jnp.real(x)), lanes(jnp.imag(x))], axis=-1)
+        floating = jnp.issubdtype(x.dtype, jnp.floating)
+        bits = (jnp.finfo if floating else jnp.iinfo)(x.dtype).bits
+        if bits == 64:
+            return jax.lax.bitcast_convert_type(x, jnp.uint32)
+        if bits in (8, 16, 32):
+            unsigned = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}[bits]
+            return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+        wide = jnp.float32 if floating else jnp.int32
+        return jax.lax.bitcast_convert_type(x.astype(wide), jnp.uint32)
+
+    def digest(x):
+        bits = lanes(x)
+        index, stride = jnp.zeros(bits.shape, jnp.uint32), 1
+        for axis in reversed(range(bits.ndim)):
+            iota = jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis)
+            index = index + iota * np.uint32(stride % 2**32)
+            stride *= bits.shape[axis]
+        mixed = fmix(bits ^ fmix(index + np.uint32(0x9E3779B9)))
+        return jnp.sum(mixed, dtype=jnp.uint32)
+
+    return int(jax.jit(digest)(x))
+
+
+@pytest.mark.parametrize(
+    "dtype, shape, spec",
+    [
+        (jnp.float32, (16, 6), P("data", "model")),
+        (jnp.float32, (6, 16), P(None, ("data", "model"))),
+        (jnp.bfloat16, (8, 4, 6), P("model", "data")),
+        (jnp.int4, (8, 6), P("data")),
+        (jnp.bool_, (8,), P("data")),
+        (jnp.uint8, (), P()),
+        (jnp.complex64, (4, 2, 3, 2), P(None, "model")),
+        (jnp.float8_e4m3fn, (16, 6), P("data")),
+    ],
+)
+def test_checksums_are_those_of_version_2(dtype, shape, spec):
+    # Computed on the host, shard by shard (in pieces smaller than a shard's rows, to
+    # cross their boundaries): the very sums that checkpoints already written carry.
+    from equinox_shard import _record
+
+    mesh = auto_mesh((4, 2), ("data", "model"))
+    values = np.random.default_rng(0).standard_normal(shape) * 5
+    x = jax.device_put(jnp.asarray(values).astype(dtype), NamedSharding(mesh, spec))
+    expected = _reference_checksum(x)
+    assert _record.checksums([x]) == [expected]
+    chunk, _record._CHUNK = _record._CHUNK, 5
+    try:
+        assert _record.checksums([x]) == [expected]
+    finally:
+        _record._CHUNK = chunk
