@@ -17,7 +17,7 @@ from statistics import median
 
 DEFAULT_JSON = pathlib.Path(__file__).parent / "results" / "latest.json"
 
-SECTIONS = ("dispatch", "placement", "compiles", "step", "shard_map")
+SECTIONS = ("dispatch", "callbacks", "placement", "compiles", "step", "shard_map")
 # Run only when asked for (`--only checkpoint`): it needs orbax-checkpoint.
 OPTIONAL_SECTIONS = ("checkpoint",)
 
@@ -160,6 +160,19 @@ def _targets(results: dict) -> list[dict]:
                     detail=f"{worst['layout']} {worst['tree']} N={worst['n']}",
                     values=[r[key] for r in small],
                 )
+    if "callbacks" in results:
+        from .callbacks import TARGET as CALLBACKS
+
+        rows = results["callbacks"]["rows"]
+        worst = max(rows, key=lambda r: r["eqxs_over_eqx"])
+        add(
+            "callbacks eqxs/eqx, worst kind",
+            worst["eqxs_over_eqx"],
+            CALLBACKS,
+            at_most=True,
+            detail=worst["kind"],
+            values=[r["eqxs_over_eqx"] for r in rows],
+        )
     if "placement" in results:
         from .placement import TARGETS as PLACE
 
@@ -293,7 +306,15 @@ def main(argv: list[str] | None = None) -> dict:
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", 8)
 
-    from . import _harness as h, compiles, dispatch, placement, shard_map, step
+    from . import (
+        _harness as h,
+        callbacks,
+        compiles,
+        dispatch,
+        placement,
+        shard_map,
+        step,
+    )
 
     if "checkpoint" in args.only:
         from . import checkpoint
@@ -317,6 +338,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     sections = {
         "dispatch": dispatch,
+        "callbacks": callbacks,
         "placement": placement,
         "compiles": compiles,
         "step": step,

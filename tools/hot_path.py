@@ -1,7 +1,9 @@
 """Counts the Python work of one cache-hit call of `equinox_shard.filter_jit`: the
 Python function calls and bytecodes executed per call, with `sys.settrace`, for a
-plain entry, a donating one and one with `in_shardings` (issue 32). Python 3.11: on
-3.12 `settrace` reports no opcodes for some frames.
+plain entry, a donating one, one with `in_shardings` (issue 32) and one whose body
+has a callback (`eqx.error_if`, issue 41); and of one `filter_device_put` by layout
+(replicated, split) and source (uncommitted, placed). Python 3.11: on 3.12 `settrace`
+reports no opcodes for some frames. `tests/test_counts.py` pins these counts.
 
     python tools/hot_path.py           # prints a table
     python tools/hot_path.py --json F  # and writes it
@@ -71,6 +73,24 @@ def _cases():
     placed = (eqxs.filter_device_put(model, replicated), jax.device_put(x, batch))
     yield "in_shardings", sharded, lambda: placed
 
+    def checked(model, x):
+        out, model = loss(model, x)
+        return eqx.error_if(out, jnp.isnan(out), "NaN loss"), model
+
+    yield "callback", eqxs.filter_jit(checked), lambda: (model, x)
+
+
+def placement_cases():
+    """`(name, sharding, make_tree)`: a `filter_device_put` of a tree of 10 arrays,
+    by layout and by source."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    for layout, spec in (("replicated", jax.P()), ("split", jax.P("data"))):
+        sharding = jax.NamedSharding(mesh, spec)
+        uncommitted = [jnp.full((8, 4), i, jnp.float32) for i in range(10)]
+        placed = jax.device_put(uncommitted, sharding)
+        yield f"{layout} uncommitted", sharding, lambda u=uncommitted: u
+        yield f"{layout} placed", sharding, lambda p=placed: p
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -82,6 +102,13 @@ def main() -> None:
         for _ in range(3):  # compile, then warm
             jax.block_until_ready(fn(*make_args()))
         calls, opcodes, per_file = _count(fn, *make_args())
+        rows[name] = {"calls": calls, "bytecodes": opcodes, "per_file": per_file}
+    for name, sharding, make_tree in placement_cases():
+        put = lambda tree: eqxs.filter_device_put(tree, sharding)
+        for _ in range(3):
+            jax.block_until_ready(put(make_tree()))
+        calls, opcodes, per_file = _count(put, make_tree())
+        name = f"filter_device_put {name}"
         rows[name] = {"calls": calls, "bytecodes": opcodes, "per_file": per_file}
     print("| entry | Python calls | bytecodes |")
     print("|---|---|---|")
