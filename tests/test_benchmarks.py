@@ -26,6 +26,7 @@ def test_quick_run(tmp_path):
     for title in (
         "### Dispatch: calling-thread CPU",
         "### Dispatch: wall",
+        "### Callbacks: wall",
         "### Eager placement",
         "### Scaling",
         "### Compilations",
@@ -39,6 +40,7 @@ def test_quick_run(tmp_path):
     assert set(results) == {
         "meta",
         "dispatch",
+        "callbacks",
         "placement",
         "compiles",
         "step",
