@@ -174,22 +174,23 @@ def _targets(results: dict) -> list[dict]:
             values=[r["eqxs_over_eqx"] for r in rows],
         )
     if "placement" in results:
-        from .placement import TARGETS as PLACE
+        from .placement import HELD, target_ratio, TARGETS as PLACE
 
         rows = results["placement"]["rows"]
-        for variant in ("eqxs.fdp", "eqxs.fs"):
-            for source, threshold in PLACE.items():
+        for variant in HELD:
+            for source, (base, threshold) in PLACE.items():
                 sel = [r for r in rows if r["source"] == source]
-                if not sel:
+                ratios = [target_ratio(r, variant)[0] for r in sel]
+                if not sel or None in ratios:
                     continue
-                worst = max(sel, key=lambda r: r["ratio_to_device_put"][variant])
+                k = max(range(len(sel)), key=lambda k: ratios[k])  # pyright: ignore
                 add(
-                    f"placement {variant}/device_put from {source}, worst N",
-                    worst["ratio_to_device_put"][variant],
+                    f"placement {variant}/{base} from {source}, worst cell",
+                    ratios[k],
                     threshold,
                     at_most=True,
-                    detail=f"{worst['layout']} N={worst['n']}",
-                    values=[r["ratio_to_device_put"][variant] for r in sel],
+                    detail=f"{sel[k]['layout']} N={sel[k]['n']}",
+                    values=ratios,
                 )
                 if source == "placed":
                     least = min(r["same_object"][variant] for r in sel)
