@@ -196,6 +196,16 @@ def _shares_source_buffer(x: Any, target: Any, memo: dict) -> bool:
     always copies), once per `(x.sharding, x.shape, target)` in `memo`."""
     if isinstance(target, jax.memory.Space) or not isinstance(x, jax.Array):
         return False
+    if not x.committed:  # pyright: ignore[reportAttributeAccessIssue]
+        # On one device, whose buffer JAX shares only onto several devices, replicated.
+        spread = memo.get(id(target))
+        if spread is None:
+            sharding = sharding_of(target)
+            spread = memo[id(target)] = (
+                len(sharding.device_set) > 1 and sharding.is_fully_replicated
+            )
+        if not spread:
+            return False
     key = (x.sharding, x.shape, target)
     found = memo.get(key)
     if found is None:

@@ -28,9 +28,9 @@ _WORK = {
         "donating": (41, 1535),
         "in_shardings": (35, 1038),
         "callback": (38, 1201),
-        "filter_device_put replicated uncommitted": (139, 2982),
+        "filter_device_put replicated uncommitted": (151, 3179),
         "filter_device_put replicated placed": (52, 1270),
-        "filter_device_put split uncommitted": (125, 2664),
+        "filter_device_put split uncommitted": (99, 2647),
         "filter_device_put split placed": (52, 1270),
     },
     ((3, 13), (0, 12)): {
@@ -38,10 +38,10 @@ _WORK = {
         "donating": (35, 1141),
         "in_shardings": (31, 686),
         "callback": (34, 845),
-        "filter_device_put replicated uncommitted": (134, 2801),
-        "filter_device_put replicated placed": (51, 1199),
-        "filter_device_put split uncommitted": (122, 2542),
-        "filter_device_put split placed": (51, 1199),
+        "filter_device_put replicated uncommitted": (146, 2995),
+        "filter_device_put replicated placed": (51, 1200),
+        "filter_device_put split uncommitted": (96, 2527),
+        "filter_device_put split placed": (51, 1200),
     },
 }
 
