@@ -20,7 +20,7 @@ from statistics import median
 
 DEFAULT_JSON = pathlib.Path(__file__).parent / "results" / "latest.json"
 
-SECTIONS = ("dispatch", "placement", "compiles", "step", "shard_map")
+SECTIONS = ("dispatch", "callbacks", "placement", "compiles", "step", "shard_map")
 # Run only when asked for (`--only checkpoint`): it needs orbax-checkpoint.
 OPTIONAL_SECTIONS = ("checkpoint",)
 
@@ -164,23 +164,37 @@ def _targets(results: dict) -> list[dict]:
                     detail=f"{worst['layout']} {worst['tree']} N={worst['n']}",
                     values=[r[key] for r in small],
                 )
+    if "callbacks" in results:
+        from .callbacks import TARGET as CALLBACKS
+
+        rows = results["callbacks"]["rows"]
+        worst = max(rows, key=lambda r: r["eqxs_over_eqx"])
+        add(
+            "callbacks eqxs/eqx, worst kind",
+            worst["eqxs_over_eqx"],
+            CALLBACKS,
+            at_most=True,
+            detail=worst["kind"],
+            values=[r["eqxs_over_eqx"] for r in rows],
+        )
     if "placement" in results:
-        from .placement import TARGETS as PLACE
+        from .placement import HELD, target_ratio, TARGETS as PLACE
 
         rows = results["placement"]["rows"]
-        for variant in ("eqxs.fdp", "eqxs.fs"):
-            for source, threshold in PLACE.items():
+        for variant in HELD:
+            for source, (base, threshold) in PLACE.items():
                 sel = [r for r in rows if r["source"] == source]
-                if not sel:
+                ratios = [target_ratio(r, variant)[0] for r in sel]
+                if not sel or None in ratios:
                     continue
-                worst = max(sel, key=lambda r: r["ratio_to_device_put"][variant])
+                k = max(range(len(sel)), key=lambda k: ratios[k])  # pyright: ignore
                 add(
-                    f"placement {variant}/device_put from {source}, worst N",
-                    worst["ratio_to_device_put"][variant],
+                    f"placement {variant}/{base} from {source}, worst cell",
+                    ratios[k],
                     threshold,
                     at_most=True,
-                    detail=f"{worst['layout']} N={worst['n']}",
-                    values=[r["ratio_to_device_put"][variant] for r in sel],
+                    detail=f"{sel[k]['layout']} N={sel[k]['n']}",
+                    values=ratios,
                 )
                 if source == "placed":
                     least = min(r["same_object"][variant] for r in sel)
@@ -345,7 +359,15 @@ def main(argv: list[str] | None = None) -> dict:
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", 8)
 
-    from . import _harness as h, compiles, dispatch, placement, shard_map, step
+    from . import (
+        _harness as h,
+        callbacks,
+        compiles,
+        dispatch,
+        placement,
+        shard_map,
+        step,
+    )
 
     if "checkpoint" in args.only:
         from . import checkpoint
@@ -369,6 +391,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     sections = {
         "dispatch": dispatch,
+        "callbacks": callbacks,
         "placement": placement,
         "compiles": compiles,
         "step": step,

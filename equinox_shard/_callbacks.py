@@ -11,8 +11,8 @@ partitions wait forever in a collective for its result, until XLA aborts the pro
 (its rendezvous timeout, ~40 s). So a `filter_jit` entry that contains callbacks runs
 from a rewritten jaxpr in which each callback records its exception and returns zeros
 instead of raising: every partition finishes, and the first recorded exception is
-raised after the execution. One rewritten program per program that `jax.jit` traces
-(`Guards`): a call with new shapes or dtypes never runs one traced for others.
+raised after the execution. The rewritten program is itself jitted (`Guards`): a call
+with new shapes or dtypes never runs one traced for others.
 """
 
 import logging
@@ -132,48 +132,6 @@ def _runs_now() -> bool:
     return type(jc.find_top_trace(())).__name__ == "EvalTrace"
 
 
-class GuardedCall:
-    """Runs one traced program of a jitted function with its callbacks guarded.
-
-    `closed` is the jaxpr of a call of the jitted function (`jax.make_jaxpr` of it): one
-    `jit` equation that carries its shardings and donation, so binding the rewritten
-    equation runs it just as the jitted function would."""
-
-    def __init__(self, closed: Any, out_tree):  # a `jax.extend.core.ClosedJaxpr`
-        self.record = _Record()
-        self.fun = jc.jaxpr_as_fun(
-            closed.replace(jaxpr=_rewrite(closed.jaxpr, self.record))
-        )
-        self.out_tree = out_tree
-        # One execution at a time: a callback cannot tell which execution it belongs
-        # to, so concurrent calls of this program would share one record.
-        self.lock = threading.Lock()
-
-    def launch(self, *dynamic):
-        """Dispatches the guarded program, as `jitted(*dynamic)` would be."""
-        out = self.fun(*jtu.tree_leaves(dynamic))
-        return jtu.tree_unflatten(self.out_tree, out)
-
-    def __call__(self, dispatch: Callable) -> tuple[Any, BaseException | None, Any]:
-        """`dispatch(self.launch)`, waited for: `(out, None, None)`, or
-        `(None, error, info)` if a callback raised."""
-        with self.lock:
-            record = self.record
-            record.error = record.info = None
-            try:
-                out = dispatch(self.launch)
-                # The callbacks have run once the outputs are ready.
-                leaves = jax.block_until_ready(jtu.tree_leaves(out))
-                if not leaves:
-                    jax.effects_barrier()
-            finally:
-                error, info = record.error, record.info
-                record.error = record.info = None
-        if error is not None:
-            return None, error, info
-        return out, None, None
-
-
 def _own_layouts(jaxpr: jc.Jaxpr) -> jc.Jaxpr:
     """The call with each `Layout.AUTO` of its `in_layouts` taken as the argument's own
     layout: an entry compiled with `Layout.AUTO` is called with arguments placed as its
@@ -189,32 +147,46 @@ def _own_layouts(jaxpr: jc.Jaxpr) -> jc.Jaxpr:
 
 
 class Guards:
-    """The `GuardedCall`s of one entry: one per program that `jax.jit` traces for it.
-    Keyed by the traced jaxpr, which JAX's own cache keys on everything the program
-    depends on (shapes, dtypes, weak types, the context), so a call never runs a
-    program traced for other arguments."""
+    """The guarded program of one entry: a `jax.jit` of a function that traces the
+    entry's `jax.jit` (`jax.make_jaxpr`: one `jit` equation with its shardings,
+    layouts and donation), guards its callbacks and runs it inline. JAX's own cache
+    keys it on everything the program depends on (shapes, dtypes, shardings, the
+    context), so it is traced and compiled once per program, never run for arguments
+    it was not traced for, and each call is a compiled dispatch. It donates what the
+    entry donates: a nested `jit` donates nothing."""
 
-    def __init__(self, jitted, dynamic: tuple):
-        self.jitted = jitted
-        self.calls: dict = {}
+    def __init__(self, jitted, donate_argnums: tuple):
+        self.inner = jitted
+        self.record = _Record()
+        # One execution at a time: a callback cannot tell which execution it belongs
+        # to, so concurrent calls would share one record.
         self.lock = threading.Lock()
-        self.get(dynamic)
+        self.jitted = jax.jit(self._guarded, donate_argnums=donate_argnums)
 
-    def get(self, dynamic: tuple) -> GuardedCall:
-        traced = self.jitted.trace(*dynamic).jaxpr
-        # The jaxpr is kept alive beside its call, so its `id` is never reused.
-        found = self.calls.get(id(traced))
-        if found is None:
-            with self.lock:
-                found = self.calls.get(id(traced))
-                if found is None:
-                    closed, shape = jax.make_jaxpr(self.jitted, return_shape=True)(
-                        *dynamic
-                    )
-                    closed = closed.replace(jaxpr=_own_layouts(closed.jaxpr))
-                    call = GuardedCall(closed, jtu.tree_structure(shape))
-                    found = self.calls[id(traced)] = (traced, call)
-        return found[1]
+    def _guarded(self, *dynamic):
+        closed, shape = jax.make_jaxpr(self.inner, return_shape=True)(*dynamic)
+        jaxpr = _own_layouts(_rewrite(closed.jaxpr, self.record))
+        out = jc.jaxpr_as_fun(closed.replace(jaxpr=jaxpr))(*jtu.tree_leaves(dynamic))
+        return jtu.tree_unflatten(jtu.tree_structure(shape), out)
+
+    def __call__(self, dispatch: Callable) -> tuple[Any, BaseException | None, Any]:
+        """`dispatch(self.jitted)`, waited for: `(out, None, None)`, or
+        `(None, error, info)` if a callback raised."""
+        with self.lock:
+            record = self.record
+            record.error = record.info = None
+            try:
+                out = dispatch(self.jitted)
+                # The callbacks have run once the outputs are ready.
+                leaves = jax.block_until_ready(jtu.tree_leaves(out))
+                if not leaves:
+                    jax.effects_barrier()
+            finally:
+                error, info = record.error, record.info
+                record.error = record.info = None
+        if error is not None:
+            return None, error, info
+        return out, None, None
 
 
 class _FilterCallback(logging.Filterer):
@@ -259,7 +231,7 @@ def waiting(guards: Guards, inner: Callable) -> Callable:
         if not _usable(dynamic):
             return _traced(inner, run, dynamic, deleted, leaves, jit_id)
         run_inner = lambda launch: inner(launch, dynamic, deleted, leaves, jit_id)
-        out, error, info = guards.get(dynamic)(run_inner)
+        out, error, info = guards(run_inner)
         if error is None:
             return out
         equinox_error = _equinox_runtime_error(error, jit_id, info)

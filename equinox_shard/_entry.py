@@ -104,7 +104,10 @@ def build_entry(
                 jitted = entry.jitted = jitted.trace(*dynamic)
             traced = jitted.trace(*dynamic)
             if _callbacks.has_callback(traced.jaxpr.jaxpr):
-                guards = _callbacks.Guards(jitted, dynamic)
+                donate = _donate.donate_argnums(
+                    cache.donate_first, cache.donate_rest, len(args)
+                )
+                guards = _callbacks.Guards(jitted, donate)
     if auto is not None:
         entry.jitted = AutoLayouts(entry.jitted, auto)
     shardings = [s for _, s in targets]

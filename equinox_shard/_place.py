@@ -180,6 +180,39 @@ def all_placed(values, expected: tuple) -> bool:
 _placement = operator.attrgetter("committed", "sharding")
 
 
+# The `(shape, sharding)` pairs that `check` passed (it depends on nothing else),
+# emptied when full.
+_fits: set = set()
+
+
+def _fit(shape: tuple, sharding: Any) -> None:
+    if len(_fits) >= 4096:
+        _fits.clear()
+    _fits.add((shape, sharding))
+
+
+def _shares_source_buffer(x: Any, target: Any, memo: dict) -> bool:
+    """`shares_source_buffer` for the sharding that `target` gives (a memory space
+    always copies), once per `(x.sharding, x.shape, target)` in `memo`."""
+    if isinstance(target, jax.memory.Space) or not isinstance(x, jax.Array):
+        return False
+    if not x.committed:  # pyright: ignore[reportAttributeAccessIssue]
+        # On one device, whose buffer JAX shares only onto several devices, replicated.
+        spread = memo.get(id(target))
+        if spread is None:
+            sharding = sharding_of(target)
+            spread = memo[id(target)] = (
+                len(sharding.device_set) > 1 and sharding.is_fully_replicated
+            )
+        if not spread:
+            return False
+    key = (x.sharding, x.shape, target)
+    found = memo.get(key)
+    if found is None:
+        found = memo[key] = shares_source_buffer(x, sharding_of(target))
+    return found
+
+
 def place(
     leaves: list,
     todo: list[tuple[int, Any]],
@@ -198,6 +231,8 @@ def place(
     `i` in errors."""
     indices = []
     targets = []
+    given: Any = None  # the last spec leaf, and the sharding placed for it
+    concrete: Any = None
     for i, sharding in todo:
         leaf = leaves[i]
         if type(sharding) is Format:
@@ -224,17 +259,30 @@ def place(
             indices.append(i)
             targets.append(sharding)
             continue
-        if isinstance(sharding, NamedSharding) and _UNCONSTRAINED in sharding.spec:
-            # A transfer needs a concrete layout: an unconstrained dimension (which
-            # only a compiler can choose) is placed replicated, as eager
-            # `with_sharding_constraint` (an identity `jit`) does.
-            sharding = _without_unconstrained(sharding)
-        if flag is not False and _is_committed_array(leaf):
-            if is_deleted(leaf):
+        if sharding is given:  # most leaves share one spec leaf
+            sharding = concrete
+        else:
+            given = sharding
+            if isinstance(sharding, NamedSharding) and _UNCONSTRAINED in sharding.spec:
+                # A transfer needs a concrete layout: an unconstrained dimension
+                # (which only a compiler can choose) is placed replicated, as eager
+                # `with_sharding_constraint` (an identity `jit`) does.
+                sharding = _without_unconstrained(sharding)
+            concrete = sharding
+        if (
+            flag is not False
+            and isinstance(leaf, jax.Array)
+            and not isinstance(leaf, jax.core.Tracer)
+            and leaf.committed  # pyright: ignore[reportAttributeAccessIssue]
+        ):
+            if leaf.is_deleted():  # pyright: ignore[reportAttributeAccessIssue]
                 raise_if_deleted(leaves, (i,), where, then=", so it cannot be placed")
-            if is_placed(leaf, sharding):
+            if leaf.sharding == sharding or is_placed(leaf, sharding):
                 continue
-        check(leaf.shape, sharding, lambda i=i: where(i))
+        shape = leaf.shape
+        if (shape, sharding) not in _fits:
+            check(shape, sharding, lambda i=i: where(i))
+            _fit(shape, sharding)
         indices.append(i)
         targets.append(sharding)
     if not indices:
@@ -269,12 +317,11 @@ def place(
         may_alias = None if donate and may_alias is None else bool(may_alias)
         copy = [may_alias is False] * len(indices)
     sources = [leaves[i] for i in indices]
+    shares: dict = {}  # per (source sharding, shape, target): most leaves share one
     early = [
         k
         for k, (x, t) in enumerate(zip(sources, targets))
-        if copy[k]
-        and not isinstance(t, jax.memory.Space)
-        and shares_source_buffer(x, sharding_of(t))
+        if copy[k] and _shares_source_buffer(x, t, shares)
     ]
     if early:
         # A private copy on the source device first, whose buffer may then be shared.
@@ -299,7 +346,7 @@ def place(
             for s in targets
         ]
     first = targets[0]
-    if all(t is first for t in targets):
+    if targets.count(first) == len(targets):
         targets = first  # one sharding, which `jax.device_put` need not broadcast
     out = jax.device_put(sources, targets, donate=donate, may_alias=may_alias)
     for i, leaf in zip(indices, out):

@@ -250,18 +250,19 @@ def filter_device_put(
         ```
     """
     leaves, treedef = jtu.tree_flatten(x)
+    traced = _is_traced_tree(leaves)
     todo = resolve_leaves(
         x,
         leaves,
         device_or_shardings,
         "device_or_shardings",
         "x",
-        abstract_ok=_is_traced_tree(leaves),
+        abstract_ok=traced,
         formats=True,
     )
     if not todo:
         return x
-    if _is_traced(leaves, todo):
+    if traced and _is_traced(leaves, todo):
         for i, sharding in todo:
             check(
                 jax.numpy.shape(leaves[i]),
