@@ -159,13 +159,13 @@ def _where(cache, args, kwargs):
 
 def _place_inputs(leaves: list, targets: list, where, donated) -> None:
     """`place`s the inputs that are values (not tracers: inside a trace, on the
-    abstract mesh, the enclosing call places; NumPy only across processes, else
-    `jax.jit` transfers it). The moved arrays are never returned to the caller, so
+    abstract mesh, the enclosing call places). NumPy is placed too, so that `jax.jit`
+    sees the same input type for a NumPy array as for a JAX array of its shape and
+    traces once for both. The moved arrays are never returned to the caller, so
     they may share its buffers, except that a donated one shares all of them or none
     (`_donate.reuses_every_buffer`)."""
     targets = [(i, s) for i, s in targets if not is_abstract(s)]
-    multiprocess = any(not s.is_fully_addressable for _, s in targets)
-    values = (jax.Array, np.ndarray, np.generic) if multiprocess else jax.Array
+    values = (jax.Array, np.ndarray, np.generic)
     todo = [
         (i, s)
         for i, s in targets

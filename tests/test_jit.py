@@ -313,6 +313,26 @@ def test_uncommitted_feedback_loop_compiles_once():
     assert_shardings(x, batch)
 
 
+def test_numpy_after_a_jax_array_of_its_shape_traces_once():
+    # `jax.jit` itself traces once for both; found by tests/test_differential.py.
+    replicated = NamedSharding(auto_mesh(), P())
+    num_traces = 0
+
+    @eqxs.filter_jit(in_shardings=replicated, out_shardings=replicated)
+    def f(x, flag):
+        nonlocal num_traces
+        num_traces += 1
+        return jnp.logical_not(x) if flag == 0 else x
+
+    host = np.array([[True, False, True], [False, False, True]])
+    out_jax = f(jnp.asarray(host), 0)
+    out_numpy = f(host.copy(), 0)
+    assert num_traces == 1
+    assert np.array_equal(np.asarray(out_jax), ~host)
+    assert np.array_equal(np.asarray(out_numpy), ~host)
+    assert_shardings(out_numpy, replicated)
+
+
 def test_no_recompile_with_log_compiles():
     mesh = auto_mesh()
     batch = NamedSharding(mesh, P("x"))
