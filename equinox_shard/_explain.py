@@ -294,7 +294,7 @@ def build(cache, structure, args, kwargs, leaves, make: Callable[[], tuple]) -> 
     """`make()` (which builds and traces a new entry: `_entry.build_entry`) under the
     flag: explains the miss first, and records the call; the entry's dispatch then
     tells `_recompiled` which call it makes. Loggers are as they were afterwards."""
-    with listening(), _each_report_once():
+    with listening(), _each_report_once() as said:
         _miss(cache, structure, args, kwargs, leaves)
         outer, _state.building = getattr(_state, "building", False), True
         try:
@@ -302,7 +302,7 @@ def build(cache, structure, args, kwargs, leaves, make: Callable[[], tuple]) -> 
         finally:
             _state.building = outer
         _seen(cache, entry, args, kwargs, leaves)
-    entry.dispatch = _watched(cache, entry, entry.dispatch or plain)
+    entry.dispatch = _watched(cache, entry, entry.dispatch or plain, said)
     return entry, leaves, trees
 
 
@@ -326,10 +326,13 @@ def _seen(cache, entry, args, kwargs, leaves) -> None:
         cache.seen.append(new)
 
 
-def _watched(cache, entry, dispatch: Callable) -> Callable:
+def _watched(cache, entry, dispatch: Callable, said: set) -> Callable:
     """The dispatch (see `_donate.plain`) of an entry built under the flag: while the
     flag is on, `dispatch` runs with JAX's loggers listened to, and with this call
-    (the entry, and the leaves as `jax.jit` gets them) known to `_recompiled`."""
+    (the entry, and the leaves as `jax.jit` gets them) known to `_recompiled`. The
+    call that built the entry dispatches it first: what `build` said (`said`) is not
+    said again by the first dispatch's traces (`_callbacks.Guards`)."""
+    first = [said]
 
     def watched(run, dynamic, deleted, leaves, jit_id):
         __tracebackhide__ = True
@@ -338,7 +341,7 @@ def _watched(cache, entry, dispatch: Callable) -> Callable:
             return dispatch(run, dynamic, deleted, leaves, jit_id)
         outer, _state.call = getattr(_state, "call", None), (cache, entry, leaves)
         try:
-            with listening(), _each_report_once():
+            with listening(), _each_report_once(first.pop() if first else None):
                 return dispatch(run, dynamic, deleted, leaves, jit_id)
         finally:
             _state.call = outer
@@ -380,8 +383,12 @@ class _JaxReports(logging.Filter):
         msg = record.getMessage()
         head, _, rest = msg.partition("\n")
         prefix = "TRACING CACHE MISS at "
-        if not (head.startswith(prefix) and head[len(prefix) :].startswith(_HERE)):
+        where = head[len(prefix) :]
+        # An empty place: a trace nested in ours (`_callbacks.Guards`' `make_jaxpr`).
+        if not (head.startswith(prefix) and (where.startswith(_HERE) or where == ":")):
             return True
+        if f" defined at {_HERE}" in rest.partition("\n")[0]:
+            return False  # our own `jax.jit` (`Guards`): the user's function is said
         if getattr(_state, "building", False) and "never seen function" in rest:
             return False
         record.msg = f"{prefix}{_user_callsite()}:\n{rest}"
@@ -421,12 +428,13 @@ _reports = _JaxReports()
 
 
 @contextlib.contextmanager
-def _each_report_once():
-    """JAX's reports of our `jax.jit` said once per call: for an entry with callbacks
-    it is traced twice (`_callbacks.Guards`), and JAX explains each trace."""
-    outer, _state.said = getattr(_state, "said", None), set()
+def _each_report_once(said: set | None = None):
+    """JAX's reports of our `jax.jit` said once per call (`said`: those already said
+    in this call): for an entry with callbacks it is traced twice
+    (`_callbacks.Guards`), and JAX explains each trace."""
+    outer, _state.said = getattr(_state, "said", None), set() if said is None else said
     try:
-        yield
+        yield _state.said
     finally:
         _state.said = outer
 
