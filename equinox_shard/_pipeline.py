@@ -195,7 +195,10 @@ def filter_pipeline(
         when `M >= S`. `L` must divide by `S * R`.
     - `fn`: the layer function, `fn(layer, x) -> x` (or `fn(layer, x, key=key)` when
         `key` is given), returning the same structure, shapes and dtypes as `x`.
-        Defaults to calling the layer: `layer(x)`.
+        Defaults to calling the layer: `layer(x)`. It may be a PyTree (a Module, an
+        `eqx.Partial`): its arrays are passed to every stage whole. Pass arrays
+        computed inside a JIT that way (`eqx.Partial(f, mask=mask)`), not by closing
+        over them: `fn` runs inside `jax.shard_map`.
     - `key`: a PRNG key, split into one key per microbatch, and each of those into one
         key per layer, as in the reference above.
     - `remat`: whether to `jax.checkpoint` each stage's work at each tick, so that the
@@ -248,17 +251,19 @@ def filter_pipeline(
     fn = _default_fn if fn is None else fn
     chunk = n_layers // (stages * repeats)
     arrays, static = eqx.partition(layers, eqx.is_array)
+    fn_arrays, fn_static = eqx.partition(fn, eqx.is_array)
     inputs = _cut(x, microbatches)
 
-    def one_layer(xm, layer_arrays, k):
+    def one_layer(xm, layer_arrays, k, fn_arrays):
         layer = eqx.combine(layer_arrays, static)
-        return fn(layer, xm) if k is None else fn(layer, xm, key=k)
+        f = eqx.combine(fn_arrays, fn_static)
+        return f(layer, xm) if k is None else f(layer, xm, key=k)
 
     # Checked abstractly, before anything runs: a layer keeps the microbatch's shape.
     xm_shape = jax.eval_shape(lambda a: jtu.tree_map(lambda b: b[0], a), inputs)
     layer_shape = jax.eval_shape(lambda a: jtu.tree_map(lambda b: b[0], a), arrays)
     key_shape = None if key is None else jax.eval_shape(lambda k: k, key)
-    out_shape = jax.eval_shape(one_layer, xm_shape, layer_shape, key_shape)
+    out_shape = jax.eval_shape(one_layer, xm_shape, layer_shape, key_shape, fn_arrays)
     if jtu.tree_structure(out_shape) != jtu.tree_structure(xm_shape) or any(
         (a.shape, a.dtype) != (b.shape, b.dtype)
         for a, b in zip(jtu.tree_leaves(out_shape), jtu.tree_leaves(xm_shape))
@@ -283,16 +288,17 @@ def filter_pipeline(
         keys = jnp.moveaxis(keys, 2, 0)  # `(S, M, R, C, ...)`
     table = schedule(stages, microbatches, repeats)
 
-    def run_chunk(xm, chunk_arrays, chunk_keys):
+    def run_chunk(xm, chunk_arrays, chunk_keys, fn_arrays):
         def step(xm, layer_and_key):
-            return one_layer(xm, *layer_and_key), None
+            layer_arrays, k = layer_and_key
+            return one_layer(xm, layer_arrays, k, fn_arrays), None
 
         return jax.lax.scan(step, xm, (chunk_arrays, chunk_keys))[0]
 
     if remat:
         run_chunk = jax.checkpoint(run_chunk)
 
-    def stage_body(stacked, inputs, keys):
+    def stage_body(stacked, inputs, keys, fn_arrays):
         stage = jax.lax.axis_index(axis_name)
         params = jtu.tree_map(lambda a: a[0], stacked)
         keys = None if keys is None else keys[0]
@@ -311,7 +317,7 @@ def filter_pipeline(
             xm = jtu.tree_map(lambda a, b: jnp.where(stage == 0, a, b), first, held)
             chunk_arrays = jtu.tree_map(lambda a: a[r], params)
             chunk_keys = None if keys is None else keys[m, r]
-            y = run_chunk(xm, chunk_arrays, chunk_keys)
+            y = run_chunk(xm, chunk_arrays, chunk_keys, fn_arrays)
             done = (micro >= 0) & (repeat == repeats - 1) & (stage == stages - 1)
             outputs = jtu.tree_map(
                 lambda o, v: o.at[m].set(jnp.where(done, v, o[m])), outputs, y
@@ -333,10 +339,12 @@ def filter_pipeline(
     stage_spec = PartitionSpec(axis_name)
     run = filter_shard_map(
         stage_body,
-        in_specs=(stage_spec, PartitionSpec(), stage_spec),
+        in_specs=(stage_spec, PartitionSpec(), stage_spec, PartitionSpec()),
         out_specs=stage_spec,
         mesh=mesh_,
         axis_names=frozenset({axis_name}),
     )
-    out = run(stacked, inputs, keys)
+    # The arrays of `fn` (a Module, an `eqx.Partial`) go in whole, as inputs: an array
+    # that `fn` closes over must not be a value traced outside `jax.shard_map`.
+    out = run(stacked, inputs, keys, fn_arrays)
     return _uncut(jtu.tree_map(lambda a: a[stages - 1], out))
