@@ -74,6 +74,7 @@ class Config:
     hidden: int = 256
     batch: int = 16
     microbatches: int = 8  # the `pipeline` layout's
+    remat: bool = False  # the `pipeline` layout's: `jax.checkpoint` each stage's work
     steps: int = 60
     learning_rate: float = 3e-3
     seed: int = 0
@@ -158,7 +159,7 @@ class Transformer(eqx.Module):
         x, _ = jax.lax.scan(layer, x, arrays)
         return jax.vmap(self.unembed)(jax.vmap(self.norm)(x))
 
-    def pipelined(self, tokens, *, microbatches: int):
+    def pipelined(self, tokens, *, microbatches: int, remat: bool = False):
         """`jax.vmap(self)(tokens)` for a batch of sequences, with the blocks run as a
         pipeline over the mesh axis `stage`: the same numbers."""
         x = jax.vmap(jax.vmap(self.embedding))(tokens) + self.position
@@ -170,7 +171,9 @@ class Transformer(eqx.Module):
         # The mask goes in as an argument (a closed-over traced array would be
         # outside the pipeline's `jax.shard_map`).
         fn = eqx.Partial(block, mask=mask)
-        x = eqxs.filter_pipeline(self.blocks, x, microbatches=microbatches, fn=fn)
+        x = eqxs.filter_pipeline(
+            self.blocks, x, microbatches=microbatches, fn=fn, remat=remat
+        )
         return jax.vmap(jax.vmap(self.unembed))(jax.vmap(jax.vmap(self.norm))(x))
 
 
@@ -282,7 +285,9 @@ def make_functions(layout: Layout, cfg: Config, trace_counts: dict):
 
     def loss_fn(model, tokens, targets):
         if layout.pipelined:
-            logits = model.pipelined(tokens, microbatches=cfg.microbatches)
+            logits = model.pipelined(
+                tokens, microbatches=cfg.microbatches, remat=cfg.remat
+            )
         else:
             logits = jax.vmap(model)(tokens)
         per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
