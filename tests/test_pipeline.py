@@ -205,6 +205,33 @@ def test_composes_with_a_data_axis_and_filter_jit_donation():
     )
 
 
+def test_fn_may_carry_arrays_traced_in_the_enclosing_jit():
+    # A causal mask made inside the JIT, passed to the layers through `eqx.Partial`:
+    # its arrays enter the pipeline's `jax.shard_map` as inputs. (Closed over by a
+    # lambda instead, `eqx.nn.MultiheadAttention`'s `jnp.where` refuses it there.)
+    attention = eqx.filter_vmap(lambda k: eqx.nn.MultiheadAttention(2, WIDTH, key=k))(
+        jr.split(jr.key(0), 4)
+    )
+    x = jr.normal(jr.key(1), (8, 4, WIDTH))  # 8 sequences of 4 tokens
+
+    def layer(attention, x, mask):
+        return jax.vmap(lambda s: s + attention(s, s, s, mask=mask))(x)
+
+    @eqx.filter_jit
+    def run(attention, x, pipelined):
+        mask = jnp.tril(jnp.ones((4, 4), dtype=bool))
+        if pipelined:
+            fn = eqx.Partial(layer, mask=mask)
+            return eqxs.filter_pipeline(attention, x, microbatches=4, fn=fn)
+        arrays, static = eqx.partition(attention, eqx.is_array)
+        step = lambda h, a: (layer(eqx.combine(a, static), h, mask), None)
+        return jax.lax.scan(step, x, arrays)[0]
+
+    with jax.set_mesh(_mesh(4)):
+        out = run(attention, x, True)
+    _assert_close(out, run(attention, x, False))
+
+
 def test_each_device_holds_its_stages_layers_only():
     stages = 4
     layers = _blocks(8, jr.key(0))
