@@ -162,7 +162,7 @@ class Transformer(eqx.Module):
     def pipelined(self, tokens, *, microbatches: int, remat: bool = False):
         """`jax.vmap(self)(tokens)` for a batch of sequences, with the blocks run as a
         pipeline over the mesh axis `stage`: the same numbers."""
-        x = jax.vmap(jax.vmap(self.embedding))(tokens) + self.position
+        x = jax.vmap(lambda t: jax.vmap(self.embedding)(t) + self.position)(tokens)
         mask = jnp.tril(jnp.ones((tokens.shape[1], tokens.shape[1]), dtype=bool))
 
         def block(block, x, mask):  # `x`: one microbatch of sequences

