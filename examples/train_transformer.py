@@ -500,9 +500,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"resumed from step {half}: losses and final state bit-identical",
             )
         summary.append((name, result.losses[-1], result.tokens_per_second))
-    print("\nlayout  final loss  tokens/s")
+    print("\nlayout    final loss  tokens/s")
     for name, loss, tps in summary:
-        print(f"{name:6s}  {loss:10.4f}  {tps:8,.0f}")
+        print(f"{name:8s}  {loss:10.4f}  {tps:8,.0f}")
     print(f"total {time.perf_counter() - started:.1f} s")
     if failures:
         print("\nFAILED:\n  " + "\n  ".join(failures))
