@@ -223,15 +223,18 @@ def filter_pipeline(
             jr.split(jr.key(0), 8)
         )
 
-        @eqxs.filter_jit(in_shardings=(P("stage"), P("data")))
         def loss(mlps, x):
             y = eqxs.filter_pipeline(
                 mlps, x, microbatches=8, fn=lambda mlp, x: x + jax.vmap(mlp)(x)
             )
             return jnp.mean(y**2)
 
+        @eqxs.filter_jit(in_shardings=(P("stage"), P("data")))
+        def gradients(mlps, x):
+            return eqx.filter_grad(loss)(mlps, x)
+
         with jax.set_mesh(mesh):
-            grads = eqx.filter_grad(loss)(mlps, jnp.ones((64, 32)))
+            grads = gradients(mlps, jnp.ones((64, 32)))  # split like `mlps`
         ```
     """
     _check_positive(microbatches, "microbatches")
