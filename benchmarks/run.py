@@ -21,8 +21,9 @@ from statistics import median
 DEFAULT_JSON = pathlib.Path(__file__).parent / "results" / "latest.json"
 
 SECTIONS = ("dispatch", "callbacks", "placement", "compiles", "step", "shard_map")
-# Run only when asked for (`--only checkpoint`): it needs orbax-checkpoint.
-OPTIONAL_SECTIONS = ("checkpoint",)
+# Run only when asked for (`--only checkpoint pipeline`): the first needs
+# orbax-checkpoint, the second optax and trains the transformer example three times.
+OPTIONAL_SECTIONS = ("checkpoint", "pipeline")
 
 FULL = {
     "ns": [1, 10, 100, 1000],
@@ -399,6 +400,10 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if "checkpoint" in args.only:
         sections["checkpoint"] = checkpoint  # pyright: ignore[reportPossiblyUnboundVariable]
+    if "pipeline" in args.only:
+        from . import pipeline
+
+        sections["pipeline"] = pipeline
     for name in SECTIONS + OPTIONAL_SECTIONS:
         if name not in args.only:
             continue

@@ -2,7 +2,8 @@
 
 `filter_device_put` transfers, `filter_shard` places or constrains (eagerly and inside a
 trace), `filter_jit` is `equinox.filter_jit` with `in_shardings`/`out_shardings`, and
-`filter_shard_map` is `jax.shard_map` over PyTrees of arrays and non-arrays. `PathRules`
+`filter_shard_map` is `jax.shard_map` over PyTrees of arrays and non-arrays, and
+`filter_pipeline` runs a stack of layers as a pipeline over a mesh axis. `PathRules`
 chooses a spec for each array by its key path; `explain_rules` says what it chose.
 """
 
@@ -12,6 +13,7 @@ from ._checkpoint import restore as restore, save as save
 from ._inspect import sharding_table as sharding_table
 from ._jit import Compiled as Compiled, filter_jit as filter_jit, Lowered as Lowered
 from ._manager import CheckpointManager as CheckpointManager
+from ._pipeline import filter_pipeline as filter_pipeline
 from ._process_local import (
     filter_make_array_from_process_local_data as filter_make_array_from_process_local_data,  # noqa: E501
 )
@@ -39,6 +41,7 @@ __all__ = [
     "filter_device_put",
     "filter_jit",
     "filter_make_array_from_process_local_data",
+    "filter_pipeline",
     "filter_shard",
     "filter_shard_map",
     "PathRules",

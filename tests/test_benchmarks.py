@@ -219,3 +219,37 @@ def test_device_quick_run(tmp_path):
     assert len(measured) == len(ROWS) - 1
     for r in measured:
         assert r["eqxs"] > 0 and r["peer_value"] > 0 and r["ratio"] > 0, r
+
+
+@pytest.mark.benchmark
+@pytest.mark.slow
+def test_pipeline_quick_run(tmp_path):
+    # `python -m benchmarks --only pipeline --quick`: the example's three layouts train
+    # to the same losses, the pipeline holds a quarter of the blocks per device, the
+    # bubble is the formula, and remat lowers the step's temporary memory.
+    pytest.importorskip("optax")
+    out = tmp_path / "pipeline.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--only", "pipeline", "--quick"]
+        + ["--quiet", "--json", str(out)],
+        cwd=_ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for title in ("### Pipeline: the transformer", "### Pipeline bubble"):
+        assert title in proc.stdout, title
+    pipeline = json.loads(out.read_text())["pipeline"]
+    layouts = pipeline["layouts"]
+    assert set(layouts) == {"data", "fsdp", "pipeline"}
+    for result in layouts.values():
+        assert result["traces"] == 1
+        assert result["max_relative_loss_difference_to_data"] < 1e-5
+    data, pipe = layouts["data"], layouts["pipeline"]
+    assert data["param_bytes_per_device"] == data["param_bytes_total"]
+    # A quarter of the blocks per device, beside the replicated (un)embedding.
+    assert pipe["param_bytes_per_device"] < data["param_bytes_per_device"]
+    for row in pipeline["bubble"]:
+        assert row["idle"] == pytest.approx(row["formula"])
+    remat = pipeline["remat_temp_bytes"]
+    assert remat["True"] < remat["False"]

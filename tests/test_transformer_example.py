@@ -57,12 +57,31 @@ EXPECTED = {
     },
     "tensor": _tensor("model"),
     "2d": _tensor("model"),
+    # Every block's array (the layer axis first) over the stages.
+    "pipeline": {
+        f".blocks.{name}": P("stage")
+        for name in (
+            "norm1.weight",
+            "norm1.bias",
+            "attention.query_proj.weight",
+            "attention.key_proj.weight",
+            "attention.value_proj.weight",
+            "attention.output_proj.weight",
+            "norm2.weight",
+            "norm2.bias",
+            "mlp_in.weight",
+            "mlp_in.bias",
+            "mlp_out.weight",
+            "mlp_out.bias",
+        )
+    },
 }
 MESH_SHAPES = {
     "data": {"data": 8},
     "fsdp": {"data": 8},
     "tensor": {"model": 8},
     "2d": {"data": 4, "model": 2},
+    "pipeline": {"stage": 4, "data": 2},
 }
 
 
@@ -79,7 +98,7 @@ def _check(tree, mesh, expected):
             leaf.sharding,
             spec,
         )
-    assert n == 17  # every parameter of the 2-layer model
+    assert n == 17  # every parameter of the model
 
 
 @pytest.mark.parametrize("name", train_transformer.LAYOUTS)
@@ -105,7 +124,7 @@ def test_initialised_directly_into_the_rules(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["fsdp", "2d"])
+@pytest.mark.parametrize("name", ["fsdp", "2d", "pipeline"])
 @jax.numpy_dtype_promotion("standard")  # optax mixes its int32 step count with floats
 def test_a_few_steps_match_one_device(name):
     corpus = train_transformer.load_corpus(200_000)
@@ -149,6 +168,7 @@ def test_script_checks_itself():
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     out = proc.stdout
     assert "FAIL" not in out
-    assert out.count("ok    checkpoint restored into the rules' shardings") == 4
-    assert out.count("ok    resumed from step 30") == 4
+    n = len(train_transformer.LAYOUTS)
+    assert out.count("ok    checkpoint restored into the rules' shardings") == n
+    assert out.count("ok    resumed from step 30") == n
     assert "all checks passed" in out

@@ -1,0 +1,353 @@
+"""`filter_pipeline`: a stack of layers run as a pipeline, its stages on one mesh axis
+and the batch cut into microbatches that flow through them."""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax._src.traceback_util as traceback_util
+import jax.numpy as jnp
+import jax.random as jr
+import jax.tree_util as jtu
+import numpy as np
+from jax.sharding import PartitionSpec
+from jaxtyping import PyTree
+
+from ._shard_map import filter_shard_map
+
+
+traceback_util.register_exclusion(__file__)
+
+
+def schedule(stages: int, microbatches: int, repeats: int = 1) -> np.ndarray:
+    """The schedule `filter_pipeline` runs, as an integer array of shape
+    `(stages, ticks, 2)`: entry `[s, t]` is `(microbatch, repeat)`, the microbatch
+    that stage `s` works on at tick `t` and which of its `repeats` chunks of layers it
+    applies, or `(-1, -1)` when the stage is idle.
+
+    Stage 0 starts microbatch `m` of repeat `r` at tick `r * max(M, S) + m`; stage
+    `s` does the same work `s` ticks later, on what stage `s - 1` sent it. Repeat
+    `r + 1` of a microbatch starts at stage 0 no earlier than stage `S - 1` finished
+    repeat `r` of it, since `max(M, S) >= S`. The backward pass runs the same table
+    from the last tick to the first.
+    """
+    period = max(microbatches, stages)
+    ticks = (repeats - 1) * period + microbatches + stages - 1
+    table = np.full((stages, ticks, 2), -1, dtype=np.int32)
+    for s in range(stages):
+        for t in range(ticks):
+            repeat, micro = divmod(t - s, period)
+            if t >= s and repeat < repeats and micro < microbatches:
+                table[s, t] = micro, repeat
+    return table
+
+
+def _layer_count(layers: Any) -> int:
+    paths = jtu.tree_flatten_with_path(eqx.filter(layers, eqx.is_array))[0]
+    if not paths:
+        raise ValueError(
+            "layers: a stacked Module needs at least one array leaf (the layer axis "
+            "comes first in every array); got none."
+        )
+    first_path, first = paths[0]
+    for path, leaf in paths:
+        if leaf.ndim == 0 or leaf.shape[0] != first.shape[0]:
+            raise ValueError(
+                f"layers{jtu.keystr(path)}: every array of `layers` needs the layer "
+                f"axis first, of the same size L = {first.shape[0]} as "
+                f"layers{jtu.keystr(first_path)}; got shape {leaf.shape}. (Build the "
+                "stack with `eqx.filter_vmap(make_layer)(keys)`.)"
+            )
+    return first.shape[0]
+
+
+def _refuse_state(tree: Any, name: str) -> None:
+    is_state = lambda x: isinstance(x, (eqx.nn.State, eqx.nn.StateIndex))
+    for path, leaf in jtu.tree_flatten_with_path(tree, is_leaf=is_state)[0]:
+        if is_state(leaf):
+            raise TypeError(
+                f"{name}{jtu.keystr(path)} is an `eqx.nn.{type(leaf).__name__}`: "
+                "`filter_pipeline` does not support stateful layers (such as "
+                "`eqx.nn.BatchNorm`): their state would be updated per microbatch."
+            )
+
+
+def _batch_size(x: Any, microbatches: int) -> int:
+    paths = jtu.tree_flatten_with_path(x)[0]
+    arrays = [(path, leaf) for path, leaf in paths if eqx.is_array(leaf)]
+    if not arrays or len(arrays) != len(paths):
+        raise ValueError(
+            "x: a PyTree of arrays (each with the batch axis first) is needed; got "
+            + ("no array." if not arrays else "a non-array leaf.")
+        )
+    first_path, first = arrays[0]
+    for path, leaf in arrays:
+        if leaf.ndim == 0 or leaf.shape[0] != first.shape[0]:
+            raise ValueError(
+                f"x{jtu.keystr(path)}: every array of `x` needs the batch axis first, "
+                f"of the same size as x{jtu.keystr(first_path)} ({first.shape[0]}); "
+                f"got shape {leaf.shape}."
+            )
+    batch = first.shape[0]
+    if batch % microbatches:
+        raise ValueError(
+            f"x{jtu.keystr(first_path)}: its batch of {batch} cannot be cut into "
+            f"microbatches={microbatches} equal microbatches."
+        )
+    return batch
+
+
+def _get_mesh(mesh: Any, axis_name: str) -> Any:
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            raise ValueError(
+                "`filter_pipeline` needs a mesh: pass `mesh=...`, or set one with "
+                "`jax.set_mesh(mesh)`."
+            )
+    if axis_name not in mesh.axis_names:
+        raise ValueError(
+            f"axis_name={axis_name!r} is not an axis of the mesh (its axes are "
+            f"{tuple(mesh.axis_names)})."
+        )
+    return mesh
+
+
+def _check_positive(value: Any, name: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer; got {value!r}.")
+
+
+def _cut(x: Any, microbatches: int) -> Any:
+    """Microbatch `m` is `x[m::M]`: a batch split over other mesh axes on its leading
+    axis stays split the same way within every microbatch."""
+    return jtu.tree_map(
+        lambda a: a.reshape(-1, microbatches, *a.shape[1:]).swapaxes(0, 1), x
+    )
+
+
+def _uncut(x: Any) -> Any:
+    return jtu.tree_map(lambda a: a.swapaxes(0, 1).reshape(-1, *a.shape[2:]), x)
+
+
+def _default_fn(layer, x, **kwargs):
+    return layer(x, **kwargs)
+
+
+def filter_pipeline(
+    layers: PyTree[Any],
+    x: PyTree[jax.Array],
+    *,
+    microbatches: int,
+    axis_name: str = "stage",
+    repeats: int = 1,
+    fn: Callable | None = None,
+    key: jax.Array | None = None,
+    remat: bool = False,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+) -> PyTree[jax.Array]:
+    """Runs a stack of layers over a batch as a pipeline: the layers are split into
+    stages over the mesh axis `axis_name`, each device holding only its stage's layers,
+    and the batch is cut into microbatches that pass from stage to stage
+    (`jax.lax.ppermute`). Differentiate it (`jax.grad`, `eqx.filter_value_and_grad`)
+    for the backward pipeline. Works inside `filter_jit` and `jax.jit`; other mesh
+    axes are left to the compiler, so data, FSDP or tensor parallelism over them (by
+    `PathRules`) compose with it.
+
+    It computes exactly this, the same numbers up to floating-point reassociation:
+
+    ```python
+    def reference(layers, x, *, microbatches, fn, key=None):
+        arrays, static = eqx.partition(layers, eqx.is_array)
+        outs = []
+        for m in range(microbatches):
+            xm = jtu.tree_map(lambda a: a[m::microbatches], x)
+            keys = None if key is None else jr.split(jr.split(key, microbatches)[m], L)
+
+            def step(xm, layer_and_key):
+                layer, k = layer_and_key
+                layer = eqx.combine(layer, static)
+                return (fn(layer, xm) if k is None else fn(layer, xm, key=k)), None
+
+            outs.append(jax.lax.scan(step, xm, (arrays, keys))[0])
+        out = jtu.tree_map(lambda *o: jnp.stack(o, 1), *outs)  # undo the cut
+        return jtu.tree_map(lambda a: a.reshape(-1, *a.shape[2:]), out)
+    ```
+
+    **Arguments:**
+
+    - `layers`: a stacked Module (or any PyTree): every array leaf has the layer axis,
+        of the same size `L`, first; every other leaf is shared by all layers. This is
+        what `eqx.filter_vmap(make_layer)(keys)` builds. Place it with the layer axis
+        split over `axis_name` (`PartitionSpec(axis_name)`): stage `s` then holds layers
+        `s * L/S` to `(s + 1) * L/S - 1` and nothing moves (with `repeats=1`).
+    - `x`: a PyTree of arrays, each with the batch axis first.
+    - `microbatches`: `M`, how many microbatches the batch is cut into; microbatch
+        `m` is `x[m::M]` (so that a batch split over a data axis stays split within
+        each microbatch). The batch size must divide by `M`.
+    - `axis_name`: the mesh axis the `S` stages lie on.
+    - `repeats`: how many chunks of layers each stage holds. `1` (the default) is the
+        GPipe schedule: `M + S - 1` ticks, a fraction `(S - 1)/(M + S - 1)` of them
+        idle. With `R > 1` the layers are cut into `S * R` chunks and stage `s` holds
+        chunks `s, s + S, s + 2S, ...` (circular schedule): a microbatch goes round the
+        stages `R` times, and the idle fraction falls to `(S - 1)/(R * M + S - 1)`
+        when `M >= S`. `L` must divide by `S * R`.
+    - `fn`: the layer function, `fn(layer, x) -> x` (or `fn(layer, x, key=key)` when
+        `key` is given), returning the same structure, shapes and dtypes as `x`.
+        Defaults to calling the layer: `layer(x)`. It may be a PyTree (a Module, an
+        `eqx.Partial`): its arrays are passed to every stage whole. Pass arrays
+        computed inside a JIT that way (`eqx.Partial(f, mask=mask)`), not by closing
+        over them: `fn` runs inside `jax.shard_map`.
+    - `key`: a PRNG key, split into one key per microbatch, and each of those into one
+        key per layer, as in the reference above.
+    - `remat`: whether to `jax.checkpoint` each stage's work at each tick, so that the
+        backward pass recomputes the activations inside a stage instead of storing
+        them.
+    - `mesh`: a `jax.sharding.Mesh` or `AbstractMesh`; defaults to the mesh set with
+        `jax.set_mesh`.
+
+    **Returns:**
+
+    `fn` applied by every layer in order, to the whole batch: a PyTree like `x`.
+
+    Errors are raised before anything runs, naming the argument or the leaf's key path:
+    `L` not divisible by `S * repeats`, a batch not divisible by `microbatches`, an
+    axis not in the mesh, a leaf without the layer or batch axis, stateful layers.
+
+    !!! example
+
+        ```python
+        mesh = jax.make_mesh((4, 2), ("stage", "data"), axis_types=(Auto, Auto))
+        mlps = eqx.filter_vmap(lambda k: eqx.nn.MLP(32, 32, 64, 1, key=k))(
+            jr.split(jr.key(0), 8)
+        )
+
+        def loss(mlps, x):
+            y = eqxs.filter_pipeline(
+                mlps, x, microbatches=8, fn=lambda mlp, x: x + jax.vmap(mlp)(x)
+            )
+            return jnp.mean(y**2)
+
+        @eqxs.filter_jit(in_shardings=(P("stage"), P("data")))
+        def gradients(mlps, x):
+            return eqx.filter_grad(loss)(mlps, x)
+
+        with jax.set_mesh(mesh):
+            grads = gradients(mlps, jnp.ones((64, 32)))  # split like `mlps`
+        ```
+    """
+    _check_positive(microbatches, "microbatches")
+    _check_positive(repeats, "repeats")
+    mesh_ = _get_mesh(mesh, axis_name)
+    _refuse_state(layers, "layers")
+    _refuse_state(x, "x")
+    n_layers = _layer_count(layers)
+    stages = dict(zip(mesh_.axis_names, mesh_.axis_sizes))[axis_name]
+    if n_layers % (stages * repeats):
+        raise ValueError(
+            f"layers: its L = {n_layers} layers cannot be split into stages * repeats "
+            f"= {stages} * {repeats} equal chunks (the mesh axis {axis_name!r} has "
+            f"{stages} devices)."
+        )
+    _batch_size(x, microbatches)
+    fn = _default_fn if fn is None else fn
+    chunk = n_layers // (stages * repeats)
+    arrays, static = eqx.partition(layers, eqx.is_array)
+    fn_arrays, fn_static = eqx.partition(fn, eqx.is_array)
+    inputs = _cut(x, microbatches)
+
+    def one_layer(xm, layer_arrays, k, fn_arrays):
+        layer = eqx.combine(layer_arrays, static)
+        f = eqx.combine(fn_arrays, fn_static)
+        return f(layer, xm) if k is None else f(layer, xm, key=k)
+
+    # Checked abstractly, before anything runs: a layer keeps the microbatch's shape.
+    xm_shape = jax.eval_shape(lambda a: jtu.tree_map(lambda b: b[0], a), inputs)
+    layer_shape = jax.eval_shape(lambda a: jtu.tree_map(lambda b: b[0], a), arrays)
+    key_shape = None if key is None else jax.eval_shape(lambda k: k, key)
+    out_shape = jax.eval_shape(one_layer, xm_shape, layer_shape, key_shape, fn_arrays)
+    if jtu.tree_structure(out_shape) != jtu.tree_structure(xm_shape) or any(
+        (a.shape, a.dtype) != (b.shape, b.dtype)
+        for a, b in zip(jtu.tree_leaves(out_shape), jtu.tree_leaves(xm_shape))
+    ):
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise ValueError(
+            f"fn={name}: a layer must return what it is given (a microbatch of `x`, "
+            f"{xm_shape}); got {out_shape}."
+        )
+
+    # Chunk `r * S + s` of the layers goes to stage `s`: shape `(S, R, C, ...)`.
+    def by_stage(a):
+        a = a.reshape(repeats, stages, chunk, *a.shape[1:])
+        return jnp.swapaxes(a, 0, 1)
+
+    stacked = jtu.tree_map(by_stage, arrays)
+    if key is None:
+        keys = None
+    else:
+        keys = jax.vmap(lambda k: jr.split(k, n_layers))(jr.split(key, microbatches))
+        keys = keys.reshape(microbatches, repeats, stages, chunk, *keys.shape[2:])
+        keys = jnp.moveaxis(keys, 2, 0)  # `(S, M, R, C, ...)`
+    table = schedule(stages, microbatches, repeats)
+
+    def run_chunk(xm, chunk_arrays, chunk_keys, fn_arrays):
+        def step(xm, layer_and_key):
+            layer_arrays, k = layer_and_key
+            return one_layer(xm, layer_arrays, k, fn_arrays), None
+
+        return jax.lax.scan(step, xm, (chunk_arrays, chunk_keys))[0]
+
+    if remat:
+        run_chunk = jax.checkpoint(run_chunk)
+
+    def stage_body(stacked, inputs, keys, fn_arrays):
+        stage = jax.lax.axis_index(axis_name)
+        params = jtu.tree_map(lambda a: a[0], stacked)
+        keys = None if keys is None else keys[0]
+        varying = lambda a: jax.lax.pcast(a, axis_name, to="varying")
+        inputs = jtu.tree_map(varying, inputs)
+        outputs = jtu.tree_map(jnp.zeros_like, inputs)
+        held = jtu.tree_map(lambda a: a[0], outputs)
+        here = jnp.asarray(table)[stage]  # `(ticks, 2)`: this stage's column
+        last = jnp.asarray(table[stages - 1])  # what stage 0 receives, tick by tick
+
+        def tick(carry, row):
+            inputs, outputs, held = carry
+            (micro, repeat), (last_micro, last_repeat) = row
+            m, r = jnp.maximum(micro, 0), jnp.maximum(repeat, 0)
+            first = jtu.tree_map(lambda a: a[m], inputs)
+            xm = jtu.tree_map(lambda a, b: jnp.where(stage == 0, a, b), first, held)
+            chunk_arrays = jtu.tree_map(lambda a: a[r], params)
+            chunk_keys = None if keys is None else keys[m, r]
+            y = run_chunk(xm, chunk_arrays, chunk_keys, fn_arrays)
+            done = (micro >= 0) & (repeat == repeats - 1) & (stage == stages - 1)
+            outputs = jtu.tree_map(
+                lambda o, v: o.at[m].set(jnp.where(done, v, o[m])), outputs, y
+            )
+            sent = jax.lax.ppermute(
+                y, axis_name, [(s, (s + 1) % stages) for s in range(stages)]
+            )
+            # Stage 0 keeps what the last stage sends it for the next repeat.
+            back = (stage == 0) & (last_micro >= 0) & (last_repeat < repeats - 1)
+            lm = jnp.maximum(last_micro, 0)
+            inputs = jtu.tree_map(
+                lambda i, v: i.at[lm].set(jnp.where(back, v, i[lm])), inputs, sent
+            )
+            return (inputs, outputs, sent), None
+
+        carry, _ = jax.lax.scan(tick, (inputs, outputs, held), (here, last))
+        return jtu.tree_map(lambda a: a[None], carry[1])
+
+    stage_spec = PartitionSpec(axis_name)
+    run = filter_shard_map(
+        stage_body,
+        in_specs=(stage_spec, PartitionSpec(), stage_spec, PartitionSpec()),
+        out_specs=stage_spec,
+        mesh=mesh_,
+        axis_names=frozenset({axis_name}),
+    )
+    # The arrays of `fn` (a Module, an `eqx.Partial`) go in whole, as inputs: an array
+    # that `fn` closes over must not be a value traced outside `jax.shard_map`.
+    out = run(stacked, inputs, keys, fn_arrays)
+    return _uncut(jtu.tree_map(lambda a: a[stages - 1], out))
