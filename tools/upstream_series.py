@@ -1,5 +1,6 @@
 """Builds and checks `upstream/series/`: the patches that propose this package to
-Equinox, as `git format-patch` files against Equinox's repository at `BASE`.
+Equinox, as `git format-patch` files against Equinox's repository at `BASE`, less
+their author lines (`git apply --index`, then commit with the message on top).
 
     python tools/upstream_series.py build --equinox /path/to/equinox
         # rewrite upstream/series/ from the checkout's branch BRANCH (BASE..BRANCH)
@@ -8,7 +9,8 @@ Equinox, as `git format-patch` files against Equinox's repository at `BASE`.
         # Equinox source distribution, install it in a temporary virtual environment,
         # and run the tests that the series adds to Equinox's test files against it
     python tools/upstream_series.py check --equinox /path/to/equinox
-        # also: `git am` the series onto a clone at BASE and run Equinox's whole suite
+        # also: apply and commit the series onto a clone at BASE and run Equinox's
+        # whole suite
     python tools/upstream_series.py check --equinox /path/to/equinox --each
         # the same, but the suite runs at BASE and after every patch; fails if a patch
         # fails a test that passes at BASE
@@ -69,7 +71,25 @@ def build(equinox: pathlib.Path):
     run("git", "-C", equinox, "format-patch", "--zero-commit", "--no-signature",
         "--quiet", "-o", SERIES, f"{BASE}..{BRANCH}")  # fmt: skip
     for patch in patches():
+        # No author: whoever submits a patch commits it under their own name.
+        text = patch.read_text()
+        text = text[text.index("Subject: ") :].replace("Subject: [PATCH] ", "", 1)
+        patch.write_text(text)
         print(patch.relative_to(ROOT))
+
+
+def message(patch: pathlib.Path) -> str:
+    """The commit message at the top of a patch, above its `---` line."""
+    return patch.read_text().split("\n---\n", 1)[0] + "\n"
+
+
+def commit(repo: pathlib.Path, patch: pathlib.Path):
+    """Applies `patch` to `repo` and commits it, as its submitter would."""
+    run("git", "-C", repo, "apply", "--index", patch.resolve())
+    print("+ git commit -F <the patch's message>", flush=True)
+    who = ["-c", "user.name=check", "-c", "user.email=check@localhost"]
+    cmd = ["git", "-C", repo, *who, "commit", "--quiet", "-F", "-"]
+    subprocess.run(cmd, input=message(patch), text=True, check=True)
 
 
 def added_test_lines(patch: str) -> dict[str, list[str]]:
@@ -138,17 +158,16 @@ def check_repository(equinox: pathlib.Path, tmp: pathlib.Path, each: bool):
     os.environ["GIT_NO_LAZY_FETCH"] = "1"
     run("git", "-C", repo, "checkout", "--quiet", "-b", "check", BASE)
     python = venv(tmp / "venv-repo", "-e", repo, *EQUINOX_TEST_DEPS)
-    am = ("git", "-C", repo, "-c", "user.name=check",
-          "-c", "user.email=check@localhost", "am", "--quiet")  # fmt: skip
     if not each:
-        run(*am, *[p.resolve() for p in patches()])
+        for patch in patches():
+            commit(repo, patch)
         run(python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests", cwd=repo)
         return
     summary, base = suite(python, repo)
     print(f"{BASE}: {summary}", flush=True)
     new = {}
     for patch in patches():
-        run(*am, patch.resolve())
+        commit(repo, patch)
         summary, failed = suite(python, repo)
         print(f"{patch.name[:4]}: {summary}", flush=True)
         if failed - base:
