@@ -199,10 +199,10 @@ class CheckpointManager:
 
     One manager writes to a directory at a time: it holds the lock file
     `directory/.eqxs-writer` (its process id and host) until `close()`, and a second
-    manager on the directory, in any process, is refused (a lock whose process has
-    died is taken over). The processes of one `jax.distributed` program share the
-    directory: process 0 holds the lock for all. A manager left open is closed when
-    the program exits.
+    manager on the directory (by any path to it, a symbolic link too), in any
+    process, is refused (a lock whose process has died is taken over). The processes
+    of one `jax.distributed` program share the directory: process 0 holds the lock
+    for all. A manager left open is closed when the program exits.
 
     **Arguments:**
 
