@@ -148,18 +148,27 @@ def _refuse_to_replace(path: pathlib.Path) -> None:
         )
 
 
+def damaged(path: pathlib.Path, file: pathlib.Path, why: str) -> ValueError:
+    """The error for a checkpoint `path` whose metadata `file` cannot be used."""
+    return ValueError(
+        f"The checkpoint at {path} is damaged: its metadata file {file} {why}, so it "
+        "cannot be restored."
+    )
+
+
 def check_json(path: pathlib.Path, file: pathlib.Path) -> None:
     """Raises `ValueError` naming the checkpoint `path` and its metadata `file` if
-    that file is not valid JSON (orbax's own error is a bare `JSONDecodeError`)."""
+    that file is not valid JSON, or not a JSON object (orbax's own errors are a bare
+    `JSONDecodeError`, or an `AttributeError`)."""
     try:
-        json.loads(file.read_bytes())
+        value = json.loads(file.read_bytes())
     except OSError:
         return  # missing or unreadable: orbax's own error names the file
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise ValueError(
-            f"The checkpoint at {path} is damaged: its metadata file {file} is not "
-            f"valid JSON ({e}), so it cannot be restored."
-        ) from None
+        raise damaged(path, file, f"is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        kind = "null" if value is None else f"a JSON {type(value).__name__}"
+        raise damaged(path, file, f"holds {kind}, not a JSON object")
 
 
 def error_number(e: BaseException) -> int | None:
@@ -207,11 +216,12 @@ def save(
     **Raises:**
 
     Before anything is written: `FileExistsError` if `path` exists and not
-    `overwrite`, or (even with `overwrite`) if `path` is a file, or a non-empty
-    directory that is not a checkpoint (its files are never deleted); `ValueError`
-    (naming the leaf by its key path) for an abstract leaf (a `jax.ShapeDtypeStruct`
-    or a tracer); `RuntimeError`, as [`equinox_shard.filter_jit`][] raises it, for an
-    array that was deleted (donated). `ImportError` if orbax-checkpoint is not
+    `overwrite`, or (even with `overwrite`) if `path` is a file, a symbolic link, or
+    a non-empty directory that is not a checkpoint (its files are never deleted);
+    `ValueError` (naming the leaf by its key path) for an abstract leaf (a
+    `jax.ShapeDtypeStruct` or a tracer); `RuntimeError`, as
+    [`equinox_shard.filter_jit`][] raises it, for an array that was deleted
+    (donated). `ImportError` if orbax-checkpoint is not
     installed. While writing (a full disk, a read-only directory): `OSError` (with
     the system's error number; `RuntimeError` where there is none) naming `path`,
     once what the failed save wrote is removed (a checkpoint that `overwrite` was to
@@ -228,6 +238,15 @@ def save(
     ocp = _orbax()
     path = _absolute(path)
     record, arrays = record_lib.build(tree, "tree")
+    if path.is_symlink():
+        # Replaced, the link would become a directory; written through, the
+        # checkpoint it names (shared by other links, say) would be lost.
+        raise FileExistsError(
+            f"{path} is a symbolic link (to {os.readlink(path)}); `save` neither "
+            "replaces it nor writes through it (even with `overwrite=True`). Save to "
+            f"the path it names ({path.resolve()}) to replace that checkpoint, or "
+            "remove the link."
+        )
     swap = _sibling(path, _SWAP)
     if not overwrite and (path.exists() or (swap.is_dir() and _found(path) == swap)):
         raise FileExistsError(
@@ -284,8 +303,15 @@ def _read_record(ocp, path: pathlib.Path) -> list[dict]:
             ocp.args.Composite(leaves=ocp.args.JsonRestore()),  # pyright: ignore[reportCallIssue]
         )
     record = out["leaves"]
-    if not isinstance(record, dict) or record.get("format") != record_lib.FORMAT:
+    if (
+        isinstance(record, dict)
+        and record.get("format", record_lib.FORMAT) != record_lib.FORMAT
+    ):
         raise ValueError(f"{path} is not a checkpoint written by `equinox_shard.save`.")
+    if (why := record_lib.problem(record)) is not None:
+        raise damaged(
+            path, path / "leaves" / "metadata", f"is not as `save` writes it ({why})"
+        )
     if record["version"] > record_lib.VERSION:
         raise ValueError(
             f"{path} was written by a newer equinox_shard (format version "
@@ -450,14 +476,21 @@ def restore_from(
             progress.Bar(f"restoring {what or path.name}", stored),
             ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer,
         ):
-            read = checkpointer.restore(
-                path,
-                ocp.args.Composite(
-                    arrays=ocp.args.PyTreeRestore(  # pyright: ignore[reportCallIssue]
-                        items, restore_args=restore_args
-                    )
-                ),
-            )["arrays"]
+            try:
+                read = checkpointer.restore(
+                    path,
+                    ocp.args.Composite(
+                        arrays=ocp.args.PyTreeRestore(  # pyright: ignore[reportCallIssue]
+                            items, restore_args=restore_args
+                        )
+                    ),
+                )["arrays"]
+            except (AttributeError, KeyError, TypeError) as e:
+                # orbax reads the `arrays` metadata; these are its errors for a
+                # structure it did not expect.
+                file = path / "arrays" / "_METADATA"
+                why = f"is not as orbax writes it ({type(e).__name__}: {e})"
+                raise damaged(path, file, why) from e
     record_lib.verify(path, entries, read)
     new = list(leaves)
     for i, (p, kind) in enumerate(zip(paths, kinds)):

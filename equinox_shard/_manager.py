@@ -51,7 +51,7 @@ def _step(step: Any, name: str = "step") -> int:
     if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
         raise TypeError(
             f"`{name}` must be a non-negative int (a Python or NumPy integer), not "
-            f"{step} of type {type(step).__name__}."
+            f"{step!r} of type {type(step).__name__}."
         )
     if step < 0:
         raise ValueError(f"`{name}` must be a non-negative int, not {step}.")
@@ -115,6 +115,8 @@ def _take_lock(directory: pathlib.Path, manager: "CheckpointManager") -> bool:
     if jax.process_index() != 0:
         return False
     lock = directory / LOCK_FILE
+    # One directory by any name (a symbolic link to it, say): one lock.
+    real = directory.resolve()
     me = {"pid": os.getpid(), "host": socket.gethostname()}
     for _ in range(3):
         try:
@@ -130,13 +132,19 @@ def _take_lock(directory: pathlib.Path, manager: "CheckpointManager") -> bool:
                 pid, host = int(owner["pid"]), str(owner["host"])
             except (OSError, ValueError, KeyError, TypeError):
                 pid, host = None, None
-            held = _HOLDERS.get(directory)
+            held = _HOLDERS.get(real)
             if pid is not None and host == me["host"]:
                 mine = pid == me["pid"]
                 if (mine and (held is None or held._closed)) or (
                     not mine and not _alive(pid)
                 ):
-                    lock.unlink(missing_ok=True)  # stale: its process is gone
+                    try:
+                        lock.unlink(missing_ok=True)  # stale: its process is gone
+                    except OSError as e:
+                        if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                            raise
+                        manager._read_only = e
+                        return False
                     continue
             who = (
                 f"process {pid} on host {host}"
@@ -153,20 +161,29 @@ def _take_lock(directory: pathlib.Path, manager: "CheckpointManager") -> bool:
             )
         with os.fdopen(fd, "w") as f:
             json.dump(me, f)
-        _HOLDERS[directory] = manager
+        _HOLDERS[real] = manager
         return True
     raise RuntimeError(f"Could not take the writer's lock {lock} of {directory}.")
 
 
 def _drop_lock(directory: pathlib.Path) -> None:
+    """Releases the lock of `directory` taken by this process; one that cannot be
+    removed (the directory made read-only since) is logged, and left."""
+    _HOLDERS.pop(directory.resolve(), None)
     lock = directory / LOCK_FILE
+    me = {"pid": os.getpid(), "host": socket.gethostname()}
     try:
-        owner = json.loads(lock.read_text())
-    except (OSError, ValueError):
-        return
-    if owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname():
-        lock.unlink(missing_ok=True)
-    _HOLDERS.pop(directory, None)
+        if json.loads(lock.read_text()) == me:
+            lock.unlink(missing_ok=True)
+    except (FileNotFoundError, ValueError):
+        return  # not ours
+    except OSError as e:
+        logger.warning(
+            "could not remove the writer's lock %s of %s (%s: %s); another manager "
+            "of this process may take it, one of another process once this one has "
+            "exited.",
+            lock, directory, type(e).__name__, e,
+        )  # fmt: skip
 
 
 class CheckpointManager:
@@ -182,10 +199,10 @@ class CheckpointManager:
 
     One manager writes to a directory at a time: it holds the lock file
     `directory/.eqxs-writer` (its process id and host) until `close()`, and a second
-    manager on the directory, in any process, is refused (a lock whose process has
-    died is taken over). The processes of one `jax.distributed` program share the
-    directory: process 0 holds the lock for all. A manager left open is closed when
-    the program exits.
+    manager on the directory (by any path to it, a symbolic link too), in any
+    process, is refused (a lock whose process has died is taken over). The processes
+    of one `jax.distributed` program share the directory: process 0 holds the lock
+    for all. A manager left open is closed when the program exits.
 
     **Arguments:**
 
@@ -246,7 +263,12 @@ class CheckpointManager:
             save_decision_policy=cm.AnySavePolicy(when or [cm.FixedIntervalPolicy(1)]),
             preservation_policy=cm.AnyPreservationPolicy(keep) if keep else None,
             enable_async_checkpointing=background,
-            async_options=ocp.AsyncOptions(post_finalization_callback=self._finished),
+            # orbax refuses this callback unless it saves in the background.
+            async_options=(
+                ocp.AsyncOptions(post_finalization_callback=self._finished)
+                if background
+                else None
+            ),
             cleanup_tmp_directories=True,
             create=True,
         )
@@ -511,6 +533,7 @@ class CheckpointManager:
         self._finished()
 
     def __enter__(self) -> "CheckpointManager":
+        self._check_open("with")
         return self
 
     def __exit__(self, *exc) -> None:

@@ -239,6 +239,94 @@ def build(tree: Any, name: str) -> tuple[dict, dict]:
     return {"format": FORMAT, "version": VERSION, "leaves": entries}, arrays
 
 
+def _json(x: Any) -> str:
+    """What JSON calls the type of `x` (as `json.loads` returned it)."""
+    if isinstance(x, bool):
+        return "a boolean"
+    if isinstance(x, (int, float)):
+        return "a number"
+    names = {dict: "an object", list: "an array", str: "a string"}
+    return names.get(type(x), "null")
+
+
+def _int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _entry_problem(e: Any, version: int) -> str | None:
+    if not isinstance(e, dict):
+        return f"it is {_json(e)}, not an object"
+    if not isinstance(e.get("path"), str):
+        return f"its 'path' is {_json(e.get('path'))}, not a string"
+    k = e.get("kind")
+    if k not in ("array", "key", "numpy", "scalar"):
+        return f"its 'kind' is {k!r}, not one of 'array', 'key', 'numpy', 'scalar'"
+    if k == "scalar":
+        t, v = e.get("type"), e.get("value")
+        fits = {
+            "bool": isinstance(v, bool),
+            "int": _int(v),
+            "float": isinstance(v, float) or _int(v),
+            "complex": isinstance(v, list)
+            and len(v) == 2
+            and all(isinstance(u, (int, float)) and not isinstance(u, bool) for u in v),
+        }
+        if t not in fits:
+            return f"its 'type' is {t!r}, not one of 'bool', 'int', 'float', 'complex'"
+        if not fits[t]:
+            return f"its 'value' {v!r} is {_json(v)}, not a Python {t}"
+        return None
+    shape = e.get("shape")
+    if not isinstance(shape, list) or not all(_int(n) and n >= 0 for n in shape):
+        return f"its 'shape' {shape!r} is not an array of non-negative integers"
+    dtype = e.get("dtype")
+    if not isinstance(dtype, str):
+        return f"its 'dtype' is {_json(dtype)}, not a string"
+    if k == "key":
+        if not isinstance(e.get("impl"), str):
+            return f"its 'impl' is {_json(e.get('impl'))}, not a string"
+    else:
+        try:
+            np.dtype(dtype)
+        except TypeError:
+            return f"its 'dtype' {dtype!r} is not a dtype"
+    name = e.get("name")
+    if version >= 2 and "name" not in e:
+        return "it has no 'name'"
+    if name is not None and not isinstance(name, str):
+        return f"its 'name' is {_json(name)}, not a string or null"
+    checksum = e.get("checksum")
+    if version >= 2 and name is not None and "checksum" not in e:
+        return "it has no 'checksum'"
+    if checksum is not None and not (_int(checksum) and 0 <= checksum < 2**32):
+        return f"its 'checksum' {checksum!r} is not an unsigned 32-bit integer"
+    return None
+
+
+def problem(record: Any) -> str | None:
+    """What is wrong with the structure of a record read back from a checkpoint (a
+    field that `build` writes missing, or of another type), or `None`. A record of a
+    newer format version is not checked here (see `VERSION`)."""
+    if not isinstance(record, dict):
+        return f"it holds {_json(record)}, not an object"
+    for field in ("format", "version", "leaves"):
+        if field not in record:
+            return f"it has no {field!r}"
+    version = record["version"]
+    if not _int(version) or version < 1:
+        return f"its 'version' {version!r} is not a positive integer"
+    if version > VERSION:
+        return None
+    if not isinstance(record["leaves"], list):
+        return f"its 'leaves' is {_json(record['leaves'])}, not an array"
+    for i, e in enumerate(record["leaves"]):
+        if (why := _entry_problem(e, version)) is not None:
+            where = e.get("path") if isinstance(e, dict) else None
+            leaf = f" (of the leaf {where})" if isinstance(where, str) else ""
+            return f"its leaf entry {i}{leaf}: {why}"
+    return None
+
+
 def names(entries: list[dict]) -> dict[str, str | None]:
     """Each array leaf's stored name (version 1: "0", "1", ... in record order)."""
     out, n = {}, 0

@@ -31,7 +31,9 @@ layout and checking its own shards.
 `manager-fails`: a `CheckpointManager` saves step 1, then step 3 in the background,
 whose directory cannot be created (`os.mkdir` fails with EROFS, as on a read-only file
 system); then CALL (`wait`: `wait_until_finished()` then `close()`; `close`: only
-`close()`; `none`: neither) prints the error raised, and the process exits (the test's
+`close()`; `close-read-only`: only `close()`, and the lock file cannot be removed
+either, as in a directory made read-only after the manager was created; `none`:
+neither) prints the error raised, and the process exits (the test's
 deadline catches a hang). `manager-writer`: a `CheckpointManager` on DIR prints
 `LOCKED` (or the error refusing it) and waits for stdin to close.
 """
@@ -383,6 +385,15 @@ def manager_fails(directory: pathlib.Path, call: str) -> None:
         return mkdir(path, *args, **kwargs)
 
     os.mkdir = read_only
+    if call == "close-read-only":
+        unlink = os.unlink
+
+        def locked(path, *args, **kwargs):
+            if os.fspath(path).endswith(".eqxs-writer"):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+            return unlink(path, *args, **kwargs)
+
+        os.unlink = locked
     print("SAVE", manager.save(3, {"x": jnp.ones(64)}), flush=True)
     try:
         if call == "wait":

@@ -6,8 +6,10 @@ metadata: each a clear error before anything is written or read."""
 
 import contextlib
 import errno
+import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -66,6 +68,17 @@ def test_failed_background_save_raised_by_close(tmp_path):
     assert lines[2:] == ["EXITING"]
     with eqxs.CheckpointManager(tmp_path) as manager:
         assert manager.all_steps() == [1]
+
+
+@pytest.mark.slow
+def test_failed_background_save_raised_by_close_on_a_read_only_directory(tmp_path):
+    # The lock file cannot be removed either: still the step's error, and no hang.
+    lines = _fails(tmp_path, "close-read-only")
+    assert lines[0] == "SAVE True"
+    assert lines[1].startswith(
+        f"CLOSE OSError [Errno {errno.EROFS}] The save of step 3 to {tmp_path / '3'} "
+    ), lines
+    assert lines[2:] == ["EXITING"]
 
 
 @pytest.mark.slow
@@ -181,8 +194,9 @@ def test_read_only_directory(tmp_path):
     [
         (2.5, TypeError, r"`step` must be a non-negative int .* not 2.5 of type float"),
         (7.0, TypeError, r"not 7.0 of type float"),
-        (np.float32(3), TypeError, r"not 3.0 of type float32"),
+        (np.float32(3), TypeError, r"not (np.float32\()?3.0\)? of type float32"),
         (True, TypeError, r"not True of type bool"),
+        ("5", TypeError, r"not '5' of type str"),
         (-1, ValueError, r"`step` must be a non-negative int, not -1"),
         (np.int64(-2), ValueError, r"not -2"),
     ],
@@ -231,6 +245,7 @@ def test_closed_manager(tmp_path):
         manager.all_steps,
         lambda: manager.should_save(3),
         manager.wait_until_finished,
+        manager.__enter__,
     ):
         with pytest.raises(RuntimeError, match=r"on a closed CheckpointManager \(of "):
             call()
@@ -252,6 +267,23 @@ def test_second_writer_in_one_process(tmp_path):
         with pytest.raises(RuntimeError, match="another CheckpointManager of this"):
             eqxs.CheckpointManager(tmp_path)
     with eqxs.CheckpointManager(tmp_path) as manager:  # closed: free again
+        assert manager.all_steps() == [1]
+
+
+def test_second_writer_through_a_symbolic_link(tmp_path):
+    real, link = tmp_path / "real", tmp_path / "link"
+    real.mkdir()
+    link.symlink_to(real)
+    with eqxs.CheckpointManager(real) as manager:
+        manager.save(1, {"x": jnp.ones(2)})
+        with pytest.raises(RuntimeError, match="another CheckpointManager of this"):
+            eqxs.CheckpointManager(link)
+        manager.wait_until_finished()
+        assert manager.all_steps() == [1]
+    assert sorted(p.name for p in real.iterdir()) == ["1"]
+    with eqxs.CheckpointManager(link) as manager:  # closed: free again, by any name
+        with pytest.raises(RuntimeError, match="another CheckpointManager of this"):
+            eqxs.CheckpointManager(real)
         assert manager.all_steps() == [1]
 
 
@@ -310,6 +342,24 @@ def test_overwrite_refuses_what_is_not_a_checkpoint(tmp_path):
     np.testing.assert_array_equal(np.asarray(out["x"]), 0.0)
 
 
+def test_save_refuses_a_symbolic_link(tmp_path):
+    eqxs.save(tmp_path / "ckpt", {"x": jnp.ones(2)})
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "ckpt")
+    for overwrite in (False, True):
+        with pytest.raises(
+            FileExistsError, match=rf"{re.escape(str(link))} is a symbolic link \(to "
+        ):
+            eqxs.save(link, {"x": jnp.zeros(2)}, overwrite=overwrite)
+    assert link.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "link"]
+    out = eqxs.restore(link, {"x": jnp.zeros(2)})  # read through it
+    np.testing.assert_array_equal(np.asarray(out["x"]), 1.0)
+    eqxs.save(tmp_path / "ckpt", {"x": jnp.zeros(2)}, overwrite=True)
+    out = eqxs.restore(link, {"x": jnp.ones(2)})
+    np.testing.assert_array_equal(np.asarray(out["x"]), 0.0)
+
+
 @pytest.mark.parametrize("file", ["leaves/metadata", "arrays/_METADATA"])
 def test_damaged_json_metadata(tmp_path, file):
     state = {"x": jnp.ones(3), "n": 1}
@@ -320,6 +370,69 @@ def test_damaged_json_metadata(tmp_path, file):
     message = (
         rf"The checkpoint at {tmp_path / '1'} is damaged: its metadata file "
         rf"{damaged} is not valid JSON \("
+    )
+    with pytest.raises(ValueError, match=message):
+        eqxs.restore(tmp_path / "1", state)
+    with eqxs.CheckpointManager(tmp_path) as manager:
+        with pytest.raises(ValueError, match=message):
+            manager.restore(state)
+
+
+def _leaf(name):
+    def change(record, edit):
+        [entry] = [e for e in record["leaves"] if e["path"] == name]
+        edit(entry)
+        return record
+
+    return change
+
+
+@pytest.mark.parametrize(
+    "file, change, why",
+    [
+        ("arrays/_METADATA", lambda m: [], r"holds a JSON list, not a JSON object"),
+        ("arrays/_METADATA", lambda m: None, r"holds null, not a JSON object"),
+        ("arrays/_METADATA", lambda m: {}, r"is not as orbax writes it \(KeyError: "),
+        ("leaves/metadata", lambda m: [], r"holds a JSON list, not a JSON object"),
+        ("leaves/metadata", lambda m: {}, r"it has no 'format'"),
+        (
+            "leaves/metadata",
+            lambda m: {k: v for k, v in m.items() if k != "version"},
+            r"it has no 'version'",
+        ),
+        (
+            "leaves/metadata",
+            lambda m: _leaf("['x']")(m, lambda e: e.pop("shape")),
+            r"its leaf entry 1 \(of the leaf \['x'\]\): its 'shape' None is not",
+        ),
+        (
+            "leaves/metadata",
+            lambda m: _leaf("['x']")(m, lambda e: e.pop("checksum")),
+            r"\['x'\]\): it has no 'checksum'",
+        ),
+        (
+            "leaves/metadata",
+            lambda m: _leaf("['x']")(
+                m, lambda e: e.update(checksum=str(e["checksum"]))
+            ),
+            r"\['x'\]\): its 'checksum' '\d+' is not an unsigned 32-bit integer",
+        ),
+        (
+            "leaves/metadata",
+            lambda m: _leaf("['n']")(m, lambda e: e.update(value="3")),
+            r"\['n'\]\): its 'value' '3' is a string, not a Python int",
+        ),
+    ],
+)
+def test_metadata_of_the_wrong_structure(tmp_path, file, change, why):
+    # Valid JSON, not what was written: an error naming the checkpoint and the file.
+    state = {"x": jnp.ones(3), "n": 3}
+    eqxs.save(tmp_path / "1", state)
+    damaged = tmp_path / "1" / file
+    damaged.write_text(json.dumps(change(json.loads(damaged.read_text()))))
+    message = (
+        rf"The checkpoint at {tmp_path / '1'} is damaged: its metadata file "
+        rf"{damaged} .*{why}"
     )
     with pytest.raises(ValueError, match=message):
         eqxs.restore(tmp_path / "1", state)

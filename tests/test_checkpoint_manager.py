@@ -170,6 +170,28 @@ def test_a_log_line_per_save_and_restore(tmp_path, caplog):
                for m in messages), messages  # fmt: skip
 
 
+def test_blocking_saves(tmp_path, caplog):
+    states = {s: {"x": jnp.full((2, 3), float(s)), "n": s} for s in (2, 4)}
+    with caplog.at_level(logging.INFO, logger="equinox_shard"):
+        with eqxs.CheckpointManager(
+            tmp_path, background=False, every_steps=2, keep_last=1
+        ) as manager:
+            for step in range(5):
+                if manager.save(step, states.get(step, states[2])):
+                    # Complete once `save` returns, and logged then.
+                    assert (tmp_path / str(step) / "_CHECKPOINT_METADATA").is_file()
+                    mine = [r for r in caplog.records if r.name == "equinox_shard"]
+                    message = mine[-1].getMessage()
+                    assert message.startswith(f"saved step {step} to "), message
+            assert manager.latest_step() == 4
+            assert manager.all_steps() == [4]
+            out = manager.restore(states[2])
+    assert out["n"] == 4
+    assert_same_values(out, snapshot(states[4]))
+    with eqxs.CheckpointManager(tmp_path, background=False) as manager:
+        assert_same_values(manager.restore(states[2], step=4), snapshot(states[4]))
+
+
 @pytest.mark.slow
 def test_interrupted_save_is_never_latest(tmp_path):
     # Step 2 written, not finalised.
