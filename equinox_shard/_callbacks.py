@@ -33,6 +33,8 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.experimental.layout import Layout
 
+from ._arrays import is_tracer
+
 
 traceback_util.register_exclusion(__file__)
 
@@ -247,9 +249,7 @@ def waiting(guards: Guards, inner: Callable) -> Callable:
 def _usable(dynamic) -> bool:
     """Whether the guarded program would run now (otherwise, call the jitted function:
     an outer `filter_jit` guards the callbacks it traces)."""
-    return _runs_now() and not any(
-        isinstance(x, jax.core.Tracer) for x in jtu.tree_leaves(dynamic)
-    )
+    return _runs_now() and not any(map(is_tracer, jtu.tree_leaves(dynamic)))
 
 
 def _traced(inner, run, dynamic, deleted, leaves, jit_id):

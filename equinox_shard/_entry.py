@@ -18,9 +18,9 @@ import jax
 import jax._src.traceback_util as traceback_util
 import jax.core
 import jax.tree_util as jtu
-import numpy as np
 
 from . import _callbacks, _donate
+from ._arrays import is_tracer, is_value, raise_if_deleted
 from ._cache import arg_path, ArgStructure, Cache, diagnose
 from ._kinds import is_auto, kind_of, sharding_of
 from ._mirror import getter, mirror
@@ -29,7 +29,7 @@ from ._spec import (
     check,
     context_mesh,
     for_jax,
-    is_abstract,
+    on_abstract_mesh,
     resolve,
     resolve_each,
 )
@@ -129,7 +129,7 @@ def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple
     (arrays, tracers, NumPy); its own packs the leaves as its function unpacks them."""
     # XLA crashes on a deleted multi-device input, donated or not.
     if structure.deleted(leaves):
-        _donate.raise_if_deleted(leaves, structure.dynamic, _where(cache, args, kwargs))
+        raise_if_deleted(leaves, structure.dynamic, _where(cache, args, kwargs))
     structure = entry.structure
     placed = leaves
     if entry.donates:
@@ -164,13 +164,8 @@ def _place_inputs(leaves: list, targets: list, where, donated) -> None:
     traces once for both. The moved arrays are never returned to the caller, so
     they may share its buffers, except that a donated one shares all of them or none
     (`_donate.reuses_every_buffer`)."""
-    targets = [(i, s) for i, s in targets if not is_abstract(s)]
-    values = (jax.Array, np.ndarray, np.generic)
-    todo = [
-        (i, s)
-        for i, s in targets
-        if isinstance(leaves[i], values) and not isinstance(leaves[i], jax.core.Tracer)
-    ]
+    targets = [(i, s) for i, s in targets if not on_abstract_mesh(s)]
+    todo = [(i, s) for i, s in targets if is_value(leaves[i])]
     donated = frozenset(donated)
     may_alias = [True] * len(leaves)
     for i, s in todo:
@@ -196,12 +191,6 @@ def _dispatch(cache, entry, guards, shardings, fun_arrays: bool):
     return None if dispatch is _donate.plain else dispatch
 
 
-def _is_value(x) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and not isinstance(
-        x, jax.core.Tracer
-    )
-
-
 def _auto_layouts(targets, leaves, where) -> str | None:
     """For `in_shardings` with `Layout.AUTO`: raises, naming the first, if an array
     (not a `jax.ShapeDtypeStruct`) is passed for one, which `jax.jit` refuses; else the
@@ -221,7 +210,7 @@ def _auto_layouts(targets, leaves, where) -> str | None:
         "which then runs that executable."
     )
     for i in auto:
-        if _is_value(leaves[i]):
+        if is_value(leaves[i]):
             raise ValueError(message(i))
     return message(auto[0])
 
@@ -243,7 +232,7 @@ class AutoLayouts:
         return self.jitted.lower(*args)
 
     def __call__(self, *args):
-        if any(isinstance(x, jax.core.Tracer) for x in jtu.tree_leaves(args)):
+        if any(map(is_tracer, jtu.tree_leaves(args))):
             # Inside an outer trace the compiler chooses the layout, as for `jax.jit`.
             return self.jitted(*args)
         compiled = self.compiled

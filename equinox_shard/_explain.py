@@ -23,6 +23,7 @@ import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 import jaxtyping
 
+from ._arrays import is_concrete
 from ._cache import path_name
 from ._donate import plain
 
@@ -78,7 +79,7 @@ def _array(x) -> dict:
     except Exception:  # e.g. a `ShapeDtypeStruct`, for `.lower`
         out = {"type": f"{getattr(x, 'dtype', '?')}{list(getattr(x, 'shape', ()))}"}
     sharding = getattr(x, "sharding", None)
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):  # pyright: ignore
+    if is_concrete(x):
         out["sharding"] = _sharding(sharding)
         out["memory kind"] = getattr(sharding, "memory_kind", None)
         out["committed"] = x.committed

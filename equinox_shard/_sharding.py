@@ -18,8 +18,9 @@ from jax.sharding import (
 )
 from jaxtyping import PyTree
 
+from ._arrays import in_default_memory, is_tracer
 from ._kinds import kind_of
-from ._place import is_default_memory, place
+from ._place import place
 from ._spec import (
     broadcast_specs,
     check,
@@ -149,7 +150,7 @@ def constrain_leaves(
         )
         indices.append(i)
         targets.append(sharding)
-        if not is_default_memory(sharding) or _in_host_memory(leaves[i]):
+        if not in_default_memory(sharding) or _in_host_memory(leaves[i]):
             memory.append((i, sharding))
     for kind, (indices, targets) in groups.items():
         inputs = [leaves[i] for i in indices]
@@ -167,7 +168,7 @@ def constrain_leaves(
 
 
 def _is_traced(leaves: list, todo: list[tuple[int, Any]]) -> bool:
-    return any(isinstance(leaves[i], jax.core.Tracer) for i, _ in todo)
+    return any(is_tracer(leaves[i]) for i, _ in todo)
 
 
 def filter_device_put(
@@ -250,7 +251,7 @@ def filter_device_put(
         ```
     """
     leaves, treedef = jtu.tree_flatten(x)
-    traced = _is_traced_tree(leaves)
+    traced = any(map(is_tracer, leaves))
     todo = resolve_leaves(
         x,
         leaves,
@@ -295,10 +296,6 @@ def _select(flags: list | bool | None, indices: list) -> list | bool | None:
     if isinstance(flags, list):
         return [flags[i] for i in indices]
     return flags
-
-
-def _is_traced_tree(leaves: list) -> bool:
-    return any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
 
 
 def filter_shard(x: PyTree[Any], device_or_shardings: Any) -> PyTree[Any]:
@@ -364,7 +361,7 @@ def filter_shard(x: PyTree[Any], device_or_shardings: Any) -> PyTree[Any]:
     # jitted function): `jax.device_put` there would not be a constraint. Under
     # `jax.disable_jit()` such constants are placed instead, as
     # `with_sharding_constraint` would do nothing.
-    traced = _is_traced_tree(leaves) or (
+    traced = any(map(is_tracer, leaves)) or (
         in_trace() and not jax.config.jax_disable_jit  # pyright: ignore
     )
     todo = resolve_leaves(

@@ -13,6 +13,7 @@ import jax.core
 import jax.tree_util as jtu
 from equinox import is_array
 
+from ._arrays import is_tracer
 from ._cache import ArgStructure, Cache
 from ._kinds import is_auto, kind_of
 from ._mirror import mirror, mirror_combine, OutStatic
@@ -147,7 +148,7 @@ def _eager_targets(leaves: list, todo: list[tuple[int, Any]]) -> list[tuple[int,
     return [
         (i, s.sharding if is_auto(s) else s)
         for i, s in todo
-        if not isinstance(leaves[i], jax.core.Tracer)
+        if not is_tracer(leaves[i])
     ]
 
 

@@ -56,6 +56,7 @@ _INTERNAL = (
     "_jit.py",
     "_entry.py",
     "_donate.py",
+    "_arrays.py",
     "_cache.py",
     "_mirror.py",
     "_spec.py",
