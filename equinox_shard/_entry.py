@@ -73,10 +73,10 @@ def build_entry(
         check(jax.numpy.shape(leaves[i]), sharding, lambda i=i: where(i))
     for i, sharding in targets:
         kind = kind_of(sharding)
-        if kind is not None and kind.jit_in is not None:
+        if kind is not None and kind.jit_in_refused:
             raise TypeError(
                 f"{where(i)}: `in_shardings` cannot hold a {kind.name} "
-                f"({sharding}): {kind.jit_in}."
+                f"({sharding}): {kind.jit_in_hint}."
             )
     auto = _auto_layouts(targets, leaves, where)
     # `jax.jit` is given the spec leaves (a `Format`'s layout is its own); inputs are

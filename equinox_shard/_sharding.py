@@ -19,7 +19,7 @@ from jax.sharding import (
 from jaxtyping import PyTree
 
 from ._arrays import in_default_memory, is_tracer
-from ._kinds import kind_of
+from ._kinds import InTrace, kind_of
 from ._place import place
 from ._spec import (
     broadcast_specs,
@@ -63,11 +63,11 @@ def resolve_leaves(
     if not formats:
         for i, sharding in out:
             kind = kind_of(sharding)
-            if kind is not None and kind.placement_only is not None:
+            if kind is not None and kind.placement_only:
                 raise TypeError(
                     f"{where(i)}: a {kind.name} is a spec leaf of "
                     "`filter_device_put`, `filter_shard` and `filter_jit` only; "
-                    f"{kind.placement_only}. Got {sharding}."
+                    f"{kind.placement_hint}. Got {sharding}."
                 )
     return out
 
@@ -135,14 +135,14 @@ def constrain_leaves(
     for i, sharding in todo:
         where = lambda i=i: leaf_path(value, i, value_name)
         kind = kind_of(sharding)
-        how = "constrain" if kind is None else kind.in_trace
-        if how == "transfer":
+        how = InTrace.CONSTRAIN if kind is None else kind.in_trace
+        if how is InTrace.TRANSFER:
             memory.append((i, sharding))
             continue
-        if how != "constrain":
+        if how is InTrace.REFUSED:
             raise TypeError(
                 f"{where()}: inside a trace an array cannot be constrained to a "
-                f"{kind.name} ({sharding}): {how}."  # pyright: ignore
+                f"{kind.name} ({sharding}): {kind.in_trace_hint}."  # pyright: ignore
             )
         check(jax.numpy.shape(leaves[i]), sharding, where)
         indices, targets = groups.setdefault(
