@@ -27,7 +27,6 @@ import equinox as eqx
 import equinox._jit as eqx_jit
 import jax
 import jax._src.traceback_util as traceback_util
-import jax.core
 import jax.extend.core as jc
 import jax.tree_util as jtu
 import numpy as np
@@ -223,8 +222,8 @@ def _equinox_runtime_error(
 
 
 def waiting(guards: Guards, inner: Callable) -> Callable:
-    """The dispatch (see `_donate.plain`) of an entry that contains callbacks: `inner`,
-    the entry's own dispatch (its lock, its re-check of donated inputs, its warning
+    """The dispatch layer (see `_launch.stack`) of an entry that contains callbacks:
+    `inner`, the entry's launch (its lock, its re-check of donated inputs, its warning
     filter), launches the guarded program; this waits for it and raises what its
     callbacks raised (an Equinox runtime error as `eqx.EquinoxRuntimeError`)."""
 

@@ -1,22 +1,20 @@
 """Donation: which arguments a `filter_jit` donates, private copies so that no array
-the caller keeps is donated, and the dispatch of a donating call (RFC §6). Whether an
+the caller keeps is donated, and the launch of a donating call (RFC §6). Whether an
 array is deleted, and the one message for it, are `_arrays`'."""
 
 import collections as co
 import contextlib
-import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax._src.traceback_util as traceback_util
-import jax.core
 import jax.tree_util as jtu
 from jax.sharding import Sharding
 
 from ._arrays import is_concrete, is_deleted, is_tracer, raise_if_fun_deleted
-from ._spec import on_abstract_mesh
+from ._launch import dispatch_lock
 
 
 traceback_util.register_exclusion(__file__)
@@ -139,27 +137,15 @@ def keep_undonated(
 
 
 #
-# Dispatch: `dispatch(run, dynamic, deleted, leaves, jit_id)`, one per entry.
+# The launch of a donating call (see `_launch`).
 #
-
-# Serialises the launch (not the execution) of multi-device executables on the CPU
-# (upstream/jax-reports/cpu-multidevice-dispatch-threads) and of donating calls
-# (upstream/jax-reports/donate-from-threads). Re-entrant: under `jax.disable_jit` the
-# dispatch runs the function, which may call another `filter_jit`.
-dispatch_lock = threading.RLock()
-
-
-def plain(run, dynamic, deleted, leaves, jit_id):
-    return run(*dynamic)
-
-
-def serialized(run, dynamic, deleted, leaves, jit_id):
-    with dispatch_lock:
-        return run(*dynamic)
 
 
 def donating(filter_warning: bool, fun_arrays: bool) -> Callable:
-    """`fun_arrays`: whether the function itself holds arrays (`dynamic[0]`)."""
+    """The launch of an entry that donates (see `_launch.stack`): under
+    `_launch.dispatch_lock`, its inputs checked again, and JAX's warning of unusable
+    donations filtered where `filter_warning`. `fun_arrays`: whether the function
+    itself holds arrays (`dynamic[0]`)."""
 
     def dispatch(run, dynamic, deleted, leaves, jit_id):
         with dispatch_lock:
@@ -185,12 +171,3 @@ def unusable_donations_ignored():
             "ignore", message="Some donated buffers were not usable"
         )
         yield
-
-
-def serialize_dispatch(shardings: list) -> bool:
-    """Whether calls must launch under `dispatch_lock`: a multi-device sharding on the
-    CPU (not one on an abstract mesh: inside a trace the outer call dispatches)."""
-    return jax.default_backend() == "cpu" and any(
-        isinstance(s, Sharding) and not on_abstract_mesh(s) and len(s.device_set) > 1
-        for s in shardings
-    )

@@ -16,10 +16,9 @@ import functools as ft
 
 import jax
 import jax._src.traceback_util as traceback_util
-import jax.core
 import jax.tree_util as jtu
 
-from . import _callbacks, _donate
+from . import _callbacks, _donate, _launch
 from ._arrays import is_tracer, is_value, raise_if_deleted
 from ._cache import arg_path, ArgStructure, Cache, diagnose
 from ._kinds import is_auto, kind_of, sharding_of
@@ -42,9 +41,9 @@ traceback_util.register_exclusion(__file__)
 
 class Entry:
     """One compiled function: a `jax.jit` for one static part of the arguments, and
-    `dispatch(run, dynamic, deleted, leaves, jit_id)`, which calls it
-    (`_donate.serialized`, `_donate.donating`, `_callbacks.waiting`), or `None` where
-    no layer is needed: the call launches `run(*dynamic)` itself."""
+    `dispatch(run, dynamic, deleted, leaves, jit_id)`, which calls it: `launch` with
+    `layers` over it, stacked by `_launch.stack`, or `None` where no layer is needed:
+    the call launches `run(*dynamic)` itself."""
 
     __slots__ = (
         "structure",
@@ -55,6 +54,8 @@ class Entry:
         "donates",
         "lean",  # nothing placed, nothing donated: `prepare` only packs
         "jitted",
+        "launch",
+        "layers",
         "dispatch",
     )
 
@@ -113,7 +114,15 @@ def build_entry(
     shardings = [s for _, s in targets]
     shardings += [getattr(leaves[i], "sharding", None) for i in structure.dynamic]
     fun_arrays = bool(jtu.tree_leaves(wrapper._dynamic_fun))
-    entry.dispatch = _dispatch(cache, entry, guards, shardings, fun_arrays)
+    # The dispatch: the launch (under the lock where the entry donates, with its
+    # inputs checked again, or runs on several CPU devices), then the wait for
+    # callbacks.
+    if entry.donates:
+        entry.launch = _donate.donating(cache.filter_warning, fun_arrays)
+    else:
+        entry.launch = _launch.launch_for(shardings)
+    entry.layers = () if guards is None else (ft.partial(_callbacks.waiting, guards),)
+    entry.dispatch = _launch.stack(entry.launch, entry.layers)
     return entry, leaves, dynamic
 
 
@@ -172,23 +181,6 @@ def _place_inputs(leaves: list, targets: list, where, donated) -> None:
         if i in donated:
             may_alias[i] = _donate.reuses_every_buffer(leaves[i], s)
     place(leaves, todo, where, may_alias=may_alias)
-
-
-def _dispatch(cache, entry, guards, shardings, fun_arrays: bool):
-    """The entry's dispatch, `dispatch(run, dynamic, deleted, leaves, jit_id)`, as
-    layers chosen here, innermost first: the launch; under `_donate.dispatch_lock` where
-    the entry donates (with the re-check of its inputs and, for `donate='all'`, JAX's
-    warning filtered) or runs on several CPU devices; then the wait for callbacks. An
-    AOT `Compiled` passes its executable as `run`, through the same layers."""
-    if entry.donates:
-        dispatch = _donate.donating(cache.filter_warning, fun_arrays)
-    elif _donate.serialize_dispatch(shardings):
-        dispatch = _donate.serialized
-    else:
-        dispatch = _donate.plain
-    if guards is not None:
-        return _callbacks.waiting(guards, dispatch)
-    return None if dispatch is _donate.plain else dispatch
 
 
 def _auto_layouts(targets, leaves, where) -> str | None:

@@ -10,7 +10,6 @@ from typing_extensions import ParamSpec
 import equinox as eqx
 import jax
 import jax._src.traceback_util as traceback_util
-import jax.core
 import jax.tree_util as jtu
 from equinox import field, is_array, Module, module_update_wrapper, Partial
 

@@ -22,7 +22,6 @@ from typing import Any
 
 import jax
 import jax._src.traceback_util as traceback_util
-import jax.core
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, Sharding

@@ -8,7 +8,6 @@ from typing import Any
 
 import jax
 import jax._src.traceback_util as traceback_util
-import jax.core
 from jax.experimental.layout import Format, Layout
 from jax.sharding import (
     AxisType,

@@ -16,7 +16,6 @@ from typing import Any
 
 import jax
 import jax._src.traceback_util as traceback_util
-import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np

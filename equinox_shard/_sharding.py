@@ -7,7 +7,6 @@ from typing import Any
 
 import jax
 import jax._src.traceback_util as traceback_util
-import jax.core
 import jax.lax as lax
 import jax.tree_util as jtu
 from equinox import is_array

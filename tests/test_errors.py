@@ -57,6 +57,7 @@ _INTERNAL = (
     "_entry.py",
     "_donate.py",
     "_arrays.py",
+    "_launch.py",
     "_cache.py",
     "_mirror.py",
     "_spec.py",
