@@ -19,12 +19,8 @@ from equinox import Module
 from jax.sharding import Sharding
 from jax.tree_util import PyTreeDef
 
-from ._donate import (
-    deleted_test,
-    DONATE_MODES,
-    raise_if_deleted,
-    raise_if_fun_deleted,
-)
+from ._arrays import deleted_test, raise_if_deleted, raise_if_fun_deleted
+from ._donate import DONATE_MODES
 from ._mirror import getter, Packing
 from ._spec import (
     check,
@@ -271,7 +267,7 @@ class ArgStructure:
         # The key that `entries` is keyed by: the `EntryKey`, or its `static` alone
         # (a C-level getter, no frame) where its other fields cannot vary.
         self.key = self.entry_key if self.rules or self.needs_mesh else self.static_of
-        self.deleted = deleted_test(leaves, self.dynamic)
+        self.deleted = deleted_test(leaves, getter(self.dynamic))
         # Shared by every argument structure with the same traced leaves (NumPy, JAX).
         self.entries = cache.entries.setdefault((treedef, mask), {})
 

@@ -27,11 +27,12 @@ import equinox as eqx
 import equinox._jit as eqx_jit
 import jax
 import jax._src.traceback_util as traceback_util
-import jax.core
 import jax.extend.core as jc
 import jax.tree_util as jtu
 import numpy as np
 from jax.experimental.layout import Layout
+
+from ._arrays import is_tracer
 
 
 traceback_util.register_exclusion(__file__)
@@ -221,8 +222,8 @@ def _equinox_runtime_error(
 
 
 def waiting(guards: Guards, inner: Callable) -> Callable:
-    """The dispatch (see `_donate.plain`) of an entry that contains callbacks: `inner`,
-    the entry's own dispatch (its lock, its re-check of donated inputs, its warning
+    """The dispatch layer (see `_launch.stack`) of an entry that contains callbacks:
+    `inner`, the entry's launch (its lock, its re-check of donated inputs, its warning
     filter), launches the guarded program; this waits for it and raises what its
     callbacks raised (an Equinox runtime error as `eqx.EquinoxRuntimeError`)."""
 
@@ -247,9 +248,7 @@ def waiting(guards: Guards, inner: Callable) -> Callable:
 def _usable(dynamic) -> bool:
     """Whether the guarded program would run now (otherwise, call the jitted function:
     an outer `filter_jit` guards the callbacks it traces)."""
-    return _runs_now() and not any(
-        isinstance(x, jax.core.Tracer) for x in jtu.tree_leaves(dynamic)
-    )
+    return _runs_now() and not any(map(is_tracer, jtu.tree_leaves(dynamic)))
 
 
 def _traced(inner, run, dynamic, deleted, leaves, jit_id):

@@ -1,22 +1,20 @@
-"""Donation, and the arrays it deletes: which arguments a `filter_jit` donates, the one
-test and the one message for a deleted array, private copies so that no array the
-caller keeps is donated, and the dispatch of a donating call (RFC §6)."""
+"""Donation: which arguments a `filter_jit` donates, private copies so that no array
+the caller keeps is donated, and the launch of a donating call (RFC §6). Whether an
+array is deleted, and the one message for it, are `_arrays`'."""
 
 import collections as co
 import contextlib
-import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax._src.traceback_util as traceback_util
-import jax.core
 import jax.tree_util as jtu
 from jax.sharding import Sharding
 
-from ._mirror import getter
-from ._spec import is_abstract
+from ._arrays import is_concrete, is_deleted, is_tracer, raise_if_fun_deleted
+from ._launch import dispatch_lock
 
 
 traceback_util.register_exclusion(__file__)
@@ -40,74 +38,6 @@ def donate_argnums(donate_first: bool, donate_rest: bool, n_args: int) -> tuple:
     if donate_rest:
         donate.extend(range(3, 2 + n_args))
     return tuple(donate)
-
-
-def is_key_array(x: Any) -> bool:
-    """Whether `x` (an array or a `jax.ShapeDtypeStruct`) holds typed PRNG keys."""
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.numpy.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def is_deleted(x: Any) -> bool:
-    """Whether `x` is a concrete `jax.Array` whose buffers are gone (e.g. donated)."""
-    return (
-        isinstance(x, jax.Array)
-        and not isinstance(x, jax.core.Tracer)
-        and x.is_deleted()  # pyright: ignore[reportAttributeAccessIssue]
-    )
-
-
-def raise_if_deleted(
-    leaves,
-    indices,
-    where: Callable[[int], str],
-    what: str = "this array",
-    then: str = "",
-    error: type[Exception] = RuntimeError,
-) -> None:
-    """Raises `error` naming `where(i)`, the key path, for the first deleted
-    `leaves[i]`, `i` in `indices`."""
-    for i in indices:
-        if is_deleted(leaves[i]):
-            raise error(
-                f"{where(i)}: {what} has been deleted (was it donated to an earlier "
-                f"call?){then}."
-            )
-
-
-def raise_if_fun_deleted(fun_name: str, dynamic_fun: Any) -> None:
-    """As `raise_if_deleted`, for the arrays of the function being JIT'd."""
-    flat = jtu.tree_flatten_with_path(dynamic_fun)[0]
-    where = lambda i: fun_name + jtu.keystr(flat[i][0])
-    what = "this array of the function being JIT'd"
-    raise_if_deleted([x for _, x in flat], range(len(flat)), where, what)
-
-
-def deleted_test(leaves: list, indices: tuple) -> Callable[[list], bool]:
-    """A fast `leaves -> bool`: whether any `leaves[i]`, `i` in `indices`, is deleted.
-    For leaves of one array type, that type's own `is_deleted`, mapped at C speed."""
-    get = getter(indices)
-
-    def slow(leaves):
-        return any(map(is_deleted, get(leaves)))
-
-    kinds = {type(leaves[i]) for i in indices}
-    (kind,) = kinds if len(kinds) == 1 else (None,)
-    if not (
-        kind is not None
-        and issubclass(kind, jax.Array)
-        and not issubclass(kind, jax.core.Tracer)
-    ):
-        return slow
-    kind_is_deleted = kind.is_deleted
-
-    def fast(leaves):
-        try:
-            return any(map(kind_is_deleted, get(leaves)))
-        except (TypeError, AttributeError):  # a `Compiled` called with other types
-            return slow(leaves)
-
-    return fast
 
 
 #
@@ -154,7 +84,7 @@ def reuses_every_buffer(leaf: Any, sharding: Sharding) -> bool:
     as a shard of its result (onto its own device, or replicated over devices that
     include all of `leaf`'s), so that donating the result deletes `leaf`, as `jax.jit`
     does with a donated input that it moves."""
-    if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
+    if not is_concrete(leaf):
         return False
     target_map = sharding.devices_indices_map(leaf.shape)
     return all(
@@ -199,7 +129,7 @@ def keep_undonated(
     ]
     if copies:
         leaves = list(leaves)
-        tracers = [i for i in copies if isinstance(leaves[i], jax.core.Tracer)]
+        tracers = [i for i in copies if is_tracer(leaves[i])]
         for i in tracers:  # under `grad` or `vmap` the primal values are donated
             leaves[i] = jax.numpy.array(leaves[i], copy=True)
         private_copies(leaves, [i for i in copies if i not in tracers])
@@ -207,27 +137,15 @@ def keep_undonated(
 
 
 #
-# Dispatch: `dispatch(run, dynamic, deleted, leaves, jit_id)`, one per entry.
+# The launch of a donating call (see `_launch`).
 #
-
-# Serialises the launch (not the execution) of multi-device executables on the CPU
-# (upstream/jax-reports/cpu-multidevice-dispatch-threads) and of donating calls
-# (upstream/jax-reports/donate-from-threads). Re-entrant: under `jax.disable_jit` the
-# dispatch runs the function, which may call another `filter_jit`.
-dispatch_lock = threading.RLock()
-
-
-def plain(run, dynamic, deleted, leaves, jit_id):
-    return run(*dynamic)
-
-
-def serialized(run, dynamic, deleted, leaves, jit_id):
-    with dispatch_lock:
-        return run(*dynamic)
 
 
 def donating(filter_warning: bool, fun_arrays: bool) -> Callable:
-    """`fun_arrays`: whether the function itself holds arrays (`dynamic[0]`)."""
+    """The launch of an entry that donates (see `_launch.stack`): under
+    `_launch.dispatch_lock`, its inputs checked again, and JAX's warning of unusable
+    donations filtered where `filter_warning`. `fun_arrays`: whether the function
+    itself holds arrays (`dynamic[0]`)."""
 
     def dispatch(run, dynamic, deleted, leaves, jit_id):
         with dispatch_lock:
@@ -253,12 +171,3 @@ def unusable_donations_ignored():
             "ignore", message="Some donated buffers were not usable"
         )
         yield
-
-
-def serialize_dispatch(shardings: list) -> bool:
-    """Whether calls must launch under `dispatch_lock`: a multi-device sharding on the
-    CPU (not one on an abstract mesh: inside a trace the outer call dispatches)."""
-    return jax.default_backend() == "cpu" and any(
-        isinstance(s, Sharding) and not is_abstract(s) and len(s.device_set) > 1
-        for s in shardings
-    )

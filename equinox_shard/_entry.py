@@ -16,11 +16,10 @@ import functools as ft
 
 import jax
 import jax._src.traceback_util as traceback_util
-import jax.core
 import jax.tree_util as jtu
-import numpy as np
 
-from . import _callbacks, _donate
+from . import _callbacks, _donate, _launch
+from ._arrays import is_tracer, is_value, raise_if_deleted
 from ._cache import arg_path, ArgStructure, Cache, diagnose
 from ._kinds import is_auto, kind_of, sharding_of
 from ._mirror import getter, mirror
@@ -29,7 +28,7 @@ from ._spec import (
     check,
     context_mesh,
     for_jax,
-    is_abstract,
+    on_abstract_mesh,
     resolve,
     resolve_each,
 )
@@ -42,9 +41,9 @@ traceback_util.register_exclusion(__file__)
 
 class Entry:
     """One compiled function: a `jax.jit` for one static part of the arguments, and
-    `dispatch(run, dynamic, deleted, leaves, jit_id)`, which calls it
-    (`_donate.serialized`, `_donate.donating`, `_callbacks.waiting`), or `None` where
-    no layer is needed: the call launches `run(*dynamic)` itself."""
+    `dispatch(run, dynamic, deleted, leaves, jit_id)`, which calls it: `launch` with
+    `layers` over it, stacked by `_launch.stack`, or `None` where no layer is needed:
+    the call launches `run(*dynamic)` itself."""
 
     __slots__ = (
         "structure",
@@ -55,6 +54,8 @@ class Entry:
         "donates",
         "lean",  # nothing placed, nothing donated: `prepare` only packs
         "jitted",
+        "launch",
+        "layers",
         "dispatch",
     )
 
@@ -73,10 +74,10 @@ def build_entry(
         check(jax.numpy.shape(leaves[i]), sharding, lambda i=i: where(i))
     for i, sharding in targets:
         kind = kind_of(sharding)
-        if kind is not None and kind.jit_in is not None:
+        if kind is not None and kind.jit_in_refused:
             raise TypeError(
                 f"{where(i)}: `in_shardings` cannot hold a {kind.name} "
-                f"({sharding}): {kind.jit_in}."
+                f"({sharding}): {kind.jit_in_hint}."
             )
     auto = _auto_layouts(targets, leaves, where)
     # `jax.jit` is given the spec leaves (a `Format`'s layout is its own); inputs are
@@ -113,7 +114,15 @@ def build_entry(
     shardings = [s for _, s in targets]
     shardings += [getattr(leaves[i], "sharding", None) for i in structure.dynamic]
     fun_arrays = bool(jtu.tree_leaves(wrapper._dynamic_fun))
-    entry.dispatch = _dispatch(cache, entry, guards, shardings, fun_arrays)
+    # The dispatch: the launch (under the lock where the entry donates, with its
+    # inputs checked again, or runs on several CPU devices), then the wait for
+    # callbacks.
+    if entry.donates:
+        entry.launch = _donate.donating(cache.filter_warning, fun_arrays)
+    else:
+        entry.launch = _launch.launch_for(shardings)
+    entry.layers = () if guards is None else (ft.partial(_callbacks.waiting, guards),)
+    entry.dispatch = _launch.stack(entry.launch, entry.layers)
     return entry, leaves, dynamic
 
 
@@ -129,7 +138,7 @@ def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple
     (arrays, tracers, NumPy); its own packs the leaves as its function unpacks them."""
     # XLA crashes on a deleted multi-device input, donated or not.
     if structure.deleted(leaves):
-        _donate.raise_if_deleted(leaves, structure.dynamic, _where(cache, args, kwargs))
+        raise_if_deleted(leaves, structure.dynamic, _where(cache, args, kwargs))
     structure = entry.structure
     placed = leaves
     if entry.donates:
@@ -164,42 +173,14 @@ def _place_inputs(leaves: list, targets: list, where, donated) -> None:
     traces once for both. The moved arrays are never returned to the caller, so
     they may share its buffers, except that a donated one shares all of them or none
     (`_donate.reuses_every_buffer`)."""
-    targets = [(i, s) for i, s in targets if not is_abstract(s)]
-    values = (jax.Array, np.ndarray, np.generic)
-    todo = [
-        (i, s)
-        for i, s in targets
-        if isinstance(leaves[i], values) and not isinstance(leaves[i], jax.core.Tracer)
-    ]
+    targets = [(i, s) for i, s in targets if not on_abstract_mesh(s)]
+    todo = [(i, s) for i, s in targets if is_value(leaves[i])]
     donated = frozenset(donated)
     may_alias = [True] * len(leaves)
     for i, s in todo:
         if i in donated:
             may_alias[i] = _donate.reuses_every_buffer(leaves[i], s)
     place(leaves, todo, where, may_alias=may_alias)
-
-
-def _dispatch(cache, entry, guards, shardings, fun_arrays: bool):
-    """The entry's dispatch, `dispatch(run, dynamic, deleted, leaves, jit_id)`, as
-    layers chosen here, innermost first: the launch; under `_donate.dispatch_lock` where
-    the entry donates (with the re-check of its inputs and, for `donate='all'`, JAX's
-    warning filtered) or runs on several CPU devices; then the wait for callbacks. An
-    AOT `Compiled` passes its executable as `run`, through the same layers."""
-    if entry.donates:
-        dispatch = _donate.donating(cache.filter_warning, fun_arrays)
-    elif _donate.serialize_dispatch(shardings):
-        dispatch = _donate.serialized
-    else:
-        dispatch = _donate.plain
-    if guards is not None:
-        return _callbacks.waiting(guards, dispatch)
-    return None if dispatch is _donate.plain else dispatch
-
-
-def _is_value(x) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and not isinstance(
-        x, jax.core.Tracer
-    )
 
 
 def _auto_layouts(targets, leaves, where) -> str | None:
@@ -221,7 +202,7 @@ def _auto_layouts(targets, leaves, where) -> str | None:
         "which then runs that executable."
     )
     for i in auto:
-        if _is_value(leaves[i]):
+        if is_value(leaves[i]):
             raise ValueError(message(i))
     return message(auto[0])
 
@@ -243,7 +224,7 @@ class AutoLayouts:
         return self.jitted.lower(*args)
 
     def __call__(self, *args):
-        if any(isinstance(x, jax.core.Tracer) for x in jtu.tree_leaves(args)):
+        if any(map(is_tracer, jtu.tree_leaves(args))):
             # Inside an outer trace the compiler chooses the layout, as for `jax.jit`.
             return self.jitted(*args)
         compiled = self.compiled

@@ -23,8 +23,9 @@ import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 import jaxtyping
 
+from ._arrays import is_concrete
 from ._cache import path_name
-from ._donate import plain
+from ._launch import stack
 
 
 traceback_util.register_exclusion(__file__)
@@ -78,7 +79,7 @@ def _array(x) -> dict:
     except Exception:  # e.g. a `ShapeDtypeStruct`, for `.lower`
         out = {"type": f"{getattr(x, 'dtype', '?')}{list(getattr(x, 'shape', ()))}"}
     sharding = getattr(x, "sharding", None)
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):  # pyright: ignore
+    if is_concrete(x):
         out["sharding"] = _sharding(sharding)
         out["memory kind"] = getattr(sharding, "memory_kind", None)
         out["committed"] = x.committed
@@ -302,7 +303,8 @@ def build(cache, structure, args, kwargs, leaves, make: Callable[[], tuple]) -> 
         finally:
             _state.building = outer
         _seen(cache, entry, args, kwargs, leaves)
-    entry.dispatch = _watched(cache, entry, entry.dispatch or plain, said)
+    watched = lambda inner: _watched(cache, entry, inner, said)
+    entry.dispatch = stack(entry.launch, (*entry.layers, watched))
     return entry, leaves, trees
 
 
@@ -327,11 +329,12 @@ def _seen(cache, entry, args, kwargs, leaves) -> None:
 
 
 def _watched(cache, entry, dispatch: Callable, said: set) -> Callable:
-    """The dispatch (see `_donate.plain`) of an entry built under the flag: while the
-    flag is on, `dispatch` runs with JAX's loggers listened to, and with this call
-    (the entry, and the leaves as `jax.jit` gets them) known to `_recompiled`. The
-    call that built the entry dispatches it first: what `build` said (`said`) is not
-    said again by the first dispatch's traces (`_callbacks.Guards`)."""
+    """The dispatch layer (see `_launch.stack`) of an entry built under the flag:
+    while the flag is on, `dispatch` runs with JAX's loggers listened to, and with
+    this call (the entry, and the leaves as `jax.jit` gets them) known to
+    `_recompiled`. The call that built the entry dispatches it first: what `build`
+    said (`said`) is not said again by the first dispatch's traces
+    (`_callbacks.Guards`)."""
     first = [said]
 
     def watched(run, dynamic, deleted, leaves, jit_id):

@@ -5,14 +5,12 @@ import collections as co
 import math
 from typing import Any
 
-import jax
-import jax.core
 import jax.tree_util as jtu
 import numpy as np
-from equinox import is_array
 from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
 from jaxtyping import PyTree
 
+from ._arrays import in_default_memory, is_array_or_struct, is_deleted, is_tracer
 from ._report import explain_rules, RuleMatch, RulesReport
 
 
@@ -43,7 +41,7 @@ def _describe_sharding(sharding: Sharding, committed: bool) -> str:
         text = str(device)
     else:
         text = type(sharding).__name__
-    if sharding.memory_kind not in (None, "device"):
+    if not in_default_memory(sharding):
         text = f"{text} {sharding.memory_kind}"
     if not committed:
         text = f"{text} uncommitted"
@@ -177,11 +175,11 @@ def sharding_table(tree: PyTree[Any], *, name: str = "", rules: Any = None) -> s
     rows = []
     per_device: co.Counter = co.Counter()
     for path, leaf in jtu.tree_flatten_with_path(tree)[0]:
-        if not (is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)):
+        if not is_array_or_struct(leaf):
             continue
         shape = tuple(leaf.shape)
         itemsize = _itemsize(leaf)
-        if isinstance(leaf, jax.core.Tracer):
+        if is_tracer(leaf):
             sharding_text, size_text = "traced", "-"
         elif isinstance(leaf, (np.ndarray, np.generic)):
             sharding_text, size_text = "host", "-"
@@ -192,7 +190,7 @@ def sharding_table(tree: PyTree[Any], *, name: str = "", rules: Any = None) -> s
             else:
                 committed = getattr(leaf, "committed", True)
                 sharding_text = _describe_sharding(sharding, committed)
-                if isinstance(leaf, jax.Array) and leaf.is_deleted():
+                if is_deleted(leaf):
                     # Its buffers are gone (e.g. donated): it holds no memory.
                     sharding_text, size_text = f"{sharding_text} deleted", "-"
                 else:

@@ -10,11 +10,11 @@ from typing_extensions import ParamSpec
 import equinox as eqx
 import jax
 import jax._src.traceback_util as traceback_util
-import jax.core
 import jax.tree_util as jtu
 from equinox import field, is_array, Module, module_update_wrapper, Partial
 
 from . import _explain
+from ._arrays import is_array_or_struct
 from ._cache import ArgStructure, Cache, diagnose, get_cache, StructureKey
 from ._donate import unusable_donations_ignored
 from ._entry import AutoLayouts, build_entry, Entry, prepare
@@ -29,10 +29,6 @@ _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
 _DonateMode = Literal["all", "all-except-first", "warn", "warn-except-first", "none"]
-
-
-def _is_array_or_struct(x: Any) -> bool:
-    return is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
 #
@@ -271,7 +267,7 @@ class _JitWrapper(Module):
         cache = self._cache
         args, kwargs = _bind(cache, args, kwargs)
         leaves, treedef = jtu.tree_flatten((args, kwargs))
-        key = StructureKey(treedef, tuple(map(type, leaves)), _is_array_or_struct)
+        key = StructureKey(treedef, tuple(map(type, leaves)), is_array_or_struct)
         entry, _, leaves, dynamic = _compile(self, cache, args, kwargs, leaves, key)
         try:
             return entry, stage(entry.jitted, dynamic)

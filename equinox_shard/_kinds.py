@@ -24,12 +24,24 @@ A callable rule and a `PathRules` are not kinds: they choose, per array, a spec 
 of one of these kinds (`_spec_leaves`).
 """
 
+import enum
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import jax
 from jax.experimental.layout import Format, Layout
 from jax.sharding import PartitionSpec, Sharding
+
+
+class InTrace(enum.Enum):
+    """How a kind is applied inside a trace."""
+
+    # `jax.sharding.reshard` or `jax.lax.with_sharding_constraint`.
+    CONSTRAIN = "constrain"
+    # `jax.device_put`, as JAX does in a trace.
+    TRANSFER = "transfer"
+    # Refused, with `Kind.in_trace_hint`.
+    REFUSED = "refused"
 
 
 class Kind(NamedTuple):
@@ -46,14 +58,16 @@ class Kind(NamedTuple):
     # Whether a value of `type` is a spec leaf, and the hint of the error if not.
     valid: Callable[[Any], bool] = lambda x: True
     invalid: str = ""
-    # `None` if it is a spec leaf of every function; else the hint of the `TypeError`
-    # raised where it is not (only `filter_device_put`, `filter_shard`, `filter_jit`).
-    placement_only: str | None = None
-    # Inside a trace: "constrain" (`reshard`/`with_sharding_constraint`), "transfer"
-    # (`jax.device_put`, as JAX does in a trace), or the reason it is refused.
-    in_trace: str = "constrain"
-    # In `filter_jit`'s `in_shardings`: `None` if `jax.jit` takes it, else why not.
-    jit_in: str | None = None
+    # Whether it is a spec leaf of `filter_device_put`, `filter_shard` and
+    # `filter_jit` only, and the hint of the `TypeError` raised elsewhere.
+    placement_only: bool = False
+    placement_hint: str = ""
+    # How it is applied inside a trace, and the hint where that is refused.
+    in_trace: InTrace = InTrace.CONSTRAIN
+    in_trace_hint: str = ""
+    # Whether `jax.jit` refuses it in `filter_jit`'s `in_shardings`, and the hint.
+    jit_in_refused: bool = False
+    jit_in_hint: str = ""
     # In `out_shardings`: "jit" (given to `jax.jit`) or "body" (applied to the output
     # inside the function, as in a trace, where `jax.jit` refuses it).
     jit_out: Literal["jit", "body"] = "jit"
@@ -73,10 +87,12 @@ KINDS: tuple[Kind, ...] = (
         invalid=" A `Format` must carry a concrete sharding, e.g. "
         "`Format(Layout.AUTO, NamedSharding(mesh, spec))`, or be "
         "`Format(None, None)` (leave the array as it is).",
-        placement_only="here give its sharding, `format.sharding`",
-        in_trace="a layout is a property of a jitted function's arguments and outputs "
-        "(`filter_jit`'s `in_shardings` and `out_shardings`) or of a placed array "
-        "(`filter_device_put`). Inside the function, constrain the sharding with "
+        placement_only=True,
+        placement_hint="here give its sharding, `format.sharding`",
+        in_trace=InTrace.REFUSED,
+        in_trace_hint="a layout is a property of a jitted function's arguments and "
+        "outputs (`filter_jit`'s `in_shardings` and `out_shardings`) or of a placed "
+        "array (`filter_device_put`). Inside the function, constrain the sharding with "
         "`format.sharding`, and the layout with "
         "`jax.experimental.layout.with_layout_constraint`",
     ),
@@ -90,12 +106,15 @@ KINDS: tuple[Kind, ...] = (
         valid=lambda x: x is not jax.memory.Space.Any,
         invalid=" `Space.Any` names no memory to move to: give `Space.Host` or "
         "`Space.Device`.",
-        placement_only="here give a sharding with a memory kind, e.g. "
+        placement_only=True,
+        placement_hint="here give a sharding with a memory kind, e.g. "
         "`NamedSharding(mesh, spec, memory_kind='pinned_host')`",
-        in_trace="transfer",
-        jit_in="`jax.jit` takes no memory space for an input: give a sharding with "
-        "a memory kind, e.g. `NamedSharding(mesh, spec, memory_kind='pinned_host')`, "
-        "or move the input beforehand with `filter_device_put(x, Space.Host)`",
+        in_trace=InTrace.TRANSFER,
+        jit_in_refused=True,
+        jit_in_hint="`jax.jit` takes no memory space for an input: give a sharding "
+        "with a memory kind, e.g. "
+        "`NamedSharding(mesh, spec, memory_kind='pinned_host')`, or move the input "
+        "beforehand with `filter_device_put(x, Space.Host)`",
         jit_out="body",
     ),
 )

@@ -22,12 +22,11 @@ from typing import Any
 
 import jax
 import jax._src.traceback_util as traceback_util
-import jax.core
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, Sharding
 
-from ._donate import is_key_array, raise_if_deleted
+from ._arrays import is_concrete, is_key_array, NUMPY, raise_if_deleted
 
 
 traceback_util.register_exclusion(__file__)
@@ -43,9 +42,9 @@ def is_host_local(x: Any) -> bool:
     array or scalar, or a `jax.Array` whose devices are all addressable from here
     (committed or not). Such a value can only be turned into an array spanning several
     processes by building that array from its pieces, process by process."""
-    if isinstance(x, (np.ndarray, np.generic)):
+    if isinstance(x, NUMPY):
         return True
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+    if is_concrete(x):
         return x.is_fully_addressable
     return False
 

@@ -8,7 +8,6 @@ from typing import Any
 
 import jax
 import jax._src.traceback_util as traceback_util
-import jax.core
 from jax.experimental.layout import Format, Layout
 from jax.sharding import (
     AxisType,
@@ -19,13 +18,15 @@ from jax.sharding import (
 )
 
 from . import _multiprocess
-from ._donate import (
+from ._arrays import (
+    in_default_memory,
+    is_concrete,
     is_deleted,
     is_key_array,
-    private_copies,
+    is_tracer,
     raise_if_deleted,
-    shares_source_buffer,
 )
+from ._donate import private_copies, shares_source_buffer
 from ._kinds import sharding_of
 from ._spec import check
 
@@ -41,10 +42,6 @@ def _without_unconstrained(sharding: NamedSharding) -> NamedSharding:
         *(None if entry is _UNCONSTRAINED else entry for entry in sharding.spec)
     )
     return NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
-
-
-def is_default_memory(sharding: Sharding) -> bool:
-    return sharding.memory_kind in (None, "device")
 
 
 def same_mesh(current: Sharding, target: Sharding) -> bool:
@@ -161,9 +158,7 @@ def _onto_format_shardings(leaves: list, indices: list, targets: list) -> tuple:
 
 
 def _is_committed_array(x: Any) -> bool:
-    return (
-        isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed  # pyright: ignore[reportAttributeAccessIssue]
-    )
+    return is_concrete(x) and x.committed  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def all_placed(values, expected: tuple) -> bool:
@@ -269,10 +264,11 @@ def place(
                 # `with_sharding_constraint` (an identity `jit`) does.
                 sharding = _without_unconstrained(sharding)
             concrete = sharding
+        # `_is_committed_array`, inline: once per leaf.
         if (
             flag is not False
             and isinstance(leaf, jax.Array)
-            and not isinstance(leaf, jax.core.Tracer)
+            and not is_tracer(leaf)
             and leaf.committed  # pyright: ignore[reportAttributeAccessIssue]
         ):
             if leaf.is_deleted():  # pyright: ignore[reportAttributeAccessIssue]
@@ -341,7 +337,7 @@ def place(
         # upstream/jax-reports/device-put-donate-single-device-sharding.
         targets = [
             next(iter(s.device_set))
-            if type(s) is SingleDeviceSharding and is_default_memory(s)
+            if type(s) is SingleDeviceSharding and in_default_memory(s)
             else s
             for s in targets
         ]

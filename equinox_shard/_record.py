@@ -16,13 +16,12 @@ from typing import Any
 
 import jax
 import jax._src.traceback_util as traceback_util
-import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from equinox import is_array
 
-from ._donate import is_key_array, raise_if_deleted
+from ._arrays import is_key_array, is_tracer, raise_if_deleted
 
 
 traceback_util.register_exclusion(__file__)
@@ -35,14 +34,14 @@ VERSION = 2
 _SCALARS = (bool, int, float, complex)
 
 
-def is_abstract(x: Any) -> bool:
+def is_shape_dtype_struct(x: Any) -> bool:
     return isinstance(x, jax.ShapeDtypeStruct)
 
 
 def kind(x: Any) -> str | None:
     """What is saved of a leaf: `array`, `key` (a typed PRNG key array), `numpy`,
     `scalar` (a Python bool/int/float/complex), or `None` (taken from `like`)."""
-    if isinstance(x, jax.Array) or is_abstract(x):
+    if isinstance(x, jax.Array) or is_shape_dtype_struct(x):
         return "key" if is_key_array(x) else "array"
     if is_array(x):  # NumPy arrays and NumPy scalars
         return "numpy"
@@ -207,7 +206,7 @@ def build(tree: Any, name: str) -> tuple[dict, dict]:
     entries, arrays, jax_entries = [], {}, []
     for key_path, x in jtu.tree_flatten_with_path(tree)[0]:
         where = name + jtu.keystr(key_path)
-        if isinstance(x, jax.core.Tracer) or is_abstract(x):
+        if is_tracer(x) or is_shape_dtype_struct(x):
             raise ValueError(
                 f"{where}: cannot save the abstract value {x!r}; `save` needs concrete "
                 "arrays (call it outside `jax.jit`)."

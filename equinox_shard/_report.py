@@ -3,11 +3,10 @@
 import dataclasses
 from typing import Any, NamedTuple
 
-import jax
 import jax.tree_util as jtu
-from equinox import is_array
 from jaxtyping import PyTree
 
+from ._arrays import is_array_or_struct
 from ._spec import spread
 from ._spec_leaves import did_you_mean, RulesUsage, unset
 
@@ -116,10 +115,6 @@ class RulesReport:
         return "\n".join(lines)
 
 
-def _is_placeable(x: Any) -> bool:
-    return is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
-
-
 def _rule(rules, k: int) -> RuleMatch:
     pattern, spec = rules.rules[k]
     return RuleMatch(k, pattern, spec)
@@ -187,7 +182,7 @@ def explain_rules(
         "specs",
         name or "tree",
         lambda i: names[i],
-        _is_placeable,
+        is_array_or_struct,
         usage,
     )
     placed: dict[str, RuleMatch] = {}

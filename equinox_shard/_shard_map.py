@@ -7,13 +7,12 @@ from typing import Any, overload, TypeVar
 
 import jax
 import jax._src.traceback_util as traceback_util
-import jax.core
 import jax.tree_util as jtu
 from equinox import is_array
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._donate import raise_if_deleted
+from ._arrays import raise_if_deleted
 from ._mirror import KeyPath, Named, Names
 from ._spec import call_rule, check, flatten_specs, leaf_path, resolve_each, spread
 from ._spec_leaves import (

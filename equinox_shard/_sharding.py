@@ -7,7 +7,6 @@ from typing import Any
 
 import jax
 import jax._src.traceback_util as traceback_util
-import jax.core
 import jax.lax as lax
 import jax.tree_util as jtu
 from equinox import is_array
@@ -18,8 +17,9 @@ from jax.sharding import (
 )
 from jaxtyping import PyTree
 
-from ._kinds import kind_of
-from ._place import is_default_memory, place
+from ._arrays import in_default_memory, is_tracer
+from ._kinds import InTrace, kind_of
+from ._place import place
 from ._spec import (
     broadcast_specs,
     check,
@@ -62,11 +62,11 @@ def resolve_leaves(
     if not formats:
         for i, sharding in out:
             kind = kind_of(sharding)
-            if kind is not None and kind.placement_only is not None:
+            if kind is not None and kind.placement_only:
                 raise TypeError(
                     f"{where(i)}: a {kind.name} is a spec leaf of "
                     "`filter_device_put`, `filter_shard` and `filter_jit` only; "
-                    f"{kind.placement_only}. Got {sharding}."
+                    f"{kind.placement_hint}. Got {sharding}."
                 )
     return out
 
@@ -134,14 +134,14 @@ def constrain_leaves(
     for i, sharding in todo:
         where = lambda i=i: leaf_path(value, i, value_name)
         kind = kind_of(sharding)
-        how = "constrain" if kind is None else kind.in_trace
-        if how == "transfer":
+        how = InTrace.CONSTRAIN if kind is None else kind.in_trace
+        if how is InTrace.TRANSFER:
             memory.append((i, sharding))
             continue
-        if how != "constrain":
+        if how is InTrace.REFUSED:
             raise TypeError(
                 f"{where()}: inside a trace an array cannot be constrained to a "
-                f"{kind.name} ({sharding}): {how}."  # pyright: ignore
+                f"{kind.name} ({sharding}): {kind.in_trace_hint}."  # pyright: ignore
             )
         check(jax.numpy.shape(leaves[i]), sharding, where)
         indices, targets = groups.setdefault(
@@ -149,7 +149,7 @@ def constrain_leaves(
         )
         indices.append(i)
         targets.append(sharding)
-        if not is_default_memory(sharding) or _in_host_memory(leaves[i]):
+        if not in_default_memory(sharding) or _in_host_memory(leaves[i]):
             memory.append((i, sharding))
     for kind, (indices, targets) in groups.items():
         inputs = [leaves[i] for i in indices]
@@ -167,7 +167,7 @@ def constrain_leaves(
 
 
 def _is_traced(leaves: list, todo: list[tuple[int, Any]]) -> bool:
-    return any(isinstance(leaves[i], jax.core.Tracer) for i, _ in todo)
+    return any(is_tracer(leaves[i]) for i, _ in todo)
 
 
 def filter_device_put(
@@ -250,7 +250,7 @@ def filter_device_put(
         ```
     """
     leaves, treedef = jtu.tree_flatten(x)
-    traced = _is_traced_tree(leaves)
+    traced = any(map(is_tracer, leaves))
     todo = resolve_leaves(
         x,
         leaves,
@@ -295,10 +295,6 @@ def _select(flags: list | bool | None, indices: list) -> list | bool | None:
     if isinstance(flags, list):
         return [flags[i] for i in indices]
     return flags
-
-
-def _is_traced_tree(leaves: list) -> bool:
-    return any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
 
 
 def filter_shard(x: PyTree[Any], device_or_shardings: Any) -> PyTree[Any]:
@@ -364,7 +360,7 @@ def filter_shard(x: PyTree[Any], device_or_shardings: Any) -> PyTree[Any]:
     # jitted function): `jax.device_put` there would not be a constraint. Under
     # `jax.disable_jit()` such constants are placed instead, as
     # `with_sharding_constraint` would do nothing.
-    traced = _is_traced_tree(leaves) or (
+    traced = any(map(is_tracer, leaves)) or (
         in_trace() and not jax.config.jax_disable_jit  # pyright: ignore
     )
     todo = resolve_leaves(

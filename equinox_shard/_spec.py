@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 from jax.tree_util import PyTreeDef
 
+from ._arrays import DEFAULT_MEMORY
 from ._kinds import is_empty_format, is_kind, kind_of, names, sharding_of
 from ._spec_leaves import (
     _check_spec_leaf,
@@ -373,7 +374,7 @@ def resolve(
     return spec
 
 
-def is_abstract(sharding: Any) -> bool:
+def on_abstract_mesh(sharding: Any) -> bool:
     """Whether `sharding` is on an `AbstractMesh` (resolved inside a trace)."""
     return isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh)
 
@@ -382,7 +383,7 @@ def for_jax(sharding: Any) -> Any:
     """What to give JAX for a resolved sharding: one on the abstract mesh (resolved
     inside a trace) as its bare `PartitionSpec`, which JAX resolves against the
     concrete mesh where there is one; no public API reaches that mesh in a trace."""
-    if is_abstract(sharding) and sharding.memory_kind in (None, "device"):
+    if on_abstract_mesh(sharding) and sharding.memory_kind in DEFAULT_MEMORY:
         return sharding.spec
     return sharding
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import jax
 import jax._src.traceback_util as traceback_util
-import jax.core
 import jax.tree_util as jtu
 from equinox import is_array
 
+from ._arrays import is_tracer
 from ._cache import ArgStructure, Cache
 from ._kinds import is_auto, kind_of
 from ._mirror import mirror, mirror_combine, OutStatic
@@ -147,7 +147,7 @@ def _eager_targets(leaves: list, todo: list[tuple[int, Any]]) -> list[tuple[int,
     return [
         (i, s.sharding if is_auto(s) else s)
         for i, s in todo
-        if not isinstance(leaves[i], jax.core.Tracer)
+        if not is_tracer(leaves[i])
     ]
 
 

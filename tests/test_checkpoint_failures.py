@@ -448,7 +448,7 @@ def test_deleted_array_raises_as_filter_jit_does(tmp_path):
         eqxs.filter_device_put({"x": donated}, jax.devices()[0])
     with pytest.raises(RuntimeError) as saving:
         eqxs.save(tmp_path / "a", {"x": donated})
-    # One message, of one function (`_donate.raise_if_deleted`), after the key path.
+    # One message, of one function (`_arrays.raise_if_deleted`), after the key path.
     placed, saved = str(placing.value), str(saving.value)
     assert saved.split(": ", 1)[1].startswith(placed.split(": ", 1)[1].split(", so")[0])
     with eqxs.CheckpointManager(tmp_path / "m") as manager:

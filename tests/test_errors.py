@@ -56,6 +56,8 @@ _INTERNAL = (
     "_jit.py",
     "_entry.py",
     "_donate.py",
+    "_arrays.py",
+    "_launch.py",
     "_cache.py",
     "_mirror.py",
     "_spec.py",

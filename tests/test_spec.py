@@ -677,3 +677,23 @@ def test_every_kind_is_named_where_the_kinds_are_listed():
     }
     assert missing == dict.fromkeys(docs, [])
     assert "jax.memory.Space" in kinds  # the newest kind, read from the table
+
+
+def test_every_refusal_in_the_kinds_table_has_its_hint():
+    # A flag without its message would raise an error that explains nothing; a
+    # message without its flag would never be shown.
+    refusals = {
+        kind.name: (
+            (kind.placement_only, bool(kind.placement_hint)),
+            (kind.in_trace is kinds_module.InTrace.REFUSED, bool(kind.in_trace_hint)),
+            (kind.jit_in_refused, bool(kind.jit_in_hint)),
+        )
+        for kind in kinds_module.KINDS
+    }
+    mismatched = {
+        name: pairs for name, pairs in refusals.items() if any(a != b for a, b in pairs)
+    }
+    assert mismatched == {}
+    # The table does refuse: `Format` in a trace, `Space` in `in_shardings`.
+    assert any(flags[1][0] for flags in refusals.values())
+    assert any(flags[2][0] for flags in refusals.values())

@@ -1,0 +1,112 @@
+"""The state of an array at this moment, each meaning defined once: whether a value is
+an array or its description, a concrete array (not a tracer), deleted, a typed PRNG
+key, and whether a sharding places it in a device's default memory."""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax._src.traceback_util as traceback_util
+import jax.core
+import numpy as np
+from equinox import is_array
+
+
+traceback_util.register_exclusion(__file__)
+
+
+# The memory kinds that mean a device's default memory (`None`: unspecified).
+DEFAULT_MEMORY = (None, "device")
+
+# Whether a value is a tracer (inside an outer trace): `isinstance(x, Tracer)` as a
+# C-level callable, so that `any(map(is_tracer, leaves))` runs no Python frame.
+is_tracer = jax.core.Tracer.__instancecheck__
+
+# The NumPy values that JAX places as arrays.
+NUMPY = (np.ndarray, np.generic)
+
+
+def in_default_memory(sharding: Any) -> bool:
+    """Whether `sharding` places its arrays in the devices' default memory."""
+    return sharding.memory_kind in DEFAULT_MEMORY
+
+
+def is_array_or_struct(x: Any) -> bool:
+    """Whether `x` is an array (`equinox.is_array`) or a `jax.ShapeDtypeStruct`."""
+    return is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def is_concrete(x: Any) -> bool:
+    """Whether `x` is a concrete `jax.Array` (with buffers, perhaps deleted), not a
+    tracer."""
+    return isinstance(x, jax.Array) and not is_tracer(x)
+
+
+def is_value(x: Any) -> bool:
+    """Whether `x` is a concrete array: a NumPy array or scalar, or a `jax.Array`
+    that is not a tracer."""
+    return isinstance(x, NUMPY) or is_concrete(x)
+
+
+def is_key_array(x: Any) -> bool:
+    """Whether `x` (an array or a `jax.ShapeDtypeStruct`) holds typed PRNG keys."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.numpy.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def is_deleted(x: Any) -> bool:
+    """Whether `x` is a concrete `jax.Array` whose buffers are gone (e.g. donated)."""
+    return is_concrete(x) and x.is_deleted()  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def raise_if_deleted(
+    leaves,
+    indices,
+    where: Callable[[int], str],
+    what: str = "this array",
+    then: str = "",
+    error: type[Exception] = RuntimeError,
+) -> None:
+    """Raises `error` naming `where(i)`, the key path, for the first deleted
+    `leaves[i]`, `i` in `indices`: the one message for a deleted array."""
+    for i in indices:
+        if is_deleted(leaves[i]):
+            raise error(
+                f"{where(i)}: {what} has been deleted (was it donated to an earlier "
+                f"call?){then}."
+            )
+
+
+def raise_if_fun_deleted(fun_name: str, dynamic_fun: Any) -> None:
+    """As `raise_if_deleted`, for the arrays of the function being JIT'd."""
+    flat = jax.tree_util.tree_flatten_with_path(dynamic_fun)[0]
+    where = lambda i: fun_name + jax.tree_util.keystr(flat[i][0])
+    what = "this array of the function being JIT'd"
+    raise_if_deleted([x for _, x in flat], range(len(flat)), where, what)
+
+
+def deleted_test(leaves: list, get: Callable[[list], tuple]) -> Callable[[list], bool]:
+    """A fast `leaves -> bool`: whether any of `get(leaves)` is deleted. For leaves of
+    one array type (as in `leaves` now), that type's own `is_deleted`, mapped at C
+    speed."""
+
+    def slow(leaves):
+        return any(map(is_deleted, get(leaves)))
+
+    kinds = set(map(type, get(leaves)))
+    (kind,) = kinds if len(kinds) == 1 else (None,)
+    if not (
+        kind is not None
+        and issubclass(kind, jax.Array)
+        and not issubclass(kind, jax.core.Tracer)
+    ):
+        return slow
+    kind_is_deleted = kind.is_deleted
+
+    def fast(leaves):
+        try:
+            return any(map(kind_is_deleted, get(leaves)))
+        except (TypeError, AttributeError):  # a `Compiled` called with other types
+            return slow(leaves)
+
+    return fast
