@@ -15,23 +15,54 @@ import tempfile
 
 
 RULE_AUTO = (
-    "    if jshard.AxisType.Auto in named:\n"
+    "    if jshard.AxisType.Auto in named:\n        return _reshard_and_constrain\n"
+)
+RULE_UNCONSTRAINED = (
+    "    if jshard.PartitionSpec.UNCONSTRAINED in names:\n"
+    "        # Only `with_sharding_constraint` accepts it, and it needs `Auto` axes.\n"
     "        return lax.with_sharding_constraint\n"
 )
+RULE_EXPLICIT = "        return _constrain_and_reshard\n    return _reshard\n"
 VARIANTS = {
-    # `P()` names no axis: left to `with_sharding_constraint`.
-    "reshard only specs naming an Explicit axis": (
+    # `P()` names no axis: left to `with_sharding_constraint`, as at v0.13.8.
+    "with_sharding_constraint for specs naming no axis": (
         RULE_AUTO,
-        RULE_AUTO.replace("in named:", "in named or not named - {None}:"),
+        RULE_AUTO
+        + "    if not named - {None}:\n        return lax.with_sharding_constraint\n",
+    ),
+    "with_sharding_constraint for specs naming no axis, on Explicit-only meshes": (
+        RULE_EXPLICIT,
+        RULE_EXPLICIT.replace(
+            "    return _reshard\n",
+            "    return _reshard if named - {None} else lax.with_sharding_constraint\n",
+        ),
+    ),
+    # `P.UNCONSTRAINED`: counted as no axis (a `KeyError` in `reshard`), or as `None`.
+    "UNCONSTRAINED not sent to with_sharding_constraint": (RULE_UNCONSTRAINED, ""),
+    "UNCONSTRAINED taken off the Explicit axes first": (
+        RULE_UNCONSTRAINED,
+        RULE_UNCONSTRAINED.replace(
+            "return lax.with_sharding_constraint", "return _reshard_and_constrain"
+        ),
     ),
     # Mixed meshes: the `Auto` axes left free, or the `Explicit` ones.
-    "reshard alone on mixed meshes": (
+    "reshard alone on mixed meshes, spec naming no Auto axis": (
         "        return _constrain_and_reshard\n",
         "        return _reshard\n",
     ),
-    "with_sharding_constraint alone on mixed meshes": (
-        "    return jshard.reshard(lax.with_sharding_constraint(x, auto), shardings)",
-        "    return lax.with_sharding_constraint(x, auto)",
+    "with_sharding_constraint alone on mixed meshes, spec naming no Auto axis": (
+        "    return jshard.reshard(lax.with_sharding_constraint(x, none), shardings)",
+        "    return lax.with_sharding_constraint(x, none)",
+    ),
+    "with_sharding_constraint alone on mixed meshes, spec naming an Auto axis": (
+        RULE_AUTO,
+        RULE_AUTO.replace(
+            "return _reshard_and_constrain", "return lax.with_sharding_constraint"
+        ),
+    ),
+    "reshard alone on mixed meshes, spec naming an Auto axis": (
+        "    return lax.with_sharding_constraint(jshard.reshard(x, none), shardings)",
+        "    return jshard.reshard(x, none)",
     ),
     "one operation, the first leaf's, for the whole tree": (
         "    if len(distinct) > 1:",
@@ -39,13 +70,11 @@ VARIANTS = {
     ),
     "specs naming an Auto axis not applied": (
         RULE_AUTO,
-        RULE_AUTO.replace(
-            "return lax.with_sharding_constraint", "return lambda x, s: x"
-        ),
+        RULE_AUTO.replace("return _reshard_and_constrain", "return lambda x, s: x"),
     ),
     "Explicit-only meshes not applied": (
-        "        return _constrain_and_reshard\n    return _reshard\n",
-        "        return _constrain_and_reshard\n    return lambda x, s: x\n",
+        RULE_EXPLICIT,
+        RULE_EXPLICIT.replace("return _reshard\n", "return lambda x, s: x\n"),
     ),
     "no refusal of a spec naming both kinds": (
         "    if jshard.AxisType.Auto in named and jshard.AxisType.Explicit in named:",
