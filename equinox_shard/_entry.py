@@ -19,7 +19,7 @@ import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 
 from . import _callbacks, _donate, _launch
-from ._arrays import is_tracer, is_value, raise_if_deleted
+from ._arrays import is_concrete, is_tracer, is_value, raise_if_deleted
 from ._cache import arg_path, ArgStructure, Cache, diagnose
 from ._kinds import is_auto, kind_of, sharding_of
 from ._mirror import getter, mirror
@@ -168,13 +168,14 @@ def _where(cache, args, kwargs):
 
 def _place_inputs(leaves: list, targets: list, where, donated) -> None:
     """`place`s the inputs that are values (not tracers: inside a trace, on the
-    abstract mesh, the enclosing call places). NumPy is placed too, so that `jax.jit`
-    sees the same input type for a NumPy array as for a JAX array of its shape and
-    traces once for both. The moved arrays are never returned to the caller, so
-    they may share its buffers, except that a donated one shares all of them or none
-    (`_donate.reuses_every_buffer`)."""
+    abstract mesh, the enclosing call places; NumPy only across processes, else
+    `jax.jit` transfers it, as it would without us). The moved arrays are never
+    returned to the caller, so they may share its buffers, except that a donated one
+    shares all of them or none (`_donate.reuses_every_buffer`)."""
     targets = [(i, s) for i, s in targets if not on_abstract_mesh(s)]
-    todo = [(i, s) for i, s in targets if is_value(leaves[i])]
+    multiprocess = any(not s.is_fully_addressable for _, s in targets)
+    value = is_value if multiprocess else is_concrete
+    todo = [(i, s) for i, s in targets if value(leaves[i])]
     donated = frozenset(donated)
     may_alias = [True] * len(leaves)
     for i, s in todo:
