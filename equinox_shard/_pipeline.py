@@ -1,6 +1,7 @@
 """`filter_pipeline`: a stack of layers run as a pipeline, its stages on one mesh axis
 and the batch cut into microbatches that flow through them."""
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -83,7 +84,13 @@ def _batch_size(x: Any, microbatches: int) -> int:
         )
     first_path, first = arrays[0]
     for path, leaf in arrays:
-        if leaf.ndim == 0 or leaf.shape[0] != first.shape[0]:
+        if leaf.ndim == 0:
+            raise ValueError(
+                f"x{jtu.keystr(path)}: every array of `x` needs the batch axis first; "
+                "got shape ()."
+            )
+    for path, leaf in arrays:
+        if leaf.shape[0] != first.shape[0]:
             raise ValueError(
                 f"x{jtu.keystr(path)}: every array of `x` needs the batch axis first, "
                 f"of the same size as x{jtu.keystr(first_path)} ({first.shape[0]}); "
@@ -106,6 +113,11 @@ def _get_mesh(mesh: Any, axis_name: str) -> Any:
                 "`filter_pipeline` needs a mesh: pass `mesh=...`, or set one with "
                 "`jax.set_mesh(mesh)`."
             )
+    elif not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+        raise TypeError(
+            "mesh must be a `jax.sharding.Mesh` or `AbstractMesh` (or None, for the "
+            f"mesh set with `jax.set_mesh`); got {mesh!r}."
+        )
     if axis_name not in mesh.axis_names:
         raise ValueError(
             f"axis_name={axis_name!r} is not an axis of the mesh (its axes are "
@@ -114,9 +126,17 @@ def _get_mesh(mesh: Any, axis_name: str) -> Any:
     return mesh
 
 
-def _check_positive(value: Any, name: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer; got {value!r}.")
+def _check_positive(value: Any, name: str) -> int:
+    # `operator.index` takes Python and NumPy integers, and refuses floats.
+    if not isinstance(value, (bool, np.bool_)):
+        try:
+            value = operator.index(value)
+        except TypeError:
+            pass
+        else:
+            if value >= 1:
+                return value
+    raise ValueError(f"{name} must be a positive integer; got {value!r}.")
 
 
 def _cut(x: Any, microbatches: int) -> Any:
@@ -139,9 +159,9 @@ def filter_pipeline(
     layers: PyTree[Any],
     x: PyTree[jax.Array],
     *,
-    microbatches: int,
+    microbatches: int | np.integer,
     axis_name: str = "stage",
-    repeats: int = 1,
+    repeats: int | np.integer = 1,
     fn: Callable | None = None,
     key: jax.Array | None = None,
     remat: bool = False,
@@ -237,8 +257,8 @@ def filter_pipeline(
             grads = gradients(mlps, jnp.ones((64, 32)))  # split like `mlps`
         ```
     """
-    _check_positive(microbatches, "microbatches")
-    _check_positive(repeats, "repeats")
+    microbatches = _check_positive(microbatches, "microbatches")
+    repeats = _check_positive(repeats, "repeats")
     mesh_ = _get_mesh(mesh, axis_name)
     _refuse_state(layers, "layers")
     _refuse_state(x, "x")

@@ -15,7 +15,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 import pytest
-from equinox_shard._pipeline import schedule
+from equinox_shard._pipeline import _check_positive, _get_mesh, schedule
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .helpers import auto_mesh
@@ -279,7 +279,9 @@ def _bad_inputs():
         (dict(layers=short), r"layers\.linear\.bias: .*L = 8 .*\(4, 8\)"),
         (dict(layers=unstacked), r"layers\.linear\.bias: .*got shape \(\)"),
         (dict(layers=stateful), r"layers\.batch_counter is an `eqx\.nn\.StateIndex`"),
+        (dict(x={"t": jnp.float32(0), "z": x}), r"x\['t'\]: every array .*got shape"),
         (dict(microbatches=0), r"microbatches must be a positive integer"),
+        (dict(microbatches=True), r"microbatches must be a positive integer"),
         (dict(fn=lambda layer, x: x[:, :2]), r"fn=<lambda>: a layer must return"),
     ]
 
@@ -299,6 +301,21 @@ def test_bad_input_is_refused_by_name_before_running(change, message):
             eqxs.filter_pipeline(**arguments)
     if "fn" not in change:
         assert calls == []  # refused before the first layer was traced
+
+
+def test_numpy_integers_are_integers_and_other_types_are_refused():
+    layers, x = _layers_and_x()
+    with jax.set_mesh(_mesh(2)):
+        out = eqxs.filter_pipeline(
+            layers, x, microbatches=np.int64(4), repeats=np.int32(2)
+        )
+    _assert_close(out, _reference(layers, x, microbatches=4))
+    # The tests' type checker refuses these at the call; without one, the checks do.
+    for bad in (4.0, np.float32(4), "4", np.bool_(True)):
+        with pytest.raises(ValueError, match="repeats must be a positive integer"):
+            _check_positive(bad, "repeats")
+    with pytest.raises(TypeError, match="mesh must be a `jax.sharding.Mesh`"):
+        _get_mesh("stage", "stage")
 
 
 def test_schedule_runs_every_microbatch_once_per_stage_and_repeat():
