@@ -260,6 +260,19 @@ def filter_pipeline(
     microbatches = _check_positive(microbatches, "microbatches")
     repeats = _check_positive(repeats, "repeats")
     mesh_ = _get_mesh(mesh, axis_name)
+    explicit = tuple(
+        name
+        for name, kind in zip(mesh_.axis_names, mesh_.axis_types)
+        if kind == jax.sharding.AxisType.Explicit
+    )
+    # Like JAX's own Explicit sharding, `auto_axes` needs the mesh in context.
+    if explicit and jax.sharding.get_abstract_mesh() != getattr(
+        mesh_, "abstract_mesh", mesh_
+    ):
+        raise ValueError(
+            f"mesh: its axes {explicit} are Explicit, so it must be the mesh set with "
+            "`jax.set_mesh(mesh)` (then `mesh=` may be left out)."
+        )
     _refuse_state(layers, "layers")
     _refuse_state(x, "x")
     n_layers = _layer_count(layers)
@@ -275,7 +288,6 @@ def filter_pipeline(
     chunk = n_layers // (stages * repeats)
     arrays, static = eqx.partition(layers, eqx.is_array)
     fn_arrays, fn_static = eqx.partition(fn, eqx.is_array)
-    inputs = _cut(x, microbatches)
 
     def one_layer(xm, layer_arrays, k, fn_arrays):
         layer = eqx.combine(layer_arrays, static)
@@ -283,9 +295,17 @@ def filter_pipeline(
         return f(layer, xm) if k is None else f(layer, xm, key=k)
 
     # Checked abstractly, before anything runs: a layer keeps the microbatch's shape.
-    xm_shape = jax.eval_shape(lambda a: jtu.tree_map(lambda b: b[0], a), inputs)
-    layer_shape = jax.eval_shape(lambda a: jtu.tree_map(lambda b: b[0], a), arrays)
-    key_shape = None if key is None else jax.eval_shape(lambda k: k, key)
+    # Shapes without shardings, so that Explicit mesh axes need no slicing rules here.
+    xm_shape = jtu.tree_map(
+        lambda a: jax.ShapeDtypeStruct(
+            (a.shape[0] // microbatches, *a.shape[1:]), a.dtype
+        ),
+        x,
+    )
+    layer_shape = jtu.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), arrays
+    )
+    key_shape = None if key is None else jax.ShapeDtypeStruct(key.shape, key.dtype)
     out_shape = jax.eval_shape(one_layer, xm_shape, layer_shape, key_shape, fn_arrays)
     if jtu.tree_structure(out_shape) != jtu.tree_structure(xm_shape) or any(
         (a.shape, a.dtype) != (b.shape, b.dtype)
@@ -302,13 +322,11 @@ def filter_pipeline(
         a = a.reshape(repeats, stages, chunk, *a.shape[1:])
         return jnp.swapaxes(a, 0, 1)
 
-    stacked = jtu.tree_map(by_stage, arrays)
-    if key is None:
-        keys = None
-    else:
+    def per_layer_keys(key):
         keys = jax.vmap(lambda k: jr.split(k, n_layers))(jr.split(key, microbatches))
         keys = keys.reshape(microbatches, repeats, stages, chunk, *keys.shape[2:])
-        keys = jnp.moveaxis(keys, 2, 0)  # `(S, M, R, C, ...)`
+        return jnp.moveaxis(keys, 2, 0)  # `(S, M, R, C, ...)`
+
     table = schedule(stages, microbatches, repeats)
 
     def run_chunk(xm, chunk_arrays, chunk_keys, fn_arrays):
@@ -359,15 +377,28 @@ def filter_pipeline(
         carry, _ = jax.lax.scan(tick, (inputs, outputs, held), (here, last))
         return jtu.tree_map(lambda a: a[None], carry[1])
 
-    stage_spec = PartitionSpec(axis_name)
-    run = filter_shard_map(
-        stage_body,
-        in_specs=(stage_spec, PartitionSpec(), stage_spec, PartitionSpec()),
-        out_specs=stage_spec,
-        mesh=mesh_,
-        axis_names=frozenset({axis_name}),
-    )
     # The arrays of `fn` (a Module, an `eqx.Partial`) go in whole, as inputs: an array
     # that `fn` closes over must not be a value traced outside `jax.shard_map`.
-    out = run(stacked, inputs, keys, fn_arrays)
-    return _uncut(jtu.tree_map(lambda a: a[stages - 1], out))
+    def pipelined(arrays, x, key, fn_arrays):
+        stage_spec = PartitionSpec(axis_name)
+        run = filter_shard_map(
+            stage_body,
+            in_specs=(stage_spec, PartitionSpec(), stage_spec, PartitionSpec()),
+            out_specs=stage_spec,
+            # Inside `auto_axes`, the mesh in context is the one with Auto axes.
+            mesh=jax.sharding.get_abstract_mesh() if explicit else mesh_,
+            axis_names=frozenset({axis_name}),
+        )
+        stacked = jtu.tree_map(by_stage, arrays)
+        keys = None if key is None else per_layer_keys(key)
+        out = run(stacked, _cut(x, microbatches), keys, fn_arrays)
+        return _uncut(jtu.tree_map(lambda a: a[stages - 1], out))
+
+    if not explicit:
+        return pipelined(arrays, x, key, fn_arrays)
+    # Explicit axes are Auto inside: the output keeps the sharding of `x`.
+    specs = jtu.tree_map(lambda a: jax.typeof(a).sharding.spec, x)
+    auto = jax.sharding.auto_axes(
+        lambda args: pipelined(*args), axes=explicit, out_sharding=specs
+    )
+    return auto((arrays, x, key, fn_arrays))
