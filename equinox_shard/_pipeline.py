@@ -225,7 +225,9 @@ def filter_pipeline(
         backward pass recomputes the activations inside a stage instead of storing
         them.
     - `mesh`: a `jax.sharding.Mesh` or `AbstractMesh`; defaults to the mesh set with
-        `jax.set_mesh`.
+        `jax.set_mesh`. Its axes may be Auto or Explicit; Explicit axes are made Auto
+        inside (`jax.sharding.auto_axes`), the output keeps the sharding of `x`, and
+        the mesh must be the one set with `jax.set_mesh`.
 
     **Returns:**
 
@@ -233,7 +235,16 @@ def filter_pipeline(
 
     Errors are raised before anything runs, naming the argument or the leaf's key path:
     `L` not divisible by `S * repeats`, a batch not divisible by `microbatches`, an
-    axis not in the mesh, a leaf without the layer or batch axis, stateful layers.
+    axis not in the mesh, a leaf without the layer or batch axis, stateful layers,
+    `microbatches` or `repeats` not positive integers (NumPy integers are accepted),
+    a `mesh` that is not a mesh, or an Explicit one not set with `jax.set_mesh`.
+
+    !!! warning
+
+        `fn` runs inside `jax.shard_map`, manual over `axis_name` only. There
+        `eqx.error_if` and `jax.pure_callback` fail when traced (JAX's `TypeError`
+        about manual axis types), as in any such `jax.shard_map`; `jax.debug.print`
+        works. Check values on the pipeline's output instead.
 
     !!! example
 
@@ -254,7 +265,9 @@ def filter_pipeline(
             return eqx.filter_grad(loss)(mlps, x)
 
         with jax.set_mesh(mesh):
-            grads = gradients(mlps, jnp.ones((64, 32)))  # split like `mlps`
+            # Split like `mlps` here; the compiler's choice (with `repeats=2` it
+            # returns them replicated): give `out_shardings` to fix it.
+            grads = gradients(mlps, jnp.ones((64, 32)))
         ```
     """
     microbatches = _check_positive(microbatches, "microbatches")
