@@ -1,6 +1,7 @@
 """`filter_pipeline`: a stack of layers run as a pipeline, its stages on one mesh axis
 and the batch cut into microbatches that flow through them."""
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -83,7 +84,13 @@ def _batch_size(x: Any, microbatches: int) -> int:
         )
     first_path, first = arrays[0]
     for path, leaf in arrays:
-        if leaf.ndim == 0 or leaf.shape[0] != first.shape[0]:
+        if leaf.ndim == 0:
+            raise ValueError(
+                f"x{jtu.keystr(path)}: every array of `x` needs the batch axis first; "
+                "got shape ()."
+            )
+    for path, leaf in arrays:
+        if leaf.shape[0] != first.shape[0]:
             raise ValueError(
                 f"x{jtu.keystr(path)}: every array of `x` needs the batch axis first, "
                 f"of the same size as x{jtu.keystr(first_path)} ({first.shape[0]}); "
@@ -106,6 +113,11 @@ def _get_mesh(mesh: Any, axis_name: str) -> Any:
                 "`filter_pipeline` needs a mesh: pass `mesh=...`, or set one with "
                 "`jax.set_mesh(mesh)`."
             )
+    elif not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+        raise TypeError(
+            "mesh must be a `jax.sharding.Mesh` or `AbstractMesh` (or None, for the "
+            f"mesh set with `jax.set_mesh`); got {mesh!r}."
+        )
     if axis_name not in mesh.axis_names:
         raise ValueError(
             f"axis_name={axis_name!r} is not an axis of the mesh (its axes are "
@@ -114,9 +126,17 @@ def _get_mesh(mesh: Any, axis_name: str) -> Any:
     return mesh
 
 
-def _check_positive(value: Any, name: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer; got {value!r}.")
+def _check_positive(value: Any, name: str) -> int:
+    # `operator.index` takes Python and NumPy integers, and refuses floats.
+    if not isinstance(value, (bool, np.bool_)):
+        try:
+            value = operator.index(value)
+        except TypeError:
+            pass
+        else:
+            if value >= 1:
+                return value
+    raise ValueError(f"{name} must be a positive integer; got {value!r}.")
 
 
 def _cut(x: Any, microbatches: int) -> Any:
@@ -139,9 +159,9 @@ def filter_pipeline(
     layers: PyTree[Any],
     x: PyTree[jax.Array],
     *,
-    microbatches: int,
+    microbatches: int | np.integer,
     axis_name: str = "stage",
-    repeats: int = 1,
+    repeats: int | np.integer = 1,
     fn: Callable | None = None,
     key: jax.Array | None = None,
     remat: bool = False,
@@ -205,7 +225,9 @@ def filter_pipeline(
         backward pass recomputes the activations inside a stage instead of storing
         them.
     - `mesh`: a `jax.sharding.Mesh` or `AbstractMesh`; defaults to the mesh set with
-        `jax.set_mesh`.
+        `jax.set_mesh`. Its axes may be Auto or Explicit; Explicit axes are made Auto
+        inside (`jax.sharding.auto_axes`), the output keeps the sharding of `x`, and
+        the mesh must be the one set with `jax.set_mesh`.
 
     **Returns:**
 
@@ -213,7 +235,16 @@ def filter_pipeline(
 
     Errors are raised before anything runs, naming the argument or the leaf's key path:
     `L` not divisible by `S * repeats`, a batch not divisible by `microbatches`, an
-    axis not in the mesh, a leaf without the layer or batch axis, stateful layers.
+    axis not in the mesh, a leaf without the layer or batch axis, stateful layers,
+    `microbatches` or `repeats` not positive integers (NumPy integers are accepted),
+    a `mesh` that is not a mesh, or an Explicit one not set with `jax.set_mesh`.
+
+    !!! warning
+
+        `fn` runs inside `jax.shard_map`, manual over `axis_name` only. There
+        `eqx.error_if` and `jax.pure_callback` fail when traced (JAX's `TypeError`
+        about manual axis types), as in any such `jax.shard_map`; `jax.debug.print`
+        works. Check values on the pipeline's output instead.
 
     !!! example
 
@@ -234,12 +265,27 @@ def filter_pipeline(
             return eqx.filter_grad(loss)(mlps, x)
 
         with jax.set_mesh(mesh):
-            grads = gradients(mlps, jnp.ones((64, 32)))  # split like `mlps`
+            # Split like `mlps` here; the compiler's choice (with `repeats=2` it
+            # returns them replicated): give `out_shardings` to fix it.
+            grads = gradients(mlps, jnp.ones((64, 32)))
         ```
     """
-    _check_positive(microbatches, "microbatches")
-    _check_positive(repeats, "repeats")
+    microbatches = _check_positive(microbatches, "microbatches")
+    repeats = _check_positive(repeats, "repeats")
     mesh_ = _get_mesh(mesh, axis_name)
+    explicit = tuple(
+        name
+        for name, kind in zip(mesh_.axis_names, mesh_.axis_types)
+        if kind == jax.sharding.AxisType.Explicit
+    )
+    # Like JAX's own Explicit sharding, `auto_axes` needs the mesh in context.
+    if explicit and jax.sharding.get_abstract_mesh() != getattr(
+        mesh_, "abstract_mesh", mesh_
+    ):
+        raise ValueError(
+            f"mesh: its axes {explicit} are Explicit, so it must be the mesh set with "
+            "`jax.set_mesh(mesh)` (then `mesh=` may be left out)."
+        )
     _refuse_state(layers, "layers")
     _refuse_state(x, "x")
     n_layers = _layer_count(layers)
@@ -255,7 +301,6 @@ def filter_pipeline(
     chunk = n_layers // (stages * repeats)
     arrays, static = eqx.partition(layers, eqx.is_array)
     fn_arrays, fn_static = eqx.partition(fn, eqx.is_array)
-    inputs = _cut(x, microbatches)
 
     def one_layer(xm, layer_arrays, k, fn_arrays):
         layer = eqx.combine(layer_arrays, static)
@@ -263,9 +308,17 @@ def filter_pipeline(
         return f(layer, xm) if k is None else f(layer, xm, key=k)
 
     # Checked abstractly, before anything runs: a layer keeps the microbatch's shape.
-    xm_shape = jax.eval_shape(lambda a: jtu.tree_map(lambda b: b[0], a), inputs)
-    layer_shape = jax.eval_shape(lambda a: jtu.tree_map(lambda b: b[0], a), arrays)
-    key_shape = None if key is None else jax.eval_shape(lambda k: k, key)
+    # Shapes without shardings, so that Explicit mesh axes need no slicing rules here.
+    xm_shape = jtu.tree_map(
+        lambda a: jax.ShapeDtypeStruct(
+            (a.shape[0] // microbatches, *a.shape[1:]), a.dtype
+        ),
+        x,
+    )
+    layer_shape = jtu.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), arrays
+    )
+    key_shape = None if key is None else jax.ShapeDtypeStruct(key.shape, key.dtype)
     out_shape = jax.eval_shape(one_layer, xm_shape, layer_shape, key_shape, fn_arrays)
     if jtu.tree_structure(out_shape) != jtu.tree_structure(xm_shape) or any(
         (a.shape, a.dtype) != (b.shape, b.dtype)
@@ -282,13 +335,11 @@ def filter_pipeline(
         a = a.reshape(repeats, stages, chunk, *a.shape[1:])
         return jnp.swapaxes(a, 0, 1)
 
-    stacked = jtu.tree_map(by_stage, arrays)
-    if key is None:
-        keys = None
-    else:
+    def per_layer_keys(key):
         keys = jax.vmap(lambda k: jr.split(k, n_layers))(jr.split(key, microbatches))
         keys = keys.reshape(microbatches, repeats, stages, chunk, *keys.shape[2:])
-        keys = jnp.moveaxis(keys, 2, 0)  # `(S, M, R, C, ...)`
+        return jnp.moveaxis(keys, 2, 0)  # `(S, M, R, C, ...)`
+
     table = schedule(stages, microbatches, repeats)
 
     def run_chunk(xm, chunk_arrays, chunk_keys, fn_arrays):
@@ -339,15 +390,28 @@ def filter_pipeline(
         carry, _ = jax.lax.scan(tick, (inputs, outputs, held), (here, last))
         return jtu.tree_map(lambda a: a[None], carry[1])
 
-    stage_spec = PartitionSpec(axis_name)
-    run = filter_shard_map(
-        stage_body,
-        in_specs=(stage_spec, PartitionSpec(), stage_spec, PartitionSpec()),
-        out_specs=stage_spec,
-        mesh=mesh_,
-        axis_names=frozenset({axis_name}),
-    )
     # The arrays of `fn` (a Module, an `eqx.Partial`) go in whole, as inputs: an array
     # that `fn` closes over must not be a value traced outside `jax.shard_map`.
-    out = run(stacked, inputs, keys, fn_arrays)
-    return _uncut(jtu.tree_map(lambda a: a[stages - 1], out))
+    def pipelined(arrays, x, key, fn_arrays):
+        stage_spec = PartitionSpec(axis_name)
+        run = filter_shard_map(
+            stage_body,
+            in_specs=(stage_spec, PartitionSpec(), stage_spec, PartitionSpec()),
+            out_specs=stage_spec,
+            # Inside `auto_axes`, the mesh in context is the one with Auto axes.
+            mesh=jax.sharding.get_abstract_mesh() if explicit else mesh_,
+            axis_names=frozenset({axis_name}),
+        )
+        stacked = jtu.tree_map(by_stage, arrays)
+        keys = None if key is None else per_layer_keys(key)
+        out = run(stacked, _cut(x, microbatches), keys, fn_arrays)
+        return _uncut(jtu.tree_map(lambda a: a[stages - 1], out))
+
+    if not explicit:
+        return pipelined(arrays, x, key, fn_arrays)
+    # Explicit axes are Auto inside: the output keeps the sharding of `x`.
+    specs = jtu.tree_map(lambda a: jax.typeof(a).sharding.spec, x)
+    auto = jax.sharding.auto_axes(
+        lambda args: pipelined(*args), axes=explicit, out_sharding=specs
+    )
+    return auto((arrays, x, key, fn_arrays))

@@ -15,10 +15,10 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 import pytest
-from equinox_shard._pipeline import schedule
+from equinox_shard._pipeline import _check_positive, _get_mesh, schedule
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .helpers import auto_mesh
+from .helpers import auto_mesh, explicit_mesh
 
 
 _ROOT = pathlib.Path(__file__).parent.parent
@@ -232,6 +232,34 @@ def test_fn_may_carry_arrays_traced_in_the_enclosing_jit():
     _assert_close(out, run(attention, x, False))
 
 
+def test_explicit_mesh_axes_match_the_reference():
+    layers = _blocks(8, jr.key(0))
+    x = jr.normal(jr.key(1), (16, WIDTH))
+    key = jr.key(2)
+
+    def loss(layers, x, pipelined, mesh=None):
+        if pipelined:
+            y = eqxs.filter_pipeline(
+                layers, x, microbatches=4, repeats=2, key=key, mesh=mesh
+            )
+        else:
+            y = _reference(layers, x, microbatches=4, key=key)
+        weights = jnp.arange(x.size, dtype=x.dtype).reshape(x.shape) / x.size
+        return jnp.sum(weights * jnp.sin(y)), y
+
+    grad = eqx.filter_jit(eqx.filter_grad(loss, has_aux=True))
+    expected = grad(layers, x, False)
+    mesh = explicit_mesh((2, 4), ("stage", "data"))
+    with jax.set_mesh(mesh):
+        # Both placements: the layers split over the stages, and left replicated.
+        for spec, named in ((P("stage"), None), (P(), mesh)):
+            placed = eqxs.filter_device_put(layers, spec)
+            data = eqxs.filter_device_put(x, P("data"))
+            grads, out = grad(placed, data, True, named)
+            _assert_close((grads, out), expected)
+            assert out.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)
+
+
 def test_each_device_holds_its_stages_layers_only():
     stages = 4
     layers = _blocks(8, jr.key(0))
@@ -279,7 +307,13 @@ def _bad_inputs():
         (dict(layers=short), r"layers\.linear\.bias: .*L = 8 .*\(4, 8\)"),
         (dict(layers=unstacked), r"layers\.linear\.bias: .*got shape \(\)"),
         (dict(layers=stateful), r"layers\.batch_counter is an `eqx\.nn\.StateIndex`"),
+        (dict(x={"t": jnp.float32(0), "z": x}), r"x\['t'\]: every array .*got shape"),
         (dict(microbatches=0), r"microbatches must be a positive integer"),
+        (
+            dict(mesh=explicit_mesh((4, 2), ("stage", "data"))),
+            r"mesh: its axes \('stage', 'data'\) are Explicit.*jax\.set_mesh",
+        ),
+        (dict(microbatches=True), r"microbatches must be a positive integer"),
         (dict(fn=lambda layer, x: x[:, :2]), r"fn=<lambda>: a layer must return"),
     ]
 
@@ -299,6 +333,21 @@ def test_bad_input_is_refused_by_name_before_running(change, message):
             eqxs.filter_pipeline(**arguments)
     if "fn" not in change:
         assert calls == []  # refused before the first layer was traced
+
+
+def test_numpy_integers_are_integers_and_other_types_are_refused():
+    layers, x = _layers_and_x()
+    with jax.set_mesh(_mesh(2)):
+        out = eqxs.filter_pipeline(
+            layers, x, microbatches=np.int64(4), repeats=np.int32(2)
+        )
+    _assert_close(out, _reference(layers, x, microbatches=4))
+    # The tests' type checker refuses these at the call; without one, the checks do.
+    for bad in (4.0, np.float32(4), "4", np.bool_(True)):
+        with pytest.raises(ValueError, match="repeats must be a positive integer"):
+            _check_positive(bad, "repeats")
+    with pytest.raises(TypeError, match="mesh must be a `jax.sharding.Mesh`"):
+        _get_mesh("stage", "stage")
 
 
 def test_schedule_runs_every_microbatch_once_per_stage_and_repeat():
