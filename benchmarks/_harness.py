@@ -10,7 +10,9 @@ report.
 import collections as co
 import datetime
 import gc
+import importlib.util
 import os
+import pathlib
 import platform
 import random
 import statistics
@@ -260,3 +262,13 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     )
     sep = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
     return "\n".join([line(headers), sep, *map(line, rows)])
+
+
+def transformer_example():
+    """`examples/train_transformer.py`, imported as a module (it is not a package)."""
+    path = pathlib.Path(__file__).parent.parent / "examples" / "train_transformer.py"
+    spec = importlib.util.spec_from_file_location("train_transformer", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -28,8 +28,6 @@ A row whose feature the backend lacks says "n/a (backend has no ...)".
 """
 
 import collections
-import importlib.util
-import pathlib
 import time
 
 import equinox as eqx
@@ -40,8 +38,6 @@ import numpy as np
 
 from . import _harness as h, _trees as t
 
-
-_EXAMPLE = pathlib.Path(__file__).parent.parent / "examples" / "train_transformer.py"
 
 FULL = {
     "transfer_bytes": 2**30,
@@ -279,14 +275,6 @@ def _dispatch(cfg) -> list[dict]:
     return out
 
 
-def _example():
-    spec = importlib.util.spec_from_file_location("train_transformer", _EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _peak_bytes() -> int | None:
     peaks = []
     for d in jax.local_devices():
@@ -298,7 +286,7 @@ def _peak_bytes() -> int | None:
 
 
 def _step(cfg) -> list[dict]:
-    ex = _example()
+    ex = h.transformer_example()
     config = ex.Config(**cfg["example"])
     layout = ex.make_layout("data", jax.devices())
     _, init_sharded, train_step = ex.make_functions(

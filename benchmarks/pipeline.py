@@ -17,8 +17,6 @@ of real devices working in parallel.
 """
 
 import dataclasses
-import importlib.util
-import pathlib
 import statistics
 import time
 
@@ -32,16 +30,7 @@ from equinox_shard._pipeline import schedule
 from . import _harness as h
 
 
-_EXAMPLE = pathlib.Path(__file__).parent.parent / "examples" / "train_transformer.py"
 LAYOUTS = ("data", "fsdp", "pipeline")
-
-
-def _example():
-    spec = importlib.util.spec_from_file_location("train_transformer", _EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _bytes_per_device(tree) -> int:
@@ -119,7 +108,7 @@ def _bubbles(stages_list) -> list[dict]:
 
 
 def run(cfg: dict) -> dict:
-    tt = _example()
+    tt = h.transformer_example()
     quick = cfg["reps"] <= 2
     model_cfg = tt.Config(steps=20)
     if quick:
