@@ -228,29 +228,38 @@ def place(
     targets = []
     given: Any = None  # the last spec leaf, and the sharding placed for it
     concrete: Any = None
+    spread = None  # whether `concrete` spans several devices, replicated
+    # The leaves whose buffer `jax.device_put` might share with the result
+    # (`_shares_source_buffer`), and those whose deletion the loop did not test.
+    sharing = set()
+    unchecked = []
+    per_leaf = isinstance(may_alias, list)
     for i, sharding in todo:
         leaf = leaves[i]
+        flag = may_alias[i] if per_leaf else may_alias  # pyright: ignore
         if type(sharding) is Format:
             check(leaf.shape, sharding.sharding, lambda i=i: where(i))
             sharding = _format_target(leaf, sharding, lambda i=i: where(i))
-        flag = may_alias if not isinstance(may_alias, list) else may_alias[i]
-        if type(sharding) is Format:
-            if flag is not False and _is_committed_array(leaf):
-                if is_deleted(leaf):
-                    raise_if_deleted(
-                        leaves, (i,), where, then=", so it cannot be placed"
-                    )
-                if _is_formatted(leaf, sharding):
-                    continue
-            indices.append(i)
-            targets.append(sharding)
-            continue
+            if type(sharding) is Format:
+                if flag is not False and _is_committed_array(leaf):
+                    if is_deleted(leaf):
+                        raise_if_deleted(
+                            leaves, (i,), where, then=", so it cannot be placed"
+                        )
+                    if _is_formatted(leaf, sharding):
+                        continue
+                sharing.add(i)
+                unchecked.append(i)
+                indices.append(i)
+                targets.append(sharding)
+                continue
         if isinstance(sharding, jax.memory.Space):
             # `jax.device_put` moves it, keeping its sharding, always as a copy.
             if flag is not False and _is_committed_array(leaf):
                 raise_if_deleted(leaves, (i,), where, then=", so it cannot be placed")
                 if _memory_space(leaf.sharding) is sharding:
                     continue
+            unchecked.append(i)
             indices.append(i)
             targets.append(sharding)
             continue
@@ -264,17 +273,24 @@ def place(
                 # `with_sharding_constraint` (an identity `jit`) does.
                 sharding = _without_unconstrained(sharding)
             concrete = sharding
-        # `_is_committed_array`, inline: once per leaf.
-        if (
-            flag is not False
-            and isinstance(leaf, jax.Array)
-            and not is_tracer(leaf)
-            and leaf.committed  # pyright: ignore[reportAttributeAccessIssue]
-        ):
+            spread = None
+        # `is_concrete` and `is_deleted`, inline: once per leaf.
+        if isinstance(leaf, jax.Array) and not is_tracer(leaf):
             if leaf.is_deleted():  # pyright: ignore[reportAttributeAccessIssue]
                 raise_if_deleted(leaves, (i,), where, then=", so it cannot be placed")
-            if leaf.sharding == sharding or is_placed(leaf, sharding):
-                continue
+            if leaf.committed:  # pyright: ignore[reportAttributeAccessIssue]
+                if flag is not False and (
+                    leaf.sharding == sharding or is_placed(leaf, sharding)
+                ):
+                    continue
+                sharing.add(i)
+            else:  # JAX shares a single-device buffer only onto several, replicated
+                if spread is None:
+                    spread = (
+                        len(sharding.device_set) > 1 and sharding.is_fully_replicated
+                    )
+                if spread:
+                    sharing.add(i)
         shape = leaf.shape
         if (shape, sharding) not in _fits:
             check(shape, sharding, lambda i=i: where(i))
@@ -284,7 +300,8 @@ def place(
     if not indices:
         return
     # Before any transfer, so that a failure cannot leave earlier leaves donated.
-    raise_if_deleted(leaves, indices, where, then=", so it cannot be placed")
+    if unchecked:
+        raise_if_deleted(leaves, unchecked, where, then=", so it cannot be placed")
     if jax.process_count() > 1:
         # Host-local arrays onto shardings that span several processes.
         indices, targets = _multiprocess.place_host_local(
@@ -292,7 +309,7 @@ def place(
         )
         if not indices:
             return
-    if any(type(t) is Format for t in targets):
+    if unchecked and any(type(t) is Format for t in targets):
         indices, targets = _onto_format_shardings(leaves, indices, targets)
         if not indices:
             return
@@ -313,12 +330,14 @@ def place(
         may_alias = None if donate and may_alias is None else bool(may_alias)
         copy = [may_alias is False] * len(indices)
     sources = [leaves[i] for i in indices]
-    shares: dict = {}  # per (source sharding, shape, target): most leaves share one
-    early = [
-        k
-        for k, (x, t) in enumerate(zip(sources, targets))
-        if copy[k] and _shares_source_buffer(x, t, shares)
-    ]
+    early = []
+    if sharing:
+        shares: dict = {}  # per (source sharding, shape, target): most leaves share one
+        early = [
+            k
+            for k, (i, x, t) in enumerate(zip(indices, sources, targets))
+            if copy[k] and i in sharing and _shares_source_buffer(x, t, shares)
+        ]
     if early:
         # A private copy on the source device first, whose buffer may then be shared.
         private_copies(sources, early)
