@@ -197,6 +197,18 @@ def _targets(results: dict) -> list[dict]:
                     detail=f"{sel[k]['layout']} N={sel[k]['n']}",
                     values=ratios,
                 )
+                if source == "uncommitted":
+                    owned = [r["ratio_to_owned"].get(variant) for r in sel]
+                    if None not in owned:
+                        k = max(range(len(sel)), key=lambda k: owned[k])  # pyright: ignore
+                        add(
+                            f"placement {variant}/owned from {source}, worst cell",
+                            owned[k],
+                            threshold,
+                            at_most=True,
+                            detail=f"{sel[k]['layout']} N={sel[k]['n']}",
+                            values=owned,
+                        )
                 if source == "placed":
                     least = min(r["same_object"][variant] for r in sel)
                     add(

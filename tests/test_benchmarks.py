@@ -99,6 +99,7 @@ def test_quick_run(tmp_path):
     for row in placement["rows"]:
         assert set(row["seconds"]) == set(placement["variants"])
         assert row["fdp_over_copy"] > 0
+        assert row["ratio_to_owned"]["eqxs.fdp"] > 0
         # Non-array leaves always come back as the same objects.
         assert set(row["same_object_non_array"].values()) == {1.0}
         if row["source"] == "placed":
