@@ -50,10 +50,11 @@ class Kind(NamedTuple):
     # Its Python type, and how messages name it.
     type: type
     name: str
-    # Its resolution against an array, `resolve(x, mesh, where)`: a `Sharding`, a
-    # value of a kind that needs no resolving, or `None` (leave the array as it is);
-    # `mesh()` is the mesh to resolve against (`None` if there is none) and `where()`
-    # the array's key path, for errors. `None`: `x` itself.
+    # Its resolution, `resolve(x, mesh, where)`, the same for every array (a cache
+    # key holds `x`): a `Sharding`, a value of a kind that needs no resolving, or
+    # `None` (leave the array as it is); `mesh()` is the mesh to resolve against
+    # (`None` if there is none) and `where()` the array's key path, for errors.
+    # `None`: `x` itself.
     resolve: Callable[[Any, Callable[[], Any], Callable[[], str]], Any] | None = None
     # Whether resolving it depends on the context mesh (`jax.set_mesh`).
     needs_mesh: bool = False
