@@ -1,27 +1,25 @@
 """The kinds of spec leaf, in one table (`KINDS`). For each kind it owns: its type and
-the name messages give it; whether a value is valid, and the hint if not; whether
-resolving it depends on the context mesh; the `Sharding` its placement gives an array
-(`sharding_of`); which functions take it; and how it is applied inside a trace and
-by `filter_jit`'s `in_shardings` and `out_shardings`. Modules that treat one kind
-apart from another in these respects read the table (`_spec`, `_spec_leaves`,
-`_sharding`, `_entry`, `_traced`).
+the name messages give it; whether a value is valid, and the hint if not; its
+resolution against an array (`Kind.resolve`: a `jax.Device` to a
+`SingleDeviceSharding`, a bare `PartitionSpec` to a `NamedSharding` on the context
+mesh, `Format(None, None)` to `None`) and whether that depends on the context mesh;
+the `Sharding` its placement gives an array (`sharding_of`); its eager placement
+where that is not onto a `Sharding` (`Kind.target`, `Kind.is_placed`,
+`Kind.sharding_first`: a `Format` in its layout, a `jax.memory.Space` in its memory);
+which functions take it; and how it is applied inside a trace and by `filter_jit`'s
+`in_shardings` and `out_shardings`. The modules that treat one kind apart from another
+in these respects read the table (`_spec`, `_spec_leaves`, `_place`, `_sharding`,
+`_entry`, `_traced`) and test no kind's type themselves, but for a `Sharding` (which
+needs neither resolving nor a placement of its own).
 
-What a kind means is not all here. Outside the table:
-
-- resolution: `_spec.resolve` turns a `jax.Device` into a `SingleDeviceSharding` and
-    a bare `PartitionSpec` into a `NamedSharding` on the context mesh by testing their
-    types itself, and `_spec.resolve_each` takes a `Sharding` as resolved;
-- eager placement: `_place.place` (with `_format_target`, `_is_formatted` and
-    `_onto_format_shardings`) places a `Format` on its layout and sharding and a
-    `jax.memory.Space` in that memory by testing their types itself;
-- `Layout.AUTO` (`is_auto`): `_entry._auto_layouts` and `_entry.AutoLayouts`
-    (compiled before a call), `_callbacks._own_layouts` (the arguments' own layouts
-    for such an executable) and `_traced._eager_targets` (under `jax.disable_jit`, the
-    sharding alone);
-- `Format(None, None)` (`is_empty_format`) is `None` wherever `_spec.resolve` runs.
-
-A callable rule and a `PathRules` are not kinds: they choose, per array, a spec leaf
-of one of these kinds (`_spec_leaves`).
+Not in the table: `Layout.AUTO` (`is_auto`), the layout that a compiler chooses for a
+`Format` in `filter_jit`'s `in_shardings`, handled by `_entry._auto_layouts` and
+`_entry.AutoLayouts` (compiled before a call), `_callbacks._own_layouts` (the
+arguments' own layouts for such an executable) and `_traced._eager_targets` (under
+`jax.disable_jit`, the sharding alone); eagerly it is an error (`Kind.target`).
+`filter_shard_map`'s specifications are `PartitionSpec`s over its mesh, not these
+kinds (`_shard_map`). A callable rule and a `PathRules` are not kinds: they choose,
+per array, a spec leaf of one of these kinds (`_spec_leaves`).
 """
 
 import enum
@@ -30,7 +28,9 @@ from typing import Any, Literal, NamedTuple
 
 import jax
 from jax.experimental.layout import Format, Layout
-from jax.sharding import PartitionSpec, Sharding
+from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+
+from ._arrays import is_key_array
 
 
 class InTrace(enum.Enum):
@@ -50,11 +50,29 @@ class Kind(NamedTuple):
     # Its Python type, and how messages name it.
     type: type
     name: str
+    # Its resolution, `resolve(x, mesh, where)`, the same for every array (a cache
+    # key holds `x`): a `Sharding`, a value of a kind that needs no resolving, or
+    # `None` (leave the array as it is); `mesh()` is the mesh to resolve against
+    # (`None` if there is none) and `where()` the array's key path, for errors.
+    # `None`: `x` itself.
+    resolve: Callable[[Any, Callable[[], Any], Callable[[], str]], Any] | None = None
     # Whether resolving it depends on the context mesh (`jax.set_mesh`).
     needs_mesh: bool = False
     # The `Sharding` that its placement gives an array, to check the array's shape
-    # against and to test buffer reuse; `None`: the array's own.
+    # against and to test buffer reuse; `None`: the array's own, moved otherwise
+    # (e.g. to another memory), which `jax.device_put` always does as a copy.
     sharding: Callable[[Any], Any] = lambda x: x
+    # Eagerly, what `jax.device_put` is given to place the concrete array `leaf` on a
+    # resolved `x` of this kind, `target(leaf, x, where)`: a `Sharding`, or a value of
+    # a kind (`None`: `x` itself). Errors name `where()`.
+    target: Callable[[Any, Any, Callable[[], str]], Any] | None = None
+    # For a target of this kind: whether a committed array on its `sharding` may
+    # stand for one placed on it (the rest of what it asks: a layout, a memory).
+    is_placed: Callable[[Any, Any], bool] = lambda x, target: True
+    # Whether `jax.device_put` needs an array on a target's `sharding` before it can
+    # place it on the target (it cannot move it across devices and do the rest at
+    # once).
+    sharding_first: bool = False
     # Whether a value of `type` is a spec leaf, and the hint of the error if not.
     valid: Callable[[Any], bool] = lambda x: True
     invalid: str = ""
@@ -73,16 +91,95 @@ class Kind(NamedTuple):
     jit_out: Literal["jit", "body"] = "jit"
 
 
+def _on_mesh(spec: PartitionSpec, mesh: Callable[[], Any], where) -> NamedSharding:
+    """A bare `PartitionSpec` on the mesh to resolve against."""
+    on = mesh()
+    if on is None:
+        raise ValueError(
+            f"{where()}: got the bare PartitionSpec {spec}, but no mesh is set. "
+            "Set one with `jax.set_mesh(mesh)`, or pass "
+            "`jax.sharding.NamedSharding(mesh, spec)` instead."
+        )
+    try:
+        return NamedSharding(on, spec)
+    except Exception as e:
+        # Unknown mesh axis (ValueError), or an axis used twice (JAX's
+        # `DuplicateSpecError`, which is not a ValueError).
+        raise ValueError(f"{where()}: {e}") from e
+
+
+def _format_target(leaf: Any, fmt: Format, where) -> Any:
+    """What `jax.device_put` places `leaf` on for the spec `fmt`: the `Format`, or its
+    sharding alone where the layout is the default (`None`) or `leaf` is a typed PRNG
+    key array (`jax.device_put` cannot lay one out: its layout is that of the key
+    data, RFC §4)."""
+    if fmt.layout is Layout.AUTO:
+        raise ValueError(
+            f"{where()}: its spec is a `Format` with `Layout.AUTO`, a layout that only "
+            "a compiler chooses; an array cannot be placed on it. Lower and compile "
+            "first, `compiled = eqxs.filter_jit(f, in_shardings=...).lower(...)"
+            ".compile()` (with `jax.ShapeDtypeStruct`s), then place with "
+            "`eqxs.filter_device_put(tree, compiled.input_formats)`."
+        )
+    if fmt.layout is None or is_key_array(leaf):
+        return fmt.sharding
+    rank = len(fmt.layout.major_to_minor)  # pyright: ignore[reportAttributeAccessIssue]
+    if rank != leaf.ndim:
+        raise ValueError(
+            f"{where()}: the layout of {fmt} has rank {rank}, but the array has shape "
+            f"{tuple(leaf.shape)} (rank {leaf.ndim})."
+        )
+    return fmt
+
+
+def _has_layout(x: jax.Array, fmt: Format) -> bool:
+    """Whether the committed array `x` has the layout of `fmt` (a layout whose
+    `tiling` is `None` asks for the default tiling: any)."""
+    try:
+        have = x.format.layout  # pyright: ignore[reportAttributeAccessIssue]
+    except Exception:
+        return False
+    want = fmt.layout
+    return (
+        have.major_to_minor == want.major_to_minor  # pyright: ignore
+        and (want.tiling is None or have.tiling == want.tiling)  # pyright: ignore
+        and have.sub_byte_element_size_in_bits  # pyright: ignore
+        == want.sub_byte_element_size_in_bits  # pyright: ignore
+    )
+
+
+def _in_space(x: jax.Array, space: Any) -> bool:
+    """Whether the committed array `x` is in `space`'s memory, as JAX maps memory kinds
+    to spaces."""
+    host = x.sharding.memory_kind == "pinned_host"
+    return (jax.memory.Space.Host if host else jax.memory.Space.Device) is space
+
+
 KINDS: tuple[Kind, ...] = (
     Kind(Sharding, "`jax.sharding.Sharding`"),
-    # Resolved to a `SingleDeviceSharding`, and to a `NamedSharding` on the context
-    # mesh, before anything else reads the table.
-    Kind(jax.Device, "`jax.Device`"),
-    Kind(PartitionSpec, "`jax.sharding.PartitionSpec`", needs_mesh=True),
+    # Resolved before anything else reads the table.
+    Kind(
+        jax.Device,
+        "`jax.Device`",
+        resolve=lambda x, mesh, where: SingleDeviceSharding(x),
+    ),
+    Kind(
+        PartitionSpec,
+        "`jax.sharding.PartitionSpec`",
+        resolve=_on_mesh,
+        needs_mesh=True,
+    ),
     Kind(
         Format,
         "`jax.experimental.layout.Format` (layout and sharding)",
+        # As to `jax.device_put`, `Format(None, None)` leaves the array as it is.
+        resolve=lambda x, mesh, where: None if is_empty_format(x) else x,
         sharding=lambda x: x.sharding,
+        # `jax.device_put` onto a `Format` over other devices than the array's fails
+        # (JAX 0.10.2 and 0.12).
+        target=_format_target,
+        is_placed=_has_layout,
+        sharding_first=True,
         valid=lambda x: isinstance(x.sharding, Sharding) or is_empty_format(x),
         invalid=" A `Format` must carry a concrete sharding, e.g. "
         "`Format(Layout.AUTO, NamedSharding(mesh, spec))`, or be "
@@ -103,6 +200,7 @@ KINDS: tuple[Kind, ...] = (
         jax.memory.Space,
         "`jax.memory.Space`",
         sharding=lambda x: None,
+        is_placed=_in_space,
         valid=lambda x: x is not jax.memory.Space.Any,
         invalid=" `Space.Any` names no memory to move to: give `Space.Host` or "
         "`Space.Device`.",

@@ -8,7 +8,6 @@ from typing import Any
 
 import jax
 import jax._src.traceback_util as traceback_util
-from jax.experimental.layout import Format, Layout
 from jax.sharding import (
     AxisType,
     NamedSharding,
@@ -27,7 +26,7 @@ from ._arrays import (
     raise_if_deleted,
 )
 from ._donate import private_copies, shares_source_buffer
-from ._kinds import sharding_of
+from ._kinds import kind_of, sharding_of
 from ._spec import check
 
 
@@ -60,12 +59,6 @@ def same_mesh(current: Sharding, target: Sharding) -> bool:
     return True
 
 
-def _memory_space(sharding: Sharding):
-    """The `jax.memory.Space` of `sharding`'s memory kind, as JAX maps them."""
-    host = sharding.memory_kind == "pinned_host"
-    return jax.memory.Space.Host if host else jax.memory.Space.Device
-
-
 def is_placed(x: jax.Array, sharding: Sharding) -> bool:
     """Whether the committed array `x` may stand for one placed on `sharding`."""
     current = x.sharding
@@ -79,67 +72,32 @@ def is_placed(x: jax.Array, sharding: Sharding) -> bool:
         return False
 
 
-def _auto_error(where: str) -> ValueError:
-    return ValueError(
-        f"{where}: its spec is a `Format` with `Layout.AUTO`, a layout that only a "
-        "compiler chooses; an array cannot be placed on it. Lower and compile first, "
-        "`compiled = eqxs.filter_jit(f, in_shardings=...).lower(...).compile()` "
-        "(with `jax.ShapeDtypeStruct`s), then place with "
-        "`eqxs.filter_device_put(tree, compiled.input_formats)`."
-    )
+def _is_on(x: jax.Array, target: Any) -> bool:
+    """Whether the committed array `x` may stand for one placed on `target`, a value
+    of a kind that is not a `Sharding`: on the sharding it gives (if any), and as its
+    kind asks in the rest (`_kinds.Kind.is_placed`: a layout, a memory)."""
+    kind: Any = kind_of(target)
+    sharding = kind.sharding(target)
+    return (sharding is None or is_placed(x, sharding)) and kind.is_placed(x, target)
 
 
-def _format_target(leaf: Any, fmt: Format, where) -> Any:
-    """What `jax.device_put` places `leaf` on for the spec `fmt`: the `Format`, or its
-    sharding alone where the layout is the default (`None`) or `leaf` is a typed PRNG
-    key array (`jax.device_put` cannot lay one out: its layout is that of the key
-    data, RFC §4)."""
-    if fmt.layout is Layout.AUTO:
-        raise _auto_error(where())
-    if fmt.layout is None or is_key_array(leaf):
-        return fmt.sharding
-    rank = len(fmt.layout.major_to_minor)  # pyright: ignore[reportAttributeAccessIssue]
-    if rank != leaf.ndim:
-        raise ValueError(
-            f"{where()}: the layout of {fmt} has rank {rank}, but the array has shape "
-            f"{tuple(leaf.shape)} (rank {leaf.ndim})."
-        )
-    return fmt
-
-
-def _is_formatted(x: jax.Array, fmt: Format) -> bool:
-    """Whether the committed array `x` has the layout and sharding of `fmt` (a layout
-    whose `tiling` is `None` asks for the default tiling: any)."""
-    try:
-        current = x.format  # pyright: ignore[reportAttributeAccessIssue]
-    except Exception:
-        return False
-    have, want = current.layout, fmt.layout
-    return (
-        is_placed(x, fmt.sharding)  # pyright: ignore[reportArgumentType]
-        and have.major_to_minor == want.major_to_minor  # pyright: ignore
-        and (want.tiling is None or have.tiling == want.tiling)  # pyright: ignore
-        and have.sub_byte_element_size_in_bits  # pyright: ignore
-        == want.sub_byte_element_size_in_bits  # pyright: ignore
-    )
-
-
-def _onto_format_shardings(leaves: list, indices: list, targets: list) -> tuple:
-    """Places each array whose target is a `Format` onto the `Format`'s sharding
-    first (`jax.device_put` onto a `Format` over other devices than the source's fails,
-    JAX 0.10.2 and 0.12), in place, as a copy that owns its buffers; returns the
-    `indices` and `targets` still to place: those whose layout then differs."""
+def _onto_shardings_first(leaves: list, indices: list, targets: list) -> tuple:
+    """Places each array whose target's kind needs it there first
+    (`_kinds.Kind.sharding_first`: a `Format`) onto the target's sharding, in place,
+    as a copy that owns its buffers; returns the `indices` and `targets` still to
+    place: those whose target asks for more (a layout) than that gave."""
     move = [
         k
         for k, (i, t) in enumerate(zip(indices, targets))
-        if type(t) is Format
+        if not isinstance(t, Sharding)
+        and kind_of(t).sharding_first  # pyright: ignore[reportOptionalMemberAccess]
         and isinstance(leaves[i], jax.Array)
-        and not (leaves[i].committed and is_placed(leaves[i], t.sharding))  # pyright: ignore
+        and not (leaves[i].committed and is_placed(leaves[i], sharding_of(t)))  # pyright: ignore
     ]
     if not move:
         return indices, targets
     sources = [leaves[indices[k]] for k in move]
-    shardings = [targets[k].sharding for k in move]
+    shardings = [sharding_of(targets[k]) for k in move]
     private_copies(
         sources,
         [
@@ -151,7 +109,7 @@ def _onto_format_shardings(leaves: list, indices: list, targets: list) -> tuple:
     done = set()
     for k, x in zip(move, jax.device_put(sources, shardings)):
         leaves[indices[k]] = x
-        if _is_formatted(x, targets[k]):
+        if _is_on(x, targets[k]):
             done.add(k)
     keep = [k for k in range(len(indices)) if k not in done]
     return [indices[k] for k in keep], [targets[k] for k in keep]
@@ -187,9 +145,10 @@ def _fit(shape: tuple, sharding: Any) -> None:
 
 
 def _shares_source_buffer(x: Any, target: Any, memo: dict) -> bool:
-    """`shares_source_buffer` for the sharding that `target` gives (a memory space
-    always copies), once per `(x.sharding, x.shape, target)` in `memo`."""
-    if isinstance(target, jax.memory.Space) or not isinstance(x, jax.Array):
+    """`shares_source_buffer` for the sharding that `target` gives (one that keeps
+    the array's own always copies: `_kinds.Kind.sharding`), once per `(x.sharding,
+    x.shape, target)` in `memo`."""
+    if not isinstance(x, jax.Array):
         return False
     if not x.committed:  # pyright: ignore[reportAttributeAccessIssue]
         # On one device, whose buffer JAX shares only onto several devices, replicated.
@@ -197,14 +156,17 @@ def _shares_source_buffer(x: Any, target: Any, memo: dict) -> bool:
         if spread is None:
             sharding = sharding_of(target)
             spread = memo[id(target)] = (
-                len(sharding.device_set) > 1 and sharding.is_fully_replicated
+                sharding is not None
+                and len(sharding.device_set) > 1
+                and sharding.is_fully_replicated
             )
         if not spread:
             return False
     key = (x.sharding, x.shape, target)
     found = memo.get(key)
     if found is None:
-        found = memo[key] = shares_source_buffer(x, sharding_of(target))
+        sharding = sharding_of(target)
+        found = memo[key] = sharding is not None and shares_source_buffer(x, sharding)
     return found
 
 
@@ -216,14 +178,15 @@ def place(
     donate: list | bool | None = False,
     may_alias: list | bool | None = None,
 ) -> None:
-    """Places `leaves[i]` on `target` for each `(i, target)` in `todo` (a `Sharding`
-    or a `Format`) with one batched `jax.device_put`, in place: the one placement of
-    `filter_device_put`, `filter_shard`, `filter_jit`'s inputs and process-local data.
-    `donate` and `may_alias` are `jax.device_put`'s, per leaf (lists are indexed by leaf
-    index). Arrays that already carry an equivalent sharding are left as the same object
-    (unless `may_alias=False`). Every other result owns its buffers, unless donated or
-    `may_alias=True`: donating it later never deletes the input. `where(i)` names leaf
-    `i` in errors."""
+    """Places `leaves[i]` on `target` for each `(i, target)` in `todo` (a resolved
+    spec leaf: a `Sharding`, or a value of a kind whose row says how it is placed,
+    `_kinds.Kind.target`) with one batched `jax.device_put`, in place: the one
+    placement of `filter_device_put`, `filter_shard`, `filter_jit`'s inputs and
+    process-local data. `donate` and `may_alias` are `jax.device_put`'s, per leaf
+    (lists are indexed by leaf index). Arrays that already carry an equivalent sharding
+    are left as the same object (unless `may_alias=False`). Every other result owns its
+    buffers, unless donated or `may_alias=True`: donating it later never deletes the
+    input. `where(i)` names leaf `i` in errors."""
     indices = []
     targets = []
     given: Any = None  # the last spec leaf, and the sharding placed for it
@@ -233,36 +196,31 @@ def place(
     # (`_shares_source_buffer`), and those whose deletion the loop did not test.
     sharing = set()
     unchecked = []
+    first = False  # a target that needs the array on its sharding first
     per_leaf = isinstance(may_alias, list)
     for i, sharding in todo:
         leaf = leaves[i]
         flag = may_alias[i] if per_leaf else may_alias  # pyright: ignore
-        if type(sharding) is Format:
-            check(leaf.shape, sharding.sharding, lambda i=i: where(i))
-            sharding = _format_target(leaf, sharding, lambda i=i: where(i))
-            if type(sharding) is Format:
+        if sharding is not given and not isinstance(sharding, Sharding):
+            # Another kind: its row says what `jax.device_put` is given.
+            check(leaf.shape, sharding, lambda i=i: where(i))
+            kind: Any = kind_of(sharding)
+            if kind.target is not None:
+                sharding = kind.target(leaf, sharding, lambda i=i: where(i))
+            if not isinstance(sharding, Sharding):
                 if flag is not False and _is_committed_array(leaf):
                     if is_deleted(leaf):
                         raise_if_deleted(
                             leaves, (i,), where, then=", so it cannot be placed"
                         )
-                    if _is_formatted(leaf, sharding):
+                    if _is_on(leaf, sharding):
                         continue
+                first = first or kind_of(sharding).sharding_first  # pyright: ignore
                 sharing.add(i)
                 unchecked.append(i)
                 indices.append(i)
                 targets.append(sharding)
                 continue
-        if isinstance(sharding, jax.memory.Space):
-            # `jax.device_put` moves it, keeping its sharding, always as a copy.
-            if flag is not False and _is_committed_array(leaf):
-                raise_if_deleted(leaves, (i,), where, then=", so it cannot be placed")
-                if _memory_space(leaf.sharding) is sharding:
-                    continue
-            unchecked.append(i)
-            indices.append(i)
-            targets.append(sharding)
-            continue
         if sharding is given:  # most leaves share one spec leaf
             sharding = concrete
         else:
@@ -309,8 +267,8 @@ def place(
         )
         if not indices:
             return
-    if unchecked and any(type(t) is Format for t in targets):
-        indices, targets = _onto_format_shardings(leaves, indices, targets)
+    if first:
+        indices, targets = _onto_shardings_first(leaves, indices, targets)
         if not indices:
             return
     if isinstance(donate, list):

@@ -33,11 +33,11 @@ from typing import Any
 import jax
 import jax.tree_util as jtu
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
 from jax.tree_util import PyTreeDef
 
 from ._arrays import DEFAULT_MEMORY
-from ._kinds import is_empty_format, is_kind, kind_of, names, sharding_of
+from ._kinds import is_kind, kind_of, names, sharding_of
 from ._spec_leaves import (
     _check_spec_leaf,
     _describe_leaf,
@@ -335,14 +335,14 @@ def call_rule(rule: Callable, leaf: Any, where: Callable[[], str]) -> Any:
 def resolve(
     spec: Any, leaf: Any, where: Callable[[], str], *, abstract_ok: bool, mesh=None
 ) -> Any:
-    """Resolves one spec leaf against one array leaf to a `Sharding` (a `Format` as it
-    is), or `None`.
+    """Resolves one spec leaf against one array leaf, as its kind does
+    (`_kinds.Kind.resolve`): to a `Sharding`, a value of a kind that needs no
+    resolving (a `Format`, a `jax.memory.Space`), or `None`.
 
     `where()` returns the leaf's key path; it is only called to build an error message.
     A bare `PartitionSpec` resolves against `mesh` if given, else the context mesh.
-    `Format(None, None)` (from a rule, a `PathRules` or the spec itself) is `None`.
     """
-    if spec is None or is_empty_format(spec):
+    if spec is None:
         return None
     if is_rule(spec):
         out = call_rule(spec, leaf, where)
@@ -351,27 +351,15 @@ def resolve(
                 f"{where()}: the sharding rule {spec!r} must return {names()}or "
                 f"`None`; got {_describe_leaf(out)}."
             )
-        if out is None or is_empty_format(out):
+        if out is None:
             return None
         spec = out
-    if isinstance(spec, jax.Device):
-        return SingleDeviceSharding(spec)
-    if isinstance(spec, PartitionSpec):
-        if mesh is None:
-            mesh = context_mesh(abstract_ok=abstract_ok)
-        if mesh is None:
-            raise ValueError(
-                f"{where()}: got the bare PartitionSpec {spec}, but no mesh is set. "
-                "Set one with `jax.set_mesh(mesh)`, or pass "
-                "`jax.sharding.NamedSharding(mesh, spec)` instead."
-            )
-        try:
-            return NamedSharding(mesh, spec)
-        except Exception as e:
-            # Unknown mesh axis (ValueError), or an axis used twice (JAX's
-            # `DuplicateSpecError`, which is not a ValueError).
-            raise ValueError(f"{where()}: {e}") from e
-    return spec
+    kind = kind_of(spec)
+    if kind is None or kind.resolve is None:
+        return spec
+    if mesh is None:
+        return kind.resolve(spec, lambda: context_mesh(abstract_ok=abstract_ok), where)
+    return kind.resolve(spec, lambda: mesh, where)
 
 
 def on_abstract_mesh(sharding: Any) -> bool:
