@@ -66,7 +66,7 @@ class Donation:
     when an argument structure or an entry is built, never on a call: what a call runs
     (`keeper`, `launch`) is made then."""
 
-    __slots__ = ("mode", "_donates", "_quiet")
+    __slots__ = ("_donates", "_quiet")
 
     def __init__(self, mode: Any):
         try:
@@ -77,7 +77,6 @@ class Donation:
                 f"`filter_jit(..., donate=...)` must be one of {', '.join(names)}, "
                 f"or {last}; got {mode!r}."
             ) from None
-        self.mode = mode
 
     def argnums(self, n_args: int) -> tuple[int, ...]:
         """`jax.jit`'s `donate_argnums` for the traced function `(fun, kwargs, *args)`

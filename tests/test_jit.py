@@ -422,6 +422,17 @@ def test_which_inputs_a_mode_donates_is_decided_by_donate_alone(monkeypatch):
     assert not c.is_deleted() and tree_allclose(c, jnp.arange(16.0) * 4)
 
 
+def test_unknown_donate_mode_lists_the_modes():
+    # `filter_jit`'s annotation is checked at runtime under the tests: ask the value.
+    message = (
+        "`filter_jit(..., donate=...)` must be one of 'all', 'all-except-first', "
+        "'warn', 'warn-except-first', or 'none'; got 'al'."
+    )
+    with pytest.raises(ValueError) as info:
+        _donate.Donation("al")
+    assert str(info.value) == message
+
+
 def test_same_buffer_twice_is_not_donated():
     # Plain `jax.jit(f, donate_argnums=0)(a, a)` segfaults for a multi-device `a`.
     mesh = auto_mesh()
