@@ -20,7 +20,7 @@ from jax.sharding import Sharding
 from jax.tree_util import PyTreeDef
 
 from ._arrays import deleted_test, raise_if_deleted, raise_if_fun_deleted
-from ._donate import DONATE_MODES
+from ._donate import Donation
 from ._mirror import getter, Packing
 from ._spec import (
     check,
@@ -77,16 +77,7 @@ class Cache:
     `Entry`."""
 
     def __init__(self, fun, donate, in_shardings, out_shardings):
-        try:
-            self.donate_first, self.donate_rest, self.filter_warning = DONATE_MODES[
-                donate
-            ]
-        except (KeyError, TypeError):
-            raise ValueError(
-                "`filter_jit(..., donate=...)` must be one of 'all', "
-                "'all-except-first', 'warn', 'warn-except-first', or 'none'; got "
-                f"{donate!r}."
-            ) from None
+        self.donation = Donation(donate)
         self.signature = signature = inspect.signature(fun)
         params = list(signature.parameters.values())
         positional = [
@@ -252,12 +243,7 @@ class ArgStructure:
         self.static_of = getter(self.static)
         # How the traced leaves go to `jax.jit`.
         self.packing = Packing(args, kwargs, mask)
-        n_first = len(jtu.tree_leaves(args[0])) if args else 0
-        self.donated = tuple(
-            i
-            for i in self.dynamic
-            if (cache.donate_first if i < n_first else cache.donate_rest)
-        )
+        self.donated = cache.donation.leaves(args, self.dynamic)
         self.specs = _in_specs(cache, args, kwargs, leaves, dynamic)
         # What resolving the specs depends on: the leaves that rules see (every
         # traced leaf when `out_shardings` rules see the output), and the mesh.

@@ -1,12 +1,20 @@
-"""Donation: which arguments a `filter_jit` donates, private copies so that no array
-the caller keeps is donated, and the launch of a donating call (RFC §6). Whether an
-array is deleted, and the one message for it, are `_arrays`'."""
+"""Donation (RFC §6): what a `filter_jit` decoration donates and what its calls do with
+the inputs they donate, owned by one value per decoration, `Donation`, that the cache
+and its entries ask when they are built. It decides which arguments and leaves are
+donated (`jax.jit`'s `donate_argnums` included), which donated arrays are replaced by
+private copies so that no array the caller keeps is donated, whether a donated input
+that moves may share the caller's buffers, and how a donating call launches, JAX's
+warning of unusable donations included. `private_copies` and `shares_source_buffer`
+also keep `filter_device_put(donate=...)` from donating what the caller keeps
+(`_place`). Whether an array is deleted, and the one message for it, are `_arrays`';
+the lock is `_launch`'s."""
 
 import collections as co
 import contextlib
+import functools as ft
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax._src.traceback_util as traceback_util
@@ -20,24 +28,117 @@ from ._launch import dispatch_lock
 traceback_util.register_exclusion(__file__)
 
 
-# mode -> (donate_first, donate_rest, filter_warning)
-DONATE_MODES = {
-    "all": (True, True, True),
-    "all-except-first": (False, True, True),
-    "warn": (True, True, False),
-    "warn-except-first": (False, True, False),
-    "none": (False, False, False),
+#
+# Which inputs a mode donates.
+#
+
+
+DonateMode = Literal["all", "all-except-first", "warn", "warn-except-first", "none"]
+
+
+def _every(position: int | None, n_args: int) -> bool:
+    return True
+
+
+def _not_first(position: int | None, n_args: int) -> bool:
+    return position != 0
+
+
+def _nothing(position: int | None, n_args: int) -> bool:
+    return False
+
+
+# mode -> (whether the argument at `position` of `n_args` positional arguments is
+# donated, `position=None` standing for the keyword arguments and the function's own
+# arrays; whether JAX's warning of donated buffers that no output reuses is ignored).
+MODES: dict[str, tuple[Callable[[int | None, int], bool], bool]] = {
+    "all": (_every, True),
+    "all-except-first": (_not_first, True),
+    "warn": (_every, False),
+    "warn-except-first": (_not_first, False),
+    "none": (_nothing, False),
 }
 
 
-def donate_argnums(donate_first: bool, donate_rest: bool, n_args: int) -> tuple:
-    """`jax.jit`'s `donate_argnums` for the traced function `(fun, kwargs, *args)`."""
-    donate = [0, 1] if donate_rest else []
-    if n_args and donate_first:
-        donate.append(2)
-    if donate_rest:
-        donate.extend(range(3, 2 + n_args))
-    return tuple(donate)
+class Donation:
+    """What one `filter_jit(donate=mode)` decoration donates, and what its calls do
+    with the inputs they donate. Made once per decoration (`_cache.Cache`) and asked
+    when an argument structure or an entry is built, never on a call: what a call runs
+    (`keeper`, `launch`) is made then."""
+
+    __slots__ = ("_donates", "_quiet")
+
+    def __init__(self, mode: Any):
+        try:
+            self._donates, self._quiet = MODES[mode]
+        except (KeyError, TypeError):
+            *names, last = map(repr, MODES)
+            raise ValueError(
+                f"`filter_jit(..., donate=...)` must be one of {', '.join(names)}, "
+                f"or {last}; got {mode!r}."
+            ) from None
+
+    def argnums(self, n_args: int) -> tuple[int, ...]:
+        """`jax.jit`'s `donate_argnums` for the traced function `(fun, kwargs, *args)`
+        of a call with `n_args` positional arguments."""
+        rest = self._donates(None, n_args)
+        donated = (rest, rest, *(self._donates(p, n_args) for p in range(n_args)))
+        return tuple(i for i, d in enumerate(donated) if d)
+
+    def leaves(self, args: tuple, dynamic: tuple[int, ...]) -> tuple[int, ...]:
+        """The donated leaves of the bound `(args, kwargs)`, by index: those of
+        `dynamic` (the traced leaves) in a donated argument."""
+        n_args = len(args)
+        flags = []
+        for p, arg in enumerate(args):
+            flags += [self._donates(p, n_args)] * len(jtu.tree_leaves(arg))
+        rest = self._donates(None, n_args)  # the keyword arguments' leaves
+        return tuple(i for i in dynamic if (flags[i] if i < len(flags) else rest))
+
+    def donates(self, leaves: tuple[int, ...], dynamic_fun: Any, n_args: int) -> bool:
+        """Whether an entry donates anything: its donated `leaves` (`Donation.leaves`)
+        or the function's own arrays (`dynamic_fun`, `None` where it has none)."""
+        return bool(leaves) or (dynamic_fun is not None and self._donates(None, n_args))
+
+    #
+    # What a donating call does: the work of each call, made per entry.
+    #
+
+    def keeper(
+        self,
+        leaves: tuple[int, ...],
+        dynamic: tuple[int, ...],
+        n_args: int,
+        fun_name: str,
+    ) -> Callable:
+        """`keep(call_leaves, dynamic_fun, where)`, run before each call of an entry
+        that donates: see `keep_undonated`."""
+        fun_donated = self._donates(None, n_args)
+        return ft.partial(keep_undonated, leaves, dynamic, fun_donated, fun_name)
+
+    def may_alias(self, leaves: list, moves: list, donated: tuple[int, ...]) -> list:
+        """`place`'s `may_alias`, per leaf, for the moves `(i, sharding)` of a call's
+        inputs before `jax.jit`: a moved array is never returned to the caller, so it
+        may share the caller's buffers, except that a donated one shares all of them
+        (donating it then frees the caller's array, where `jax.jit` frees a donated
+        input that it moves) or none (`reuses_every_buffer`)."""
+        donated_set = frozenset(donated)
+        may_alias = [True] * len(leaves)
+        for i, sharding in moves:
+            if i in donated_set:
+                may_alias[i] = reuses_every_buffer(leaves[i], sharding)
+        return may_alias
+
+    def launch(self, dynamic_fun: Any) -> Callable:
+        """The launch of an entry that donates (see `_launch.stack`): under
+        `_launch.dispatch_lock`, its inputs (and `dynamic_fun`'s arrays) checked again,
+        and JAX's warning of unusable donations ignored where the mode says so."""
+        return _donating(self._quiet, bool(jtu.tree_leaves(dynamic_fun)))
+
+    def tracing(self) -> contextlib.AbstractContextManager:
+        """The context to trace or lower in: JAX's warning of unusable donations is
+        expected there, whatever the mode."""
+        return _unusable_donations_ignored()
 
 
 #
@@ -94,19 +195,20 @@ def reuses_every_buffer(leaf: Any, sharding: Sharding) -> bool:
 
 
 def keep_undonated(
+    donated: tuple[int, ...],
+    dynamic: tuple[int, ...],
+    fun_donated: bool,
+    fun_name: str,
     leaves: list,
-    donated: tuple,
-    dynamic: tuple,
     dynamic_fun: Any,
     where: Callable[[int], str],
-    fun_name: str,
 ) -> list:
-    """Before a donating call: `leaves` with every donated array that is reachable
+    """Before a donating call: `leaves` with every `donated` array that is reachable
     twice in the call (donated twice, or donated and kept: donating one occurrence
     would free the others within the same execution, which crashes XLA for multi-device
-    arrays) replaced by a private copy. `dynamic_fun` holds the function's arrays when
-    they are donated too: one of them passed again as an argument raises."""
-    fun_leaves = jtu.tree_leaves(dynamic_fun)
+    arrays) replaced by a private copy. Where `fun_donated`, the function's own arrays
+    (`dynamic_fun`) are donated too: one of them passed again as an argument raises."""
+    fun_leaves = jtu.tree_leaves(dynamic_fun) if fun_donated else []
     if any(map(is_deleted, fun_leaves)):
         raise_if_fun_deleted(fun_name, dynamic_fun)
     dynamic_ids = {id(leaves[i]) for i in dynamic}
@@ -137,15 +239,13 @@ def keep_undonated(
 
 
 #
-# The launch of a donating call (see `_launch`).
+# The launch of a donating call (see `_launch`), and JAX's warning.
 #
 
 
-def donating(filter_warning: bool, fun_arrays: bool) -> Callable:
-    """The launch of an entry that donates (see `_launch.stack`): under
-    `_launch.dispatch_lock`, its inputs checked again, and JAX's warning of unusable
-    donations filtered where `filter_warning`. `fun_arrays`: whether the function
-    itself holds arrays (`dynamic[0]`)."""
+def _donating(quiet: bool, fun_arrays: bool) -> Callable:
+    """`Donation.launch`. `quiet`: whether JAX's warning of unusable donations is
+    ignored; `fun_arrays`: whether the function itself holds arrays (`dynamic[0]`)."""
 
     def dispatch(run, dynamic, deleted, leaves, jit_id):
         with dispatch_lock:
@@ -154,16 +254,16 @@ def donating(filter_warning: bool, fun_arrays: bool) -> Callable:
                 fun_arrays and any(map(is_deleted, jtu.tree_leaves(dynamic[0])))
             ):
                 raise RuntimeError("An input was donated by another thread.")
-            if not filter_warning:
+            if not quiet:
                 return run(*dynamic)
-            with unusable_donations_ignored():
+            with _unusable_donations_ignored():
                 return run(*dynamic)
 
     return dispatch
 
 
 @contextlib.contextmanager
-def unusable_donations_ignored():
+def _unusable_donations_ignored():
     """JAX warns of each donated buffer that no output can reuse: with `donate='all'`
     (not `'warn'`) and while tracing, that is expected."""
     with warnings.catch_warnings():

@@ -18,7 +18,7 @@ import jax
 import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 
-from . import _callbacks, _donate, _launch
+from . import _callbacks, _launch
 from ._arrays import is_concrete, is_tracer, is_value, raise_if_deleted
 from ._cache import arg_path, ArgStructure, Cache, diagnose
 from ._kinds import is_auto, kind_of, sharding_of
@@ -52,6 +52,7 @@ class Entry:
         "get_targets",
         "placed",  # `(True, sharding)` per target: committed there
         "donates",
+        "keep",  # `_donate.Donation.keeper`'s, where the entry donates
         "lean",  # nothing placed, nothing donated: `prepare` only packs
         "jitted",
         "launch",
@@ -90,9 +91,14 @@ def build_entry(
     entry.targets = targets
     entry.get_targets = getter(tuple(i for i, _ in targets))
     entry.placed = tuple((True, s) for _, s in targets)
-    entry.donates = bool(structure.donated) or (
-        cache.donate_rest and wrapper._dynamic_fun is not None
-    )
+    donation = cache.donation
+    n_args = len(args)
+    entry.donates = donation.donates(structure.donated, wrapper._dynamic_fun, n_args)
+    entry.keep = None
+    if entry.donates:
+        entry.keep = donation.keeper(
+            structure.donated, structure.dynamic, n_args, cache.fun_name
+        )
     entry.lean = not entry.donates and not targets
     jitted = entry.jitted = _jit(wrapper, cache, structure, args, leaves, formats)
     leaves, dynamic = prepare(
@@ -100,25 +106,21 @@ def build_entry(
     )
     guards = None
     if not jax.config.jax_disable_jit:  # pyright: ignore
-        with _donate.unusable_donations_ignored():
+        with donation.tracing():
             if isinstance(jitted, ResolveRules):
                 jitted = entry.jitted = jitted.trace(*dynamic)
             traced = jitted.trace(*dynamic)
             if _callbacks.has_callback(traced.jaxpr.jaxpr):
-                donate = _donate.donate_argnums(
-                    cache.donate_first, cache.donate_rest, len(args)
-                )
-                guards = _callbacks.Guards(jitted, donate)
+                guards = _callbacks.Guards(jitted, donation.argnums(n_args))
     if auto is not None:
         entry.jitted = AutoLayouts(entry.jitted, auto)
     shardings = [s for _, s in targets]
     shardings += [getattr(leaves[i], "sharding", None) for i in structure.dynamic]
-    fun_arrays = bool(jtu.tree_leaves(wrapper._dynamic_fun))
     # The dispatch: the launch (under the lock where the entry donates, with its
     # inputs checked again, or runs on several CPU devices), then the wait for
     # callbacks.
     if entry.donates:
-        entry.launch = _donate.donating(cache.filter_warning, fun_arrays)
+        entry.launch = donation.launch(wrapper._dynamic_fun)
     else:
         entry.launch = _launch.launch_for(shardings)
     entry.layers = () if guards is None else (ft.partial(_callbacks.waiting, guards),)
@@ -142,16 +144,12 @@ def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple
     structure = entry.structure
     placed = leaves
     if entry.donates:
-        fun = dynamic_fun if cache.donate_rest else None
-        where = _where(cache, args, kwargs)
-        placed = _donate.keep_undonated(
-            leaves, structure.donated, structure.dynamic, fun, where, cache.fun_name
-        )
+        placed = entry.keep(leaves, dynamic_fun, _where(cache, args, kwargs))
     if entry.targets and not all_placed(entry.get_targets(placed), entry.placed):
         placed = list(placed)
-        donated = structure.donated if entry.donates else ()
+        where = _where(cache, args, kwargs)
         try:
-            _place_inputs(placed, entry.targets, _where(cache, args, kwargs), donated)
+            _place_inputs(placed, entry.targets, where, cache, structure)
         except Exception:
             # The entry was checked for the shapes of the call that made it.
             diagnose(cache, args, kwargs, placed, structure.dynamic, entry.targets)
@@ -166,21 +164,18 @@ def _where(cache, args, kwargs):
     return lambda i: arg_path(cache.names, args, kwargs, i)
 
 
-def _place_inputs(leaves: list, targets: list, where, donated) -> None:
+def _place_inputs(
+    leaves: list, targets: list, where, cache: Cache, structure: ArgStructure
+) -> None:
     """`place`s the inputs that are values (not tracers: inside a trace, on the
     abstract mesh, the enclosing call places; NumPy only across processes, else
-    `jax.jit` transfers it, as it would without us). The moved arrays are never
-    returned to the caller, so they may share its buffers, except that a donated one
-    shares all of them or none (`_donate.reuses_every_buffer`)."""
+    `jax.jit` transfers it, as it would without us), sharing the caller's buffers
+    where the decoration's donation allows (`_donate.Donation.may_alias`)."""
     targets = [(i, s) for i, s in targets if not on_abstract_mesh(s)]
     multiprocess = any(not s.is_fully_addressable for _, s in targets)
     value = is_value if multiprocess else is_concrete
     todo = [(i, s) for i, s in targets if value(leaves[i])]
-    donated = frozenset(donated)
-    may_alias = [True] * len(leaves)
-    for i, s in todo:
-        if i in donated:
-            may_alias[i] = _donate.reuses_every_buffer(leaves[i], s)
+    may_alias = cache.donation.may_alias(leaves, todo, structure.donated)
     place(leaves, todo, where, may_alias=may_alias)
 
 
@@ -242,9 +237,7 @@ def _jit(wrapper, cache: Cache, structure: ArgStructure, args, leaves, targets):
         for i, sharding in targets:
             shardings[i] = for_jax(sharding)
         jit_kwargs["in_shardings"] = (None, *structure.packing.pack(shardings))
-    jit_kwargs["donate_argnums"] = _donate.donate_argnums(
-        cache.donate_first, cache.donate_rest, len(args)
-    )
+    jit_kwargs["donate_argnums"] = cache.donation.argnums(len(args))
     out_specs = cache.out_shardings
     if out_specs is not unset:
         out_specs = static_out_shardings(out_specs)

@@ -4,7 +4,7 @@ from a call to `jax.jit` (bind, flatten, look up, prepare, dispatch, postprocess
 import functools as ft
 import os
 from collections.abc import Callable
-from typing import Any, Literal, overload, TypeVar
+from typing import Any, overload, TypeVar
 from typing_extensions import ParamSpec
 
 import equinox as eqx
@@ -16,7 +16,7 @@ from equinox import field, is_array, Module, module_update_wrapper, Partial
 from . import _explain
 from ._arrays import is_array_or_struct
 from ._cache import ArgStructure, Cache, diagnose, get_cache, StructureKey
-from ._donate import unusable_donations_ignored
+from ._donate import DonateMode
 from ._entry import AutoLayouts, build_entry, Entry, prepare
 from ._mirror import mirror_combine, mirror_partition
 from ._spec_leaves import unset
@@ -27,9 +27,6 @@ traceback_util.register_exclusion(__file__)
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
-
-_DonateMode = Literal["all", "all-except-first", "warn", "warn-except-first", "none"]
-
 
 #
 # The call path: bind, flatten, look up, prepare, dispatch, postprocess.
@@ -283,7 +280,7 @@ class _JitWrapper(Module):
         replaced by `jax.ShapeDtypeStruct`s (optionally carrying a `sharding`)."""
 
         def lower(jitted, dynamic):
-            with unusable_donations_ignored():
+            with self._cache.donation.tracing():
                 return jitted.lower(*dynamic)
 
         entry, lowered = self._ahead(args, kwargs, lower)
@@ -317,7 +314,7 @@ def filter_jit(
     *,
     in_shardings: Any = unset,
     out_shardings: Any = unset,
-    donate: _DonateMode = "none",
+    donate: DonateMode = "none",
 ) -> Callable[[Callable[_P, _T]], Callable[_P, _T]]: ...
 
 
@@ -327,7 +324,7 @@ def filter_jit(
     *,
     in_shardings: Any = unset,
     out_shardings: Any = unset,
-    donate: _DonateMode = "none",
+    donate: DonateMode = "none",
 ) -> Callable[_P, _T]: ...
 
 
@@ -336,7 +333,7 @@ def filter_jit(
     *,
     in_shardings: Any = unset,
     out_shardings: Any = unset,
-    donate: _DonateMode = "none",
+    donate: DonateMode = "none",
 ):
     """An easier-to-use version of `jax.jit` that also takes shardings. All JAX and
     NumPy arrays are traced and all other types are held static, exactly as in

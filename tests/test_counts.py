@@ -25,7 +25,7 @@ _VERSION = (sys.version_info[:2], (_major, _minor))
 _WORK = {
     ((3, 11), (0, 10)): {
         "plain": (18, 958),
-        "donating": (41, 1532),
+        "donating": (41, 1521),
         "in_shardings": (35, 1035),
         "callback": (30, 1108),
         "filter_device_put replicated uncommitted": (118, 2476),
@@ -35,7 +35,7 @@ _WORK = {
     },
     ((3, 13), (0, 12)): {
         "plain": (14, 615),
-        "donating": (35, 1138),
+        "donating": (35, 1127),
         "in_shardings": (31, 683),
         "callback": (26, 760),
         "filter_device_put replicated uncommitted": (113, 2339),

@@ -1,3 +1,4 @@
+import typing
 import warnings
 
 import equinox as eqx
@@ -9,6 +10,7 @@ import jax.tree_util as jtu
 import numpy as np
 import optax
 import pytest
+from equinox_shard import _donate
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .helpers import (
@@ -390,6 +392,45 @@ def test_donate_modes_with_shardings(donate, first_deleted, rest_deleted):
     assert tree_allclose(a2, jnp.arange(16.0) + 1)
     assert tree_allclose(b2, jnp.arange(16.0) * 2 + 1)
     assert_shardings((a2, b2), batch)
+
+
+def test_which_inputs_a_mode_donates_is_decided_by_donate_alone(monkeypatch):
+    """A mode's entry in `_donate`'s table alone decides what it donates, end to end:
+    redefined there as "all except the last argument", the arguments and the
+    function's own arrays that it donates are freed, and the argument it keeps
+    survives, also when passed again in donated positions."""
+    assert typing.get_args(_donate.DonateMode) == tuple(_donate.MODES)
+    all_except_last = (lambda position, n_args: position != n_args - 1, True)
+    monkeypatch.setitem(_donate.MODES, "all-except-first", all_except_last)
+    batch = NamedSharding(auto_mesh(), P("x"))
+    put = lambda k: jax.device_put(jnp.arange(16.0) * k, batch)
+
+    class Step(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, a, b, c):
+            return self.w + 1, a + 1, b + 1, c + 1
+
+    module = Step(put(1))
+    step = eqxs.filter_jit(module, in_shardings=batch, donate="all-except-first")
+    a, b, c = put(2), put(3), put(4)
+    out = step(a, b, c)
+    assert tree_allclose(out, tuple(jnp.arange(16.0) * k + 1 for k in (1, 2, 3, 4)))
+    assert [x.is_deleted() for x in (module.w, a, b, c)] == [True, True, True, False]
+    out = eqxs.filter_jit(Step(put(1)), donate="all-except-first")(c, c, c)
+    assert tree_allclose(out[1:], (jnp.arange(16.0) * 4 + 1,) * 3)
+    assert not c.is_deleted() and tree_allclose(c, jnp.arange(16.0) * 4)
+
+
+def test_unknown_donate_mode_lists_the_modes():
+    # `filter_jit`'s annotation is checked at runtime under the tests: ask the value.
+    message = (
+        "`filter_jit(..., donate=...)` must be one of 'all', 'all-except-first', "
+        "'warn', 'warn-except-first', or 'none'; got 'al'."
+    )
+    with pytest.raises(ValueError) as info:
+        _donate.Donation("al")
+    assert str(info.value) == message
 
 
 def test_same_buffer_twice_is_not_donated():
