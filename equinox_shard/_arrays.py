@@ -1,6 +1,7 @@
 """The state of an array at this moment, each meaning defined once: whether a value is
 an array or its description, a concrete array (not a tracer), deleted, a typed PRNG
-key, and whether a sharding places it in a device's default memory."""
+key, and whether a sharding places it in a device's default memory or is one resolved
+inside a trace (on an abstract mesh)."""
 
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,11 @@ NUMPY = (np.ndarray, np.generic)
 def in_default_memory(sharding: Any) -> bool:
     """Whether `sharding` places its arrays in the devices' default memory."""
     return sharding.memory_kind in DEFAULT_MEMORY
+
+
+def on_abstract_mesh(sharding: Any) -> bool:
+    """Whether `sharding` is on an `AbstractMesh` (resolved inside a trace)."""
+    return isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh)
 
 
 def is_array_or_struct(x: Any) -> bool:

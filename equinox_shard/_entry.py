@@ -19,7 +19,13 @@ import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 
 from . import _callbacks, _launch
-from ._arrays import is_concrete, is_tracer, is_value, raise_if_deleted
+from ._arrays import (
+    is_concrete,
+    is_tracer,
+    is_value,
+    on_abstract_mesh,
+    raise_if_deleted,
+)
 from ._cache import arg_path, ArgStructure, Cache, diagnose
 from ._kinds import is_auto, kind_of, sharding_of
 from ._mirror import getter, mirror
@@ -28,7 +34,6 @@ from ._spec import (
     check,
     context_mesh,
     for_jax,
-    on_abstract_mesh,
     resolve,
     resolve_each,
 )

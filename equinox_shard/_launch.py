@@ -11,7 +11,7 @@ import jax
 import jax._src.traceback_util as traceback_util
 from jax.sharding import Sharding
 
-from ._spec import on_abstract_mesh
+from ._arrays import on_abstract_mesh
 
 
 traceback_util.register_exclusion(__file__)

@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 from jax.tree_util import PyTreeDef
 
-from ._arrays import DEFAULT_MEMORY
+from ._arrays import DEFAULT_MEMORY, on_abstract_mesh
 from ._kinds import is_kind, kind_of, names, sharding_of
 from ._spec_leaves import (
     _check_spec_leaf,
@@ -360,11 +360,6 @@ def resolve(
     if mesh is None:
         return kind.resolve(spec, lambda: context_mesh(abstract_ok=abstract_ok), where)
     return kind.resolve(spec, lambda: mesh, where)
-
-
-def on_abstract_mesh(sharding: Any) -> bool:
-    """Whether `sharding` is on an `AbstractMesh` (resolved inside a trace)."""
-    return isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh)
 
 
 def for_jax(sharding: Any) -> Any:
