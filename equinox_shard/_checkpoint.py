@@ -30,8 +30,7 @@ from jaxtyping import PyTree
 
 from . import _datafiles as datafiles, _progress as progress, _record as record_lib
 from ._orbax_setup import arrays_handler, composite, orbax as _orbax
-from ._sharding import resolve_leaves
-from ._spec import check
+from ._spec import check, resolve_leaves
 
 
 traceback_util.register_exclusion(__file__)

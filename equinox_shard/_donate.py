@@ -4,10 +4,9 @@ and its entries ask when they are built. It decides which arguments and leaves a
 donated (`jax.jit`'s `donate_argnums` included), which donated arrays are replaced by
 private copies so that no array the caller keeps is donated, whether a donated input
 that moves may share the caller's buffers, and how a donating call launches, JAX's
-warning of unusable donations included. `private_copies` and `shares_source_buffer`
-also keep `filter_device_put(donate=...)` from donating what the caller keeps
-(`_place`). Whether an array is deleted, and the one message for it, are `_arrays`';
-the lock is `_launch`'s."""
+warning of unusable donations included. Which buffers a transfer shares, and the
+private copy that avoids it, are `_buffers`'; whether an array is deleted, and the one
+message for it, `_arrays`'; the lock, `_launch`'s."""
 
 import collections as co
 import contextlib
@@ -19,9 +18,9 @@ from typing import Any, Literal
 import jax
 import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
-from jax.sharding import Sharding
 
-from ._arrays import is_concrete, is_deleted, is_tracer, raise_if_fun_deleted
+from ._arrays import is_deleted, is_tracer, raise_if_fun_deleted
+from ._buffers import private_copies, reuses_every_buffer
 from ._launch import dispatch_lock
 
 
@@ -144,54 +143,6 @@ class Donation:
 #
 # Nothing kept is donated.
 #
-
-
-def private_copies(leaves: list, indices: list[int]) -> None:
-    """Replaces each `leaves[i]`, `i` in `indices`, by a copy with the same sharding
-    that shares no buffer with it."""
-    if not indices:
-        return
-    copies = jax.device_put(
-        [leaves[i] for i in indices],
-        [leaves[i].sharding for i in indices],
-        may_alias=False,
-    )
-    for i, x in zip(indices, copies):
-        leaves[i] = x
-
-
-def shares_source_buffer(leaf: Any, sharding: Sharding) -> bool:
-    """Whether `jax.device_put(leaf, sharding, may_alias=False)` may still hand back one
-    of `leaf`'s own buffers as a shard of the result: JAX reuses a buffer wherever the
-    result's shard on a device is exactly `leaf`'s shard on that device, whatever
-    `may_alias` says (upstream/jax-reports/device-put-may-alias-replicated)."""
-    if not isinstance(leaf, jax.Array):
-        return False
-    source = leaf.sharding
-    if source.device_set.isdisjoint(sharding.device_set):
-        return False
-    if len(source.device_set) == 1:
-        # Onto its own device alone, JAX does copy.
-        return len(sharding.device_set) > 1 and sharding.is_fully_replicated
-    source_map = source.devices_indices_map(leaf.shape)
-    return any(
-        source_map.get(device) == index
-        for device, index in sharding.devices_indices_map(leaf.shape).items()
-    )
-
-
-def reuses_every_buffer(leaf: Any, sharding: Sharding) -> bool:
-    """Whether `jax.device_put(leaf, sharding)` hands back every one of `leaf`'s buffers
-    as a shard of its result (onto its own device, or replicated over devices that
-    include all of `leaf`'s), so that donating the result deletes `leaf`, as `jax.jit`
-    does with a donated input that it moves."""
-    if not is_concrete(leaf):
-        return False
-    target_map = sharding.devices_indices_map(leaf.shape)
-    return all(
-        target_map.get(device) == index
-        for device, index in leaf.sharding.devices_indices_map(leaf.shape).items()
-    )
 
 
 def keep_undonated(

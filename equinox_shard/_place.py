@@ -25,7 +25,7 @@ from ._arrays import (
     is_tracer,
     raise_if_deleted,
 )
-from ._donate import private_copies, shares_source_buffer
+from ._buffers import private_copies, shares_source_buffer
 from ._kinds import kind_of, sharding_of
 from ._spec import check
 

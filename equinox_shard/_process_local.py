@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
-from . import _place, _sharding
+from . import _place, _spec
 from ._multiprocess import check_identical, is_host_local, processes_of, to_host
 from ._spec import broadcast_prefix, check, leaf_path
 
@@ -113,7 +113,7 @@ def filter_make_array_from_process_local_data(
         ```
     """
     leaves, treedef = jtu.tree_flatten(local_data)
-    todo = _sharding.resolve_leaves(
+    todo = _spec.resolve_leaves(
         local_data,
         leaves,
         shardings,

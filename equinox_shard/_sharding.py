@@ -1,7 +1,6 @@
-"""`filter_device_put` and `filter_shard`: resolving a specification against a PyTree
-and placing (eagerly) or constraining (inside a trace) its array leaves."""
+"""`filter_device_put` and `filter_shard`: the array leaves of a PyTree placed (eagerly)
+or constrained (inside a trace) on what its specification resolves to (`_spec`)."""
 
-import functools as ft
 from collections.abc import Callable
 from typing import Any
 
@@ -9,7 +8,6 @@ import jax
 import jax._src.traceback_util as traceback_util
 import jax.lax as lax
 import jax.tree_util as jtu
-from equinox import is_array
 from jax.sharding import (
     AxisType,
     NamedSharding,
@@ -26,49 +24,11 @@ from ._spec import (
     for_jax,
     in_trace,
     leaf_path,
-    resolve,
-    resolve_each,
-    spread,
+    resolve_leaves,
 )
 
 
 traceback_util.register_exclusion(__file__)
-
-
-def resolve_leaves(
-    value: Any,
-    leaves: list,
-    specs: Any,
-    spec_name: str,
-    value_name: str,
-    *,
-    abstract_ok: bool,
-    dynamic: Callable[[Any], bool] = is_array,
-    mesh=None,
-    formats: bool = False,
-) -> list[tuple[int, Any]]:
-    """Returns `(leaf index, sharding)` for every dynamic leaf of `value` whose
-    specification resolves to a sharding (i.e. not `None`); bare `PartitionSpec`s
-    against `mesh` if given, else the context mesh. A `Format` is returned as it is
-    if `formats`, else is a `TypeError` naming the leaf: every `sharding` is then a
-    `Sharding`."""
-    if isinstance(specs, Sharding):  # the common case: nothing to broadcast or resolve
-        return [(i, specs) for i, leaf in enumerate(leaves) if dynamic(leaf)]
-    where = lambda i: leaf_path(value, i, value_name)
-    per_leaf = spread(specs, value, leaves, spec_name, value_name, where, dynamic)
-    indices = [i for i, leaf in enumerate(leaves) if dynamic(leaf)]
-    resolver = ft.partial(resolve, abstract_ok=abstract_ok, mesh=mesh)
-    out = resolve_each(per_leaf, leaves, indices, where, resolver)
-    if not formats:
-        for i, sharding in out:
-            kind = kind_of(sharding)
-            if kind is not None and kind.placement_only:
-                raise TypeError(
-                    f"{where(i)}: a {kind.name} is a spec leaf of "
-                    "`filter_device_put`, `filter_shard` and `filter_jit` only; "
-                    f"{kind.placement_hint}. Got {sharding}."
-                )
-    return out
 
 
 def _broadcast_flags(

@@ -1,7 +1,7 @@
 """The sharding-specification language shared by every public function.
 
 A *specification* is a PyTree prefix of a value. Each of its leaves ("spec leaves") is
-one of (the first five are the kinds of `_kinds`):
+one of (the kinds of `_kinds.KINDS`, then `None`, a callable and a `PathRules`):
 
 - a `jax.sharding.Sharding`;
 - a `jax.Device`, meaning `jax.sharding.SingleDeviceSharding(device)`;
@@ -22,10 +22,11 @@ Only array leaves (`equinox.is_array`) are ever placed or constrained; every oth
 is returned as the same object, whatever spec sits above it.
 
 This module turns a specification plus a value into one resolved `Sharding | None` per
-array leaf, and produces the error messages: each names the offending leaf by its key
+array leaf (`resolve_leaves`), and produces the error messages: each names the offending leaf by its key
 path, as `jax.tree_util.keystr` prints it, rooted at the user's own argument name.
 """
 
+import functools as ft
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,6 +34,7 @@ from typing import Any
 import jax
 import jax.tree_util as jtu
 import numpy as np
+from equinox import is_array
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 from jax.tree_util import PyTreeDef
 
@@ -360,6 +362,42 @@ def resolve(
     if mesh is None:
         return kind.resolve(spec, lambda: context_mesh(abstract_ok=abstract_ok), where)
     return kind.resolve(spec, lambda: mesh, where)
+
+
+def resolve_leaves(
+    value: Any,
+    leaves: list,
+    specs: Any,
+    spec_name: str,
+    value_name: str,
+    *,
+    abstract_ok: bool,
+    dynamic: Callable[[Any], bool] = is_array,
+    mesh=None,
+    formats: bool = False,
+) -> list[tuple[int, Any]]:
+    """Returns `(leaf index, sharding)` for every dynamic leaf of `value` whose
+    specification resolves to a sharding (i.e. not `None`); bare `PartitionSpec`s
+    against `mesh` if given, else the context mesh. A `Format` is returned as it is
+    if `formats`, else is a `TypeError` naming the leaf: every `sharding` is then a
+    `Sharding`."""
+    if isinstance(specs, Sharding):  # the common case: nothing to broadcast or resolve
+        return [(i, specs) for i, leaf in enumerate(leaves) if dynamic(leaf)]
+    where = lambda i: leaf_path(value, i, value_name)
+    per_leaf = spread(specs, value, leaves, spec_name, value_name, where, dynamic)
+    indices = [i for i, leaf in enumerate(leaves) if dynamic(leaf)]
+    resolver = ft.partial(resolve, abstract_ok=abstract_ok, mesh=mesh)
+    out = resolve_each(per_leaf, leaves, indices, where, resolver)
+    if not formats:
+        for i, sharding in out:
+            kind = kind_of(sharding)
+            if kind is not None and kind.placement_only:
+                raise TypeError(
+                    f"{where(i)}: a {kind.name} is a spec leaf of "
+                    "`filter_device_put`, `filter_shard` and `filter_jit` only; "
+                    f"{kind.placement_hint}. Got {sharding}."
+                )
+    return out
 
 
 def for_jax(sharding: Any) -> Any:

@@ -17,8 +17,7 @@ from ._cache import ArgStructure, Cache
 from ._kinds import is_auto, kind_of
 from ._mirror import mirror, mirror_combine, OutStatic
 from ._place import place
-from ._sharding import resolve_leaves
-from ._spec import check, for_jax, leaf_path, resolve
+from ._spec import check, for_jax, leaf_path, resolve, resolve_leaves
 from ._spec_leaves import is_rule, is_spec_leaf, PathRules, unset
 
 

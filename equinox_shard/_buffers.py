@@ -1,0 +1,63 @@
+"""Which of an array's buffers `jax.device_put` hands back as part of its result
+(whatever `may_alias` says, RFC §6), and the private copy that shares none: the facts
+that keep placement (`_place`) and donation (`_donate`) from giving away a buffer the
+caller keeps."""
+
+from typing import Any
+
+import jax
+import jax._src.traceback_util as traceback_util
+from jax.sharding import Sharding
+
+from ._arrays import is_concrete
+
+
+traceback_util.register_exclusion(__file__)
+
+
+def private_copies(leaves: list, indices: list[int]) -> None:
+    """Replaces each `leaves[i]`, `i` in `indices`, by a copy with the same sharding
+    that shares no buffer with it."""
+    if not indices:
+        return
+    copies = jax.device_put(
+        [leaves[i] for i in indices],
+        [leaves[i].sharding for i in indices],
+        may_alias=False,
+    )
+    for i, x in zip(indices, copies):
+        leaves[i] = x
+
+
+def shares_source_buffer(leaf: Any, sharding: Sharding) -> bool:
+    """Whether `jax.device_put(leaf, sharding, may_alias=False)` may still hand back one
+    of `leaf`'s own buffers as a shard of the result: JAX reuses a buffer wherever the
+    result's shard on a device is exactly `leaf`'s shard on that device, whatever
+    `may_alias` says (upstream/jax-reports/device-put-may-alias-replicated)."""
+    if not isinstance(leaf, jax.Array):
+        return False
+    source = leaf.sharding
+    if source.device_set.isdisjoint(sharding.device_set):
+        return False
+    if len(source.device_set) == 1:
+        # Onto its own device alone, JAX does copy.
+        return len(sharding.device_set) > 1 and sharding.is_fully_replicated
+    source_map = source.devices_indices_map(leaf.shape)
+    return any(
+        source_map.get(device) == index
+        for device, index in sharding.devices_indices_map(leaf.shape).items()
+    )
+
+
+def reuses_every_buffer(leaf: Any, sharding: Sharding) -> bool:
+    """Whether `jax.device_put(leaf, sharding)` hands back every one of `leaf`'s buffers
+    as a shard of its result (onto its own device, or replicated over devices that
+    include all of `leaf`'s), so that donating the result deletes `leaf`, as `jax.jit`
+    does with a donated input that it moves."""
+    if not is_concrete(leaf):
+        return False
+    target_map = sharding.devices_indices_map(leaf.shape)
+    return all(
+        target_map.get(device) == index
+        for device, index in leaf.sharding.devices_indices_map(leaf.shape).items()
+    )
