@@ -251,8 +251,14 @@ class ArgStructure:
         self.rules = self.dynamic if cache.out_rules else in_rules
         self.needs_mesh = cache.out_mesh or any(map(needs_mesh, self.specs))
         # The key that `entries` is keyed by: the `EntryKey`, or its `static` alone
-        # (a C-level getter, no frame) where its other fields cannot vary.
-        self.key = self.entry_key if self.rules or self.needs_mesh else self.static_of
+        # (a C-level getter, no frame) where each other field is constant for this
+        # structure; a field not named in `constant`, such as a new one, keys every call.
+        constant = {"avals": not self.rules, "mesh": not self.needs_mesh}
+        self.key = (
+            self.static_of
+            if all(constant.get(name, False) for name in EntryKey._fields[1:])
+            else self.entry_key
+        )
         self.deleted = deleted_test(leaves, getter(self.dynamic))
         # Shared by every argument structure with the same traced leaves (NumPy, JAX).
         self.entries = cache.entries.setdefault((treedef, mask), {})

@@ -425,3 +425,32 @@ def test_jax_report_once_for_an_entry_with_callbacks(explain):
     assert len(mine) == 1
     assert mine[0].endswith("  * at x, now f32[16] and before f32[8]")
     assert "equinox_shard/_" not in _text(explain)
+
+
+def test_a_new_key_field_keys_a_plain_call(monkeypatch):
+    # A field added to the entry key, as a change to `_cache` alone would add it, keys
+    # even a call whose other fields are constant (no rules, no mesh).
+    EntryKey = collections.namedtuple(
+        "EntryKey", [*cache_module.EntryKey._fields, "generation"]
+    )
+    entry_key = cache_module.ArgStructure.entry_key
+    generation = [0]
+    monkeypatch.setattr(cache_module, "EntryKey", EntryKey)
+    monkeypatch.setattr(
+        cache_module.ArgStructure,
+        "entry_key",
+        lambda self, leaves: EntryKey(*entry_key(self, leaves), generation[0]),
+    )
+    traces = []
+
+    @eqxs.filter_jit
+    def inc(x):
+        traces.append(None)
+        return x + 1
+
+    inc(jnp.ones(4))
+    inc(jnp.ones(4))
+    assert len(traces) == 1
+    generation[0] = 1
+    inc(jnp.ones(4))
+    assert len(traces) == 2

@@ -433,6 +433,14 @@ def test_unknown_donate_mode_lists_the_modes():
     assert str(info.value) == message
 
 
+def test_filter_jit_docstring_names_every_donate_mode():
+    # The docstring lists the modes by hand; the table is `_donate.MODES`.
+    doc = " ".join(eqxs.filter_jit.__doc__.split())  # pyright: ignore
+    section = doc.split("- `donate`:")[1].split("**Returns:**")[0]
+    named = [mode for mode in _donate.MODES if f"`'{mode}'`" in section]
+    assert named == list(_donate.MODES)
+
+
 def test_same_buffer_twice_is_not_donated():
     # Plain `jax.jit(f, donate_argnums=0)(a, a)` segfaults for a multi-device `a`.
     mesh = auto_mesh()
