@@ -252,7 +252,7 @@ class ArgStructure:
         self.needs_mesh = cache.out_mesh or any(map(needs_mesh, self.specs))
         # The key that `entries` is keyed by: the `EntryKey`, or its `static` alone
         # (a C-level getter, no frame) where each other field is constant for this
-        # structure; a field not named in `constant`, such as a new one, keys every call.
+        # structure; a field not named in `constant` (a new one) keys every call.
         constant = {"avals": not self.rules, "mesh": not self.needs_mesh}
         self.key = (
             self.static_of

@@ -22,8 +22,9 @@ Only array leaves (`equinox.is_array`) are ever placed or constrained; every oth
 is returned as the same object, whatever spec sits above it.
 
 This module turns a specification plus a value into one resolved `Sharding | None` per
-array leaf (`resolve_leaves`), and produces the error messages: each names the offending leaf by its key
-path, as `jax.tree_util.keystr` prints it, rooted at the user's own argument name.
+array leaf (`resolve_leaves`), and produces the error messages: each names the
+offending leaf by its key path, as `jax.tree_util.keystr` prints it, rooted at the
+user's own argument name.
 """
 
 import functools as ft
