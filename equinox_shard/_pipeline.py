@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec
 from jaxtyping import PyTree
 
 from ._shard_map import filter_shard_map
+from ._spec import mesh_or_context
 
 
 traceback_util.register_exclusion(__file__)
@@ -106,18 +107,7 @@ def _batch_size(x: Any, microbatches: int) -> int:
 
 
 def _get_mesh(mesh: Any, axis_name: str) -> Any:
-    if mesh is None:
-        mesh = jax.sharding.get_abstract_mesh()
-        if mesh.empty:
-            raise ValueError(
-                "`filter_pipeline` needs a mesh: pass `mesh=...`, or set one with "
-                "`jax.set_mesh(mesh)`."
-            )
-    elif not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
-        raise TypeError(
-            "mesh must be a `jax.sharding.Mesh` or `AbstractMesh` (or None, for the "
-            f"mesh set with `jax.set_mesh`); got {mesh!r}."
-        )
+    mesh = mesh_or_context(mesh, "filter_pipeline")
     if axis_name not in mesh.axis_names:
         raise ValueError(
             f"axis_name={axis_name!r} is not an axis of the mesh (its axes are "

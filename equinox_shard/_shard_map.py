@@ -14,7 +14,15 @@ from jaxtyping import PyTree
 
 from ._arrays import raise_if_deleted
 from ._mirror import KeyPath, Named, Names
-from ._spec import call_rule, check, flatten_specs, leaf_path, resolve_each, spread
+from ._spec import (
+    call_rule,
+    check,
+    flatten_specs,
+    leaf_path,
+    mesh_or_context,
+    resolve_each,
+    spread,
+)
 from ._spec_leaves import (
     _describe_leaf,
     is_rule,
@@ -72,18 +80,6 @@ def _leaf_specs(
     for i, spec in resolve_each(per_leaf, leaves, indices, where, _resolve):
         out[i] = spec
     return out
-
-
-def _get_mesh(mesh):
-    if mesh is not None:
-        return mesh
-    context = jax.sharding.get_abstract_mesh()
-    if context.empty:
-        raise ValueError(
-            "`filter_shard_map` needs a mesh: pass `mesh=...`, or set one with "
-            "`jax.set_mesh(mesh)`."
-        )
-    return context
 
 
 def _padded(spec: PartitionSpec, ndim: int) -> tuple:
@@ -252,7 +248,7 @@ def filter_shard_map(
 
     @ft.wraps(fun)
     def mapped(*args, **kwargs):
-        mesh_ = _get_mesh(mesh)
+        mesh_ = mesh_or_context(mesh, "filter_shard_map")
         leaves, treedef = jtu.tree_flatten(args)
         where = lambda i: leaf_path(args, i, "args")
         raise_if_deleted(leaves, range(len(leaves)), where)

@@ -319,6 +319,25 @@ def context_mesh(*, abstract_ok: bool):
     return None
 
 
+def mesh_or_context(mesh: Any, function: str) -> Any:
+    """`mesh` if given (a `Mesh` or an `AbstractMesh`), else the mesh set with
+    `jax.set_mesh` (abstract: also inside a trace); raises naming `function` if there
+    is neither, or if `mesh` is not a mesh."""
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            raise ValueError(
+                f"`{function}` needs a mesh: pass `mesh=...`, or set one with "
+                "`jax.set_mesh(mesh)`."
+            )
+    elif not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+        raise TypeError(
+            "mesh must be a `jax.sharding.Mesh` or `AbstractMesh` (or None, for the "
+            f"mesh set with `jax.set_mesh`); got {mesh!r}."
+        )
+    return mesh
+
+
 def leaf_path(value: Any, index: int, value_name: str) -> str:
     """The key path of the `index`-th leaf of `value`, for error messages."""
     path, _ = jtu.tree_flatten_with_path(value)[0][index]
