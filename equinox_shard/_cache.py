@@ -289,7 +289,7 @@ def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, dynamic) ->
             )
     names = cache.names
     groups = [
-        (f"in_shardings[{p}]", spec, arg, names[p] if p < len(names) else f"args[{p}]")
+        (f"in_shardings[{p}]", spec, arg, _positional(cache, p))
         for p, (spec, arg) in enumerate(zip(specs, args))
     ]
     groups += [("in_shardings", specs[0], kwargs[k], k) for k in named]
@@ -297,7 +297,7 @@ def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, dynamic) ->
     usage = RulesUsage()  # strict rules: checked over all the arguments at once
     for name, spec, arg, arg_name in groups:
         start = len(out)
-        where = lambda j, s=start: arg_path(names, args, kwargs, s + j)
+        where = lambda j, s=start: arg_path(names, args, kwargs, s + j, cache.var_name)
         leaves_ = jtu.tree_leaves(arg)
         out.extend(spread(spec, arg, leaves_, name, arg_name, where, dynamic, usage))
     usage.check()
@@ -309,21 +309,37 @@ def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, dynamic) ->
 #
 
 
-def arg_path(names: Sequence[str], args: tuple, kwargs: dict, index: int) -> str:
+def _positional(cache: Cache, position: int) -> str:
+    names = cache.names
+    if position < len(names):
+        return names[position]
+    if cache.var_name is not None:
+        return f"{cache.var_name}[{position - len(names)}]"
+    return f"args[{position}]"
+
+
+def arg_path(
+    names: Sequence[str], args: tuple, kwargs: dict, index: int, var_name=None
+) -> str:
     """The key path of leaf `index` of `(args, kwargs)`, from the parameter name."""
     path, _ = jtu.tree_flatten_with_path((args, kwargs))[0][index]
-    return path_name(names, path)
+    return path_name(names, path, var_name)
 
 
-def path_name(names: Sequence[str], path: tuple) -> str:
+def path_name(names: Sequence[str], path: tuple, var_name=None) -> str:
     """A key path into the bound `(args, kwargs)`, rooted at the parameter's name
-    (`names`: the positional parameters')."""
+    (`names`: the positional parameters'; `var_name`: the `*args` parameter's)."""
     if len(path) < 2:
         return "the arguments"
     group, key, *rest = path
     if group.idx == 0:  # pyright: ignore
         position: int = key.idx  # pyright: ignore
-        name = names[position] if position < len(names) else f"args[{position}]"
+        if position < len(names):
+            name = names[position]
+        elif var_name is not None:
+            name = f"{var_name}[{position - len(names)}]"
+        else:
+            name = f"args[{position}]"
     else:
         name = str(key.key)  # pyright: ignore
     return name + jtu.keystr(tuple(rest))
@@ -340,7 +356,7 @@ def diagnose(
 ) -> None:
     """Called after `jax.jit` raised: raises our own error, naming the key path, if we
     can name the culprit (a deleted input, a bad shape)."""
-    where = lambda i: arg_path(cache.names, args, kwargs, i)
+    where = lambda i: arg_path(cache.names, args, kwargs, i, cache.var_name)
     raise_if_deleted(leaves, dynamic, where)
     raise_if_fun_deleted(cache.fun_name, dynamic_fun)
     for i, sharding in targets:

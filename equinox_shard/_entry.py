@@ -73,7 +73,7 @@ def build_entry(
     (before anything runs), builds the `jax.jit`, places this call's inputs and
     traces it (not under `jax.disable_jit`): the entry, and this call's leaves and
     dynamic trees, as `prepare` returns them."""
-    where = lambda i: arg_path(cache.names, args, kwargs, i)
+    where = lambda i: arg_path(cache.names, args, kwargs, i, cache.var_name)
     resolver = ft.partial(resolve, abstract_ok=True)
     targets = resolve_each(structure.specs, leaves, structure.dynamic, where, resolver)
     for i, sharding in targets:
@@ -166,7 +166,7 @@ def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple
 
 
 def _where(cache, args, kwargs):
-    return lambda i: arg_path(cache.names, args, kwargs, i)
+    return lambda i: arg_path(cache.names, args, kwargs, i, cache.var_name)
 
 
 def _place_inputs(

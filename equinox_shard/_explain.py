@@ -91,7 +91,7 @@ def _describe(cache, structure, args, kwargs, leaves) -> dict:
     (`_cache.StructureKey`, then `_cache.EntryKey`), the caller's name of each leaf,
     and what the `jax.jit` beneath keys on of each traced leaf (`_array`)."""
     flat, _ = jtu.tree_flatten_with_path((args, kwargs))
-    names = [path_name(cache.names, path) for path, _ in flat]
+    names = [path_name(cache.names, path, cache.var_name) for path, _ in flat]
     key = structure.structure_key._asdict() | structure.entry_key(leaves)._asdict()
     arrays = {names[i]: _array(leaves[i]) for i in structure.dynamic}
     return {"key": key, "names": names, "structure": structure, "arrays": arrays}
@@ -144,7 +144,7 @@ def _structure(cache, new_def, old_def) -> list[str]:
     lines = []
     new, old = (d.unflatten([None] * d.num_leaves) for d in (new_def, old_def))
     for path, now, before, why in _differences(new, old):
-        where = path_name(cache.names, tuple(path))
+        where = path_name(cache.names, tuple(path), cache.var_name)
         if "metadata" in why:
             a, b = (_node(t, tuple(path)) for t in (new, old))
             if type(a) is type(b) and dataclasses.is_dataclass(a):

@@ -1125,3 +1125,18 @@ def test_function_array_donated_elsewhere_does_not_crash():
     assert run.result is not None, run
     assert run.result["type"] == "RuntimeError", run
     assert _names(run.result["message"], "fun.w"), run
+
+
+def test_var_positional_named_by_its_parameter():
+    # `*xs` names its leaves `xs[k]`, counted from the first variadic argument.
+    def f(n, *xs):
+        return xs
+
+    d = jnp.arange(3.0)
+    d.delete()
+    with pytest.raises(RuntimeError, match=r"^xs\[1\]: this array has been deleted"):
+        eqxs.filter_jit(f)(1, jnp.arange(2.0), d)
+    s, _ = _sharded()
+    g = eqxs.filter_jit(f, in_shardings=(None, s, s))
+    with pytest.raises(ValueError, match=r"xs\[1\]"):
+        g(1, jnp.arange(8.0), jnp.arange(3.0))
