@@ -361,7 +361,9 @@ def filter_jit(
         applied inside the function. Non-array outputs are returned untouched.
     - `donate`: as in `equinox.filter_jit`: `'all'`, `'all-except-first'`, `'warn'`,
         `'warn-except-first'` or `'none'` (the default). An array reachable twice in
-        one call is not donated, so no kept array is ever deleted.
+        one call's arguments is not donated, so no kept array is ever deleted; an
+        array of the function being JIT'd (a bound method's Module), whose arrays are
+        donated, passed again as an argument is a `ValueError`.
 
     **Returns:**
 

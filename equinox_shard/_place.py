@@ -170,6 +170,18 @@ def _shares_source_buffer(x: Any, target: Any, memo: dict) -> bool:
     return found
 
 
+def _refuse_donated_aliases(todo: list, donate: Any, may_alias: Any, where) -> None:
+    for i, _ in todo:
+        donated = donate[i] if isinstance(donate, list) else donate
+        aliased = may_alias[i] if isinstance(may_alias, list) else may_alias
+        if donated and aliased:
+            raise ValueError(
+                f"{where(i)}: `donate` and `may_alias` are both True for this array; "
+                "`jax.device_put` takes one or the other (donating hands the input's "
+                "buffers to the result, aliasing lets the result share them)."
+            )
+
+
 def place(
     leaves: list,
     todo: list[tuple[int, Any]],
@@ -187,6 +199,8 @@ def place(
     are left as the same object (unless `may_alias=False`). Every other result owns its
     buffers, unless donated or `may_alias=True`: donating it later never deletes the
     input. `where(i)` names leaf `i` in errors."""
+    if donate is not False and may_alias:
+        _refuse_donated_aliases(todo, donate, may_alias, where)
     indices = []
     targets = []
     given: Any = None  # the last spec leaf, and the sharding placed for it
@@ -271,6 +285,9 @@ def place(
         indices, targets = _onto_shardings_first(leaves, indices, targets)
         if not indices:
             return
+    repeated = None
+    if len(set(map(id, map(leaves.__getitem__, indices)))) < len(indices):
+        indices, targets, repeated = _first_occurrences(leaves, indices, targets)
     if isinstance(donate, list):
         donate = [donate[i] for i in indices]
     # A result owns its buffers unless the caller donated the input or allowed
@@ -324,3 +341,29 @@ def place(
     out = jax.device_put(sources, targets, donate=donate, may_alias=may_alias)
     for i, leaf in zip(indices, out):
         leaves[i] = leaf
+    if repeated:
+        for i, j in repeated:
+            leaves[i] = leaves[j]
+
+
+def _first_occurrences(leaves: list, indices: list, targets: list) -> tuple:
+    """An array placed twice on one target (tied weights) is placed once, and every
+    occurrence gets that one result: two results sharing its buffer (donated, or
+    `may_alias=True`) would be freed under each other by a later donation. Returns
+    the `indices` and `targets` to place, and `(i, j)` for each leaf `i` that takes
+    leaf `j`'s result."""
+    first: dict = {}
+    keep_indices, keep_targets, repeated = [], [], []
+    for i, target in zip(indices, targets):
+        try:
+            key = (id(leaves[i]), target)
+            j = first.setdefault(key, i)
+        except TypeError:  # an unhashable target: by identity
+            key = (id(leaves[i]), id(target))
+            j = first.setdefault(key, i)
+        if j == i:
+            keep_indices.append(i)
+            keep_targets.append(target)
+        else:
+            repeated.append((i, j))
+    return keep_indices, keep_targets, repeated

@@ -166,12 +166,16 @@ def filter_device_put(
         is placed on the sharding alone. A `jax.memory.Space` (`Space.Host`) moves
         the array to that memory, keeping its sharding.
     - `donate`: passed to `jax.device_put`; a bool or a PyTree prefix of `x` of bools.
-        Donation is best-effort, as in JAX.
+        Donation is best-effort, as in JAX: a donated input may hand its buffers to
+        the result (whatever `may_alias` says), so it must not be used again.
     - `may_alias`: a bool, `None`, or a PyTree prefix of `x`. `None` (the default)
         returns an array that is already placed as the same object and copies every
-        other one, unless it is donated. `False` always copies, even an array that is
-        already placed. `True` lets a result share its buffers with its input, as
-        `jax.device_put` may: donating that result later may then delete the input.
+        other one, unless it is donated. `False` always copies an array that is not
+        donated, even one that is already placed. `True` lets a result share its
+        buffers with its input, as `jax.device_put` may: donating that result later
+        may then delete the input. `donate` and `may_alias` both `True` for one array
+        is a `ValueError`. An array that appears twice in `x` (tied weights) is placed
+        once: both places hold the one result.
 
     **Returns:**
 

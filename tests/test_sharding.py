@@ -624,3 +624,43 @@ def test_unconstrained_dimension_is_replicated_eagerly():
         assert tree_allclose(out, x)
     traced = jax.jit(lambda y: eqxs.filter_shard(y, target))(x)
     assert tree_allclose(traced, x)
+
+
+class _Tied(eqx.Module):
+    emb: jax.Array
+    out: jax.Array
+
+
+@pytest.mark.parametrize("flags", [dict(donate=True), dict(may_alias=True), {}])
+@pytest.mark.parametrize("placed", [False, True])
+@pytest.mark.parametrize("target", ["replicated", "device"])
+def test_an_array_placed_twice_is_one_result(flags, placed, target):
+    # Tied weights: two results sharing one buffer would be donated twice (XLA
+    # refuses) or freed under each other; one result, as the same object, is not.
+    mesh = auto_mesh()
+    spec = NamedSharding(mesh, P()) if target == "replicated" else jax.devices()[1]
+    w = jnp.arange(16.0)
+    if placed:
+        w = jax.device_put(w, spec)
+    expected = np.arange(16.0, dtype=np.float32)
+    model = eqxs.filter_device_put(_Tied(w, w), spec, **flags)
+    assert model.emb is model.out
+    if not flags.get("donate"):
+        assert_alive(w)
+    assert_same_values(model.emb, expected)
+    step = eqxs.filter_jit(lambda m: _Tied(m.emb + 1, m.out * 2), donate="all")
+    new = step(model)
+    assert_same_values(new.emb, expected + 1)
+    assert_same_values(new.out, expected * 2)
+
+
+def test_donate_and_may_alias_on_one_array_is_refused():
+    x = {"a": jnp.ones(3), "b": jnp.ones(3)}
+    with pytest.raises(ValueError, match=r"^x\['b'\]: `donate` and `may_alias` are"):
+        eqxs.filter_device_put(
+            x, jax.devices()[1], donate={"a": False, "b": True}, may_alias=True
+        )
+    assert_alive(x)
+    with pytest.raises(ValueError, match=r"^x\['a'\]: `donate` and `may_alias`"):
+        eqxs.filter_device_put(x, jax.devices()[1], donate=True, may_alias=True)
+    assert_alive(x)
