@@ -786,3 +786,21 @@ def test_compiled_checks_argument_structure():
     with pytest.raises(TypeError, match="compiled for arguments of structure"):
         compiled((a, c), b)
     assert not a.is_deleted() and not c.is_deleted()
+
+
+def test_an_array_of_the_function_passed_again_is_refused():
+    # The function's arrays are donated with it; passing one again would donate it
+    # under the argument, so it is refused by name before anything runs.
+    class Model(eqx.Module):
+        w: jax.Array
+
+        def update(self, w):
+            return w + self.w
+
+    model = Model(jnp.arange(4.0))
+    for donate in ("all", "all-except-first"):
+        with pytest.raises(ValueError, match=r"^w: this array is also part of"):
+            eqxs.filter_jit(model.update, donate=donate)(model.w)
+        assert not model.w.is_deleted()
+    out = eqxs.filter_jit(model.update, donate="all")(jnp.ones(4))
+    assert np.array_equal(np.asarray(out), np.arange(4.0, dtype=np.float32) + 1)
