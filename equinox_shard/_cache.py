@@ -260,7 +260,8 @@ class ArgStructure:
             else self.entry_key
         )
         self.deleted = deleted_test(leaves, getter(self.dynamic))
-        # Shared by every argument structure with the same traced leaves (NumPy, JAX).
+        # Shared by every argument structure with the same traced leaves (NumPy, JAX,
+        # tracers): a `StructureKey` field that changes the program must join this key.
         self.entries = cache.entries.setdefault((treedef, mask), {})
 
     def entry_key(self, leaves: list) -> EntryKey:
@@ -289,7 +290,7 @@ def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, dynamic) ->
             )
     names = cache.names
     groups = [
-        (f"in_shardings[{p}]", spec, arg, _positional(cache, p))
+        (f"in_shardings[{p}]", spec, arg, _positional(names, cache.var_name, p))
         for p, (spec, arg) in enumerate(zip(specs, args))
     ]
     groups += [("in_shardings", specs[0], kwargs[k], k) for k in named]
@@ -309,12 +310,13 @@ def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, dynamic) ->
 #
 
 
-def _positional(cache: Cache, position: int) -> str:
-    names = cache.names
+def _positional(names: Sequence[str], var_name, position: int) -> str:
+    """The name of positional argument `position`: its parameter's, `xs[k]` under a
+    `*xs` parameter, else `args[position]`."""
     if position < len(names):
         return names[position]
-    if cache.var_name is not None:
-        return f"{cache.var_name}[{position - len(names)}]"
+    if var_name is not None:
+        return f"{var_name}[{position - len(names)}]"
     return f"args[{position}]"
 
 
@@ -333,13 +335,7 @@ def path_name(names: Sequence[str], path: tuple, var_name=None) -> str:
         return "the arguments"
     group, key, *rest = path
     if group.idx == 0:  # pyright: ignore
-        position: int = key.idx  # pyright: ignore
-        if position < len(names):
-            name = names[position]
-        elif var_name is not None:
-            name = f"{var_name}[{position - len(names)}]"
-        else:
-            name = f"args[{position}]"
+        name = _positional(names, var_name, key.idx)  # pyright: ignore
     else:
         name = str(key.key)  # pyright: ignore
     return name + jtu.keystr(tuple(rest))

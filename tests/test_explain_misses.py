@@ -454,3 +454,19 @@ def test_a_new_key_field_keys_a_plain_call(monkeypatch):
     generation[0] = 1
     inc(jnp.ones(4))
     assert len(traces) == 2
+
+
+def test_entry_key_fills_every_field():
+    # `entry_key` builds the tuple without `EntryKey()`'s check: a field declared but
+    # not computed would be dropped silently.
+    @eqxs.filter_jit(in_shardings=P())
+    def inc(x):
+        return x + 1
+
+    x = jnp.ones(4)
+    with jax.set_mesh(auto_mesh((8,), ("data",))):
+        inc(x)
+        (structure,) = inc._cache.structures.values()  # pyright: ignore
+        key = structure.entry_key([x])
+    assert len(key) == len(cache_module.EntryKey._fields)
+    assert key._fields == cache_module.EntryKey._fields
