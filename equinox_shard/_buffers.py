@@ -29,6 +29,12 @@ def private_copies(leaves: list, indices: list[int]) -> None:
         leaves[i] = x
 
 
+def shares_single_device_buffer(sharding: Sharding) -> bool:
+    """Whether `jax.device_put(x, sharding, may_alias=False)` hands back the buffer of
+    an `x` on one of `sharding`'s devices alone: onto several devices, replicated."""
+    return len(sharding.device_set) > 1 and sharding.is_fully_replicated
+
+
 def shares_source_buffer(leaf: Any, sharding: Sharding) -> bool:
     """Whether `jax.device_put(leaf, sharding, may_alias=False)` may still hand back one
     of `leaf`'s own buffers as a shard of the result: JAX reuses a buffer wherever the
@@ -41,7 +47,7 @@ def shares_source_buffer(leaf: Any, sharding: Sharding) -> bool:
         return False
     if len(source.device_set) == 1:
         # Onto its own device alone, JAX does copy.
-        return len(sharding.device_set) > 1 and sharding.is_fully_replicated
+        return shares_single_device_buffer(sharding)
     source_map = source.devices_indices_map(leaf.shape)
     return any(
         source_map.get(device) == index

@@ -25,7 +25,11 @@ from ._arrays import (
     is_tracer,
     raise_if_deleted,
 )
-from ._buffers import private_copies, shares_source_buffer
+from ._buffers import (
+    private_copies,
+    shares_single_device_buffer,
+    shares_source_buffer,
+)
 from ._kinds import kind_of, sharding_of
 from ._spec import check
 
@@ -156,9 +160,7 @@ def _shares_source_buffer(x: Any, target: Any, memo: dict) -> bool:
         if spread is None:
             sharding = sharding_of(target)
             spread = memo[id(target)] = (
-                sharding is not None
-                and len(sharding.device_set) > 1
-                and sharding.is_fully_replicated
+                sharding is not None and shares_single_device_buffer(sharding)
             )
         if not spread:
             return False
@@ -258,9 +260,7 @@ def place(
                 sharing.add(i)
             else:  # JAX shares a single-device buffer only onto several, replicated
                 if spread is None:
-                    spread = (
-                        len(sharding.device_set) > 1 and sharding.is_fully_replicated
-                    )
+                    spread = shares_single_device_buffer(sharding)
                 if spread:
                     sharing.add(i)
         shape = leaf.shape

@@ -28,9 +28,9 @@ _WORK = {
         "donating": (41, 1521),
         "in_shardings": (35, 1035),
         "callback": (30, 1108),
-        "filter_device_put replicated uncommitted": (118, 2506),
+        "filter_device_put replicated uncommitted": (121, 2521),
         "filter_device_put replicated placed": (40, 908),
-        "filter_device_put split uncommitted": (43, 1372),
+        "filter_device_put split uncommitted": (44, 1377),
         "filter_device_put split placed": (40, 908),
     },
     ((3, 13), (0, 12)): {
@@ -38,9 +38,9 @@ _WORK = {
         "donating": (35, 1127),
         "in_shardings": (31, 683),
         "callback": (26, 760),
-        "filter_device_put replicated uncommitted": (113, 2365),
+        "filter_device_put replicated uncommitted": (116, 2377),
         "filter_device_put replicated placed": (39, 879),
-        "filter_device_put split uncommitted": (41, 1306),
+        "filter_device_put split uncommitted": (42, 1310),
         "filter_device_put split placed": (39, 879),
     },
 }
