@@ -182,33 +182,28 @@ def _targets(results: dict) -> list[dict]:
         from .placement import HELD, target_ratio, TARGETS as PLACE
 
         rows = results["placement"]["rows"]
+
+        def worst_cell(variant, base, source, sel, ratios, threshold):
+            if not sel or None in ratios:
+                return
+            k = max(range(len(sel)), key=lambda k: ratios[k])
+            add(
+                f"placement {variant}/{base} from {source}, worst cell",
+                ratios[k],
+                threshold,
+                at_most=True,
+                detail=f"{sel[k]['layout']} N={sel[k]['n']}",
+                values=ratios,
+            )
+
         for variant in HELD:
             for source, (base, threshold) in PLACE.items():
                 sel = [r for r in rows if r["source"] == source]
                 ratios = [target_ratio(r, variant)[0] for r in sel]
-                if not sel or None in ratios:
-                    continue
-                k = max(range(len(sel)), key=lambda k: ratios[k])  # pyright: ignore
-                add(
-                    f"placement {variant}/{base} from {source}, worst cell",
-                    ratios[k],
-                    threshold,
-                    at_most=True,
-                    detail=f"{sel[k]['layout']} N={sel[k]['n']}",
-                    values=ratios,
-                )
+                worst_cell(variant, base, source, sel, ratios, threshold)
                 if source == "uncommitted":
                     owned = [r["ratio_to_owned"].get(variant) for r in sel]
-                    if None not in owned:
-                        k = max(range(len(sel)), key=lambda k: owned[k])  # pyright: ignore
-                        add(
-                            f"placement {variant}/owned from {source}, worst cell",
-                            owned[k],
-                            threshold,
-                            at_most=True,
-                            detail=f"{sel[k]['layout']} N={sel[k]['n']}",
-                            values=owned,
-                        )
+                    worst_cell(variant, "owned", source, sel, owned, threshold)
                 if source == "placed":
                     least = min(r["same_object"][variant] for r in sel)
                     add(
