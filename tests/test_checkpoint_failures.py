@@ -360,6 +360,15 @@ def test_save_refuses_a_symbolic_link(tmp_path):
     np.testing.assert_array_equal(np.asarray(out["x"]), 0.0)
 
 
+def _both_restores_raise(path, state, message: str) -> None:
+    # `restore` of step 1, and `CheckpointManager.restore` of the latest: one error.
+    with pytest.raises(ValueError, match=message):
+        eqxs.restore(path / "1", state)
+    with eqxs.CheckpointManager(path) as manager:
+        with pytest.raises(ValueError, match=message):
+            manager.restore(state)
+
+
 @pytest.mark.parametrize("file", ["leaves/metadata", "arrays/_METADATA"])
 def test_damaged_json_metadata(tmp_path, file):
     state = {"x": jnp.ones(3), "n": 1}
@@ -371,11 +380,7 @@ def test_damaged_json_metadata(tmp_path, file):
         rf"The checkpoint at {tmp_path / '1'} is damaged: its metadata file "
         rf"{damaged} is not valid JSON \("
     )
-    with pytest.raises(ValueError, match=message):
-        eqxs.restore(tmp_path / "1", state)
-    with eqxs.CheckpointManager(tmp_path) as manager:
-        with pytest.raises(ValueError, match=message):
-            manager.restore(state)
+    _both_restores_raise(tmp_path, state, message)
 
 
 def _leaf(name):
@@ -434,11 +439,7 @@ def test_metadata_of_the_wrong_structure(tmp_path, file, change, why):
         rf"The checkpoint at {tmp_path / '1'} is damaged: its metadata file "
         rf"{damaged} .*{why}"
     )
-    with pytest.raises(ValueError, match=message):
-        eqxs.restore(tmp_path / "1", state)
-    with eqxs.CheckpointManager(tmp_path) as manager:
-        with pytest.raises(ValueError, match=message):
-            manager.restore(state)
+    _both_restores_raise(tmp_path, state, message)
 
 
 def test_deleted_array_raises_as_filter_jit_does(tmp_path):
