@@ -29,7 +29,7 @@ import threading
 import equinox as eqx
 import equinox_shard as eqxs
 import jax
-from equinox_shard._launch import serialize_dispatch
+from equinox_shard._jit.launch import serialize_dispatch
 
 from . import _harness as h, _trees as t
 from .flat_jit import flat_jit

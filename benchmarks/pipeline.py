@@ -6,7 +6,7 @@
     losses, per-device parameter bytes (the largest over devices, read from the
     arrays' addressable shards), compile time (trace, lower and compile the training
     step) and step time (the median after the first step, waited for);
-- the bubble of the schedule the code runs (`_pipeline.schedule`), next to the
+- the bubble of the schedule the code runs (`_manual.pipeline.schedule`), next to the
     formula (S - 1)/(R M + S - 1);
 - the training step's temporary memory (XLA's compiled `memory_analysis()`) in the
     `pipeline` layout without and with `remat`.
@@ -25,7 +25,7 @@ import jax
 import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
-from equinox_shard._pipeline import schedule
+from equinox_shard._manual.pipeline import schedule
 
 from . import _harness as h
 

@@ -9,26 +9,30 @@ chooses a spec for each array by its key path; `explain_rules` says what it chos
 
 import importlib.metadata as _metadata
 
-from ._checkpoint import restore as restore, save as save
-from ._inspect import sharding_table as sharding_table
-from ._jit import Compiled as Compiled, filter_jit as filter_jit, Lowered as Lowered
-from ._manager import CheckpointManager as CheckpointManager
-from ._pipeline import filter_pipeline as filter_pipeline
-from ._process_local import (
+from ._checkpoint.manager import CheckpointManager as CheckpointManager
+from ._checkpoint.save_restore import restore as restore, save as save
+from ._jit.filter_jit import (
+    Compiled as Compiled,
+    filter_jit as filter_jit,
+    Lowered as Lowered,
+)
+from ._manual.pipeline import filter_pipeline as filter_pipeline
+from ._manual.shard_map import filter_shard_map as filter_shard_map
+from ._process_local_data import (
     filter_make_array_from_process_local_data as filter_make_array_from_process_local_data,  # noqa: E501
 )
-from ._report import (
+from ._sharding import (
+    filter_device_put as filter_device_put,
+    filter_shard as filter_shard,
+)
+from ._sharding_table import sharding_table as sharding_table
+from ._spec.explain_rules import (
     explain_rules as explain_rules,
     RuleMatch as RuleMatch,
     RuleOverlap as RuleOverlap,
     RulesReport as RulesReport,
 )
-from ._shard_map import filter_shard_map as filter_shard_map
-from ._sharding import (
-    filter_device_put as filter_device_put,
-    filter_shard as filter_shard,
-)
-from ._spec_leaves import PathRules as PathRules
+from ._spec.leaves import PathRules as PathRules
 
 
 __version__ = _metadata.version("equinox_shard")

@@ -1,7 +1,7 @@
 """Which of an array's buffers `jax.device_put` hands back as part of its result
 (whatever `may_alias` says, RFC §6), and the private copy that shares none: the facts
-that keep placement (`_place`) and donation (`_donate`) from giving away a buffer the
-caller keeps."""
+that keep placement (`_placement`) and donation (`_jit.donation`) from giving away a
+buffer the caller keeps."""
 
 from typing import Any
 

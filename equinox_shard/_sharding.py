@@ -1,5 +1,6 @@
 """`filter_device_put` and `filter_shard`: the array leaves of a PyTree placed (eagerly)
-or constrained (inside a trace) on what its specification resolves to (`_spec`)."""
+or constrained (inside a trace) on what its specification resolves to
+(`_spec.language`)."""
 
 from collections.abc import Callable
 from typing import Any
@@ -16,9 +17,9 @@ from jax.sharding import (
 from jaxtyping import PyTree
 
 from ._arrays import in_default_memory, is_tracer
-from ._kinds import InTrace, kind_of
-from ._place import place
-from ._spec import (
+from ._placement import place
+from ._spec.kinds import InTrace, kind_of
+from ._spec.language import (
     broadcast_specs,
     check,
     for_jax,
@@ -48,7 +49,7 @@ def _broadcast_flags(
     return broadcast_specs(flag_leaves, flag_def, flags, value, len(leaves), name, "x")
 
 
-def _constraint_kind(sharding: Sharding, where: Callable[[], str]) -> str:
+def _constraint_function(sharding: Sharding, where: Callable[[], str]) -> str:
     if not isinstance(sharding, NamedSharding):
         return "with_sharding_constraint"
     mesh = sharding.mesh
@@ -105,16 +106,16 @@ def constrain_leaves(
             )
         check(jax.numpy.shape(leaves[i]), sharding, where)
         indices, targets = groups.setdefault(
-            _constraint_kind(sharding, where), ([], [])
+            _constraint_function(sharding, where), ([], [])
         )
         indices.append(i)
         targets.append(sharding)
         if not in_default_memory(sharding) or _in_host_memory(leaves[i]):
             memory.append((i, sharding))
-    for kind, (indices, targets) in groups.items():
+    for function, (indices, targets) in groups.items():
         inputs = [leaves[i] for i in indices]
         targets = list(map(for_jax, targets))
-        if kind == "reshard":
+        if function == "reshard":
             out = jax.sharding.reshard(inputs, targets)
         else:
             out = lax.with_sharding_constraint(inputs, targets)

@@ -131,7 +131,7 @@ def overwrite(directory: pathlib.Path, phase: str) -> None:
     import shutil
 
     import equinox_shard as eqxs
-    import equinox_shard._checkpoint as checkpoint
+    import equinox_shard._checkpoint.save_restore as checkpoint
     import orbax.checkpoint as ocp
 
     eqxs.save(directory / "ckpt", overwrite_state("old"))

@@ -315,9 +315,9 @@ def check_differing_local_data():
 
 
 def _place_host_local(tree, sharding):
-    """`equinox_shard._multiprocess.place_host_local` over every array leaf."""
+    """`equinox_shard._multihost.place_host_local` over every array leaf."""
     import equinox as eqx
-    import equinox_shard._multiprocess as mp
+    import equinox_shard._multihost as mp
     import jax.tree_util as jtu
 
     leaves, treedef = jtu.tree_flatten(tree)
@@ -358,7 +358,7 @@ def _committed_and_keys(put) -> None:
 
 def check_place_host_local_helper():
     """The multi-process branch proposed for `filter_device_put`
-    (`_multiprocess.place_host_local`, to be called from `_place.device_put_leaves`),
+    (`_multihost.place_host_local`, to be called from `_placement.device_put_leaves`),
     called directly."""
     _committed_and_keys(_place_host_local)
     return {}

@@ -142,15 +142,15 @@ def _reference_checksum(x):
 def test_checksums_are_those_of_version_2(dtype, shape, spec):
     # Computed on the host, shard by shard (in pieces smaller than a shard's rows, to
     # cross their boundaries): the very sums that checkpoints already written carry.
-    from equinox_shard import _record
+    from equinox_shard._checkpoint import manifest
 
     mesh = auto_mesh((4, 2), ("data", "model"))
     values = np.random.default_rng(0).standard_normal(shape) * 5
     x = jax.device_put(jnp.asarray(values).astype(dtype), NamedSharding(mesh, spec))
     expected = _reference_checksum(x)
-    assert _record.checksums([x]) == [expected]
-    chunk, _record._CHUNK = _record._CHUNK, 5
+    assert manifest.checksums([x]) == [expected]
+    chunk, manifest._CHUNK = manifest._CHUNK, 5
     try:
-        assert _record.checksums([x]) == [expected]
+        assert manifest.checksums([x]) == [expected]
     finally:
-        _record._CHUNK = chunk
+        manifest._CHUNK = chunk

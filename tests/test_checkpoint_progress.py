@@ -1,6 +1,6 @@
 """The progress bar of a restore: on stderr where it is a terminal, once the restore
-has run `equinox_shard._progress.DELAY_SECONDS` (set here, not timed); nothing
-otherwise."""
+has run `equinox_shard._checkpoint.progress.DELAY_SECONDS` (set here, not timed);
+nothing otherwise."""
 
 import contextlib
 import io
@@ -8,7 +8,7 @@ import re
 import sys
 
 import equinox_shard as eqxs
-import equinox_shard._progress as progress
+import equinox_shard._checkpoint.progress as progress
 import jax
 import jax.numpy as jnp
 import numpy as np

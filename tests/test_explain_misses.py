@@ -11,7 +11,8 @@ import types
 
 import equinox as eqx
 import equinox_shard as eqxs
-import equinox_shard._cache as cache_module
+import equinox_shard._jit.cache as cache_module
+import equinox_shard._jit.filter_jit as filter_jit_module
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -312,7 +313,7 @@ def _renamed(fn):
 
 
 def test_explanations_do_not_read_the_call_path_frames(explain, monkeypatch):
-    monkeypatch.setattr(eqxs._jit, "_call", _renamed(eqxs._jit._call))
+    monkeypatch.setattr(filter_jit_module, "_call", _renamed(filter_jit_module._call))
 
     @eqxs.filter_jit
     def inc(x):
@@ -367,7 +368,7 @@ def test_a_static_change_beside_a_batch_that_in_shardings_moves(explain, getkey)
 
 
 def test_a_new_key_field_is_explained_by_its_name(explain, monkeypatch):
-    # A field added to the entry key, as a change to `_cache` alone would add it.
+    # A field added to the entry key, as a change to `_jit.cache` alone would add it.
     fields = [*cache_module.EntryKey._fields, "generation"]
     EntryKey = collections.namedtuple("EntryKey", fields)
     entry_key = cache_module.ArgStructure.entry_key
@@ -428,8 +429,8 @@ def test_jax_report_once_for_an_entry_with_callbacks(explain):
 
 
 def test_a_new_key_field_keys_a_plain_call(monkeypatch):
-    # A field added to the entry key, as a change to `_cache` alone would add it, keys
-    # even a call whose other fields are constant (no rules, no mesh).
+    # A field added to the entry key, as a change to `_jit.cache` alone would add it,
+    # keys even a call whose other fields are constant (no rules, no mesh).
     EntryKey = collections.namedtuple(
         "EntryKey", [*cache_module.EntryKey._fields, "generation"]
     )

@@ -10,7 +10,7 @@ import jax.tree_util as jtu
 import numpy as np
 import optax
 import pytest
-from equinox_shard import _donate
+from equinox_shard._jit import donation
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .helpers import (
@@ -395,13 +395,13 @@ def test_donate_modes_with_shardings(donate, first_deleted, rest_deleted):
 
 
 def test_which_inputs_a_mode_donates_is_decided_by_donate_alone(monkeypatch):
-    """A mode's entry in `_donate`'s table alone decides what it donates, end to end:
-    redefined there as "all except the last argument", the arguments and the
-    function's own arrays that it donates are freed, and the argument it keeps
-    survives, also when passed again in donated positions."""
-    assert typing.get_args(_donate.DonateMode) == tuple(_donate.MODES)
+    """A mode's entry in `_jit.donation`'s table alone decides what it donates, end to
+    end: redefined there as "all except the last argument", the arguments and the
+    function's own arrays that it donates are freed, and the argument it keeps survives,
+    also when passed again in donated positions."""
+    assert typing.get_args(donation.DonateMode) == tuple(donation.MODES)
     all_except_last = (lambda position, n_args: position != n_args - 1, True)
-    monkeypatch.setitem(_donate.MODES, "all-except-first", all_except_last)
+    monkeypatch.setitem(donation.MODES, "all-except-first", all_except_last)
     batch = NamedSharding(auto_mesh(), P("x"))
     put = lambda k: jax.device_put(jnp.arange(16.0) * k, batch)
 
@@ -429,16 +429,16 @@ def test_unknown_donate_mode_lists_the_modes():
         "'warn', 'warn-except-first', or 'none'; got 'al'."
     )
     with pytest.raises(ValueError) as info:
-        _donate.Donation("al")
+        donation.Donation("al")
     assert str(info.value) == message
 
 
 def test_filter_jit_docstring_names_every_donate_mode():
-    # The docstring lists the modes by hand; the table is `_donate.MODES`.
+    # The docstring lists the modes by hand; the table is `_jit.donation.MODES`.
     doc = " ".join(eqxs.filter_jit.__doc__.split())  # pyright: ignore
     section = doc.split("- `donate`:")[1].split("**Returns:**")[0]
-    named = [mode for mode in _donate.MODES if f"`'{mode}'`" in section]
-    assert named == list(_donate.MODES)
+    named = [mode for mode in donation.MODES if f"`'{mode}'`" in section]
+    assert named == list(donation.MODES)
 
 
 def test_same_buffer_twice_is_not_donated():

@@ -268,4 +268,4 @@ def test_jax_error_points_at_the_users_function():
             f"test_jit_core.py:{user_function.__wrapped__.__code__.co_firstlineno}"
             in message
         ), message
-        assert "_entry.py" not in message, message
+        assert "_jit/entry.py" not in message, message

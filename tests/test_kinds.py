@@ -1,10 +1,10 @@
-"""The kinds of spec leaf (`equinox_shard._kinds`): a kind is its row of the table,
+"""The kinds of spec leaf (`equinox_shard._spec.kinds`): a kind is its row of the table,
 its resolution and its eager placement included, so that a new kind is read by every
 public function without any other module naming it."""
 
 import equinox as eqx
 import equinox_shard as eqxs
-import equinox_shard._kinds as kinds_module
+import equinox_shard._spec.kinds as kinds_module
 import jax
 import jax.numpy as jnp
 import pytest

@@ -15,7 +15,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 import pytest
-from equinox_shard._pipeline import _check_positive, _get_mesh, schedule
+from equinox_shard._manual.pipeline import _check_positive, _get_mesh, schedule
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .helpers import auto_mesh, explicit_mesh

@@ -7,8 +7,8 @@ import re
 
 import equinox as eqx
 import equinox_shard as eqxs
-import equinox_shard._kinds as kinds_module
-import equinox_shard._spec as spec_module
+import equinox_shard._spec.kinds as kinds_module
+import equinox_shard._spec.language as spec_module
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -663,10 +663,10 @@ def test_error_mixed_auto_explicit_inside_trace(function):
 
 
 def test_every_kind_is_named_where_the_kinds_are_listed():
-    # Each kind by its full name, as `_kinds` names it in messages.
+    # Each kind by its full name, as `_spec.kinds` names it in messages.
     kinds = [re.match(r"`([^`]+)`", k.name).group(1) for k in kinds_module.KINDS]  # pyright: ignore[reportOptionalMemberAccess]
     docs = {
-        "the language (_spec)": spec_module.__doc__,
+        "the language (_spec.language)": spec_module.__doc__,
         "filter_device_put": eqxs.filter_device_put.__doc__,
         "filter_shard": eqxs.filter_shard.__doc__,
         "filter_jit": eqxs.filter_jit.__doc__,

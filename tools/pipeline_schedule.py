@@ -1,5 +1,5 @@
 """Draws the schedule that `equinox_shard.filter_pipeline` runs, from the table it runs
-(`equinox_shard._pipeline.schedule`), as Markdown tables for docs/pipeline.md.
+(`equinox_shard._manual.pipeline.schedule`), as Markdown tables for docs/pipeline.md.
 
     python tools/pipeline_schedule.py            # print the pictures
     python tools/pipeline_schedule.py --write    # rewrite them in docs/pipeline.md
@@ -17,7 +17,7 @@ import sys
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_ROOT))
 
-from equinox_shard._pipeline import schedule  # noqa: E402
+from equinox_shard._manual.pipeline import schedule  # noqa: E402
 
 
 DOCS = _ROOT / "docs" / "pipeline.md"

@@ -10,9 +10,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
-from . import _place, _spec
-from ._multiprocess import check_identical, is_host_local, processes_of, to_host
-from ._spec import broadcast_prefix, check, leaf_path
+from ._multihost import check_identical, is_host_local, processes_of, to_host
+from ._placement import place
+from ._spec.language import broadcast_prefix, check, leaf_path, resolve_leaves
 
 
 traceback_util.register_exclusion(__file__)
@@ -113,7 +113,7 @@ def filter_make_array_from_process_local_data(
         ```
     """
     leaves, treedef = jtu.tree_flatten(local_data)
-    todo = _spec.resolve_leaves(
+    todo = resolve_leaves(
         local_data,
         leaves,
         shardings,
@@ -133,7 +133,7 @@ def filter_make_array_from_process_local_data(
                     "run, `global_shape` must be None or the local shape "
                     f"{np.shape(leaves[i])}; got {shape}."
                 )
-        _place.place(leaves, todo, lambda i: leaf_path(local_data, i, "local_data"))
+        place(leaves, todo, lambda i: leaf_path(local_data, i, "local_data"))
         return jtu.tree_unflatten(treedef, leaves)
     me = jax.process_index()
     everyone = frozenset(range(jax.process_count()))

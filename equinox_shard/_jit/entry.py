@@ -1,6 +1,6 @@
 """An `Entry` of `filter_jit`'s cache, built, traced and frozen in one place: its
 `in_shardings` resolved and checked against the call that makes it, its `jax.jit` (of
-the function that `_traced` builds), what each call's inputs go through before it
+the function that `traced_body` builds), what each call's inputs go through before it
 (`prepare`), and the layers of its dispatch.
 
 `in_shardings` is the request to place: an input that is not yet there (uncommitted, or
@@ -18,27 +18,27 @@ import jax
 import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 
-from . import _callbacks, _launch
-from ._arrays import (
+from .._arrays import (
     is_concrete,
     is_tracer,
     is_value,
     on_abstract_mesh,
     raise_if_deleted,
 )
-from ._cache import arg_path, ArgStructure, Cache, diagnose
-from ._kinds import is_auto, kind_of, sharding_of
-from ._mirror import getter, mirror
-from ._place import all_placed, place
-from ._spec import (
+from .._placement import all_placed, place
+from .._spec.kinds import is_auto, kind_of, sharding_of
+from .._spec.language import (
     check,
     context_mesh,
     for_jax,
     resolve,
     resolve_each,
 )
-from ._spec_leaves import is_spec_leaf, unset
-from ._traced import in_body, ResolveRules, static_out_shardings, traced_function
+from .._spec.leaves import is_spec_leaf, unset
+from . import callbacks, launch
+from .cache import arg_path, ArgStructure, Cache, diagnose
+from .packing import getter, mirror
+from .traced_body import in_body, ResolveRules, static_out_shardings, traced_function
 
 
 traceback_util.register_exclusion(__file__)
@@ -47,7 +47,7 @@ traceback_util.register_exclusion(__file__)
 class Entry:
     """One compiled function: a `jax.jit` for one static part of the arguments, and
     `dispatch(run, dynamic, deleted, leaves, jit_id)`, which calls it: `launch` with
-    `layers` over it, stacked by `_launch.stack`, or `None` where no layer is needed:
+    `layers` over it, stacked by `launch.stack`, or `None` where no layer is needed:
     the call launches `run(*dynamic)` itself."""
 
     __slots__ = (
@@ -57,7 +57,7 @@ class Entry:
         "get_targets",
         "placed",  # `(True, sharding)` per target: committed there
         "donates",
-        "keep",  # `_donate.Donation.keeper`'s, where the entry donates
+        "keep",  # `donation.Donation.keeper`'s, where the entry donates
         "lean",  # nothing placed, nothing donated: `prepare` only packs
         "jitted",
         "launch",
@@ -67,7 +67,13 @@ class Entry:
 
 
 def build_entry(
-    wrapper, cache: Cache, structure: ArgStructure, args, kwargs, leaves
+    dynamic_fun,
+    static_fun,
+    cache: Cache,
+    structure: ArgStructure,
+    args,
+    kwargs,
+    leaves,
 ) -> tuple:
     """Resolves `in_shardings` for this call and checks each input against them
     (before anything runs), builds the `jax.jit`, places this call's inputs and
@@ -98,16 +104,16 @@ def build_entry(
     entry.placed = tuple((True, s) for _, s in targets)
     donation = cache.donation
     n_args = len(args)
-    entry.donates = donation.donates(structure.donated, wrapper._dynamic_fun, n_args)
+    entry.donates = donation.donates(structure.donated, dynamic_fun, n_args)
     entry.keep = None
     if entry.donates:
         entry.keep = donation.keeper(
             structure.donated, structure.dynamic, n_args, cache.fun_name
         )
     entry.lean = not entry.donates and not targets
-    jitted = entry.jitted = _jit(wrapper, cache, structure, args, leaves, formats)
+    jitted = entry.jitted = _jit(static_fun, cache, structure, args, leaves, formats)
     leaves, dynamic = prepare(
-        wrapper._dynamic_fun, cache, entry, structure, args, kwargs, leaves
+        dynamic_fun, cache, entry, structure, args, kwargs, leaves
     )
     guards = None
     if not jax.config.jax_disable_jit:  # pyright: ignore
@@ -115,8 +121,8 @@ def build_entry(
             if isinstance(jitted, ResolveRules):
                 jitted = entry.jitted = jitted.trace(*dynamic)
             traced = jitted.trace(*dynamic)
-            if _callbacks.has_callback(traced.jaxpr.jaxpr):
-                guards = _callbacks.Guards(jitted, donation.argnums(n_args))
+            if callbacks.has_callback(traced.jaxpr.jaxpr):
+                guards = callbacks.Guards(jitted, donation.argnums(n_args))
     if auto is not None:
         entry.jitted = AutoLayouts(entry.jitted, auto)
     shardings = [s for _, s in targets]
@@ -125,11 +131,11 @@ def build_entry(
     # inputs checked again, or runs on several CPU devices), then the wait for
     # callbacks.
     if entry.donates:
-        entry.launch = donation.launch(wrapper._dynamic_fun)
+        entry.launch = donation.launch(dynamic_fun)
     else:
-        entry.launch = _launch.launch_for(shardings)
-    entry.layers = () if guards is None else (ft.partial(_callbacks.waiting, guards),)
-    entry.dispatch = _launch.stack(entry.launch, entry.layers)
+        entry.launch = launch.launch_for(shardings)
+    entry.layers = () if guards is None else (ft.partial(callbacks.waiting, guards),)
+    entry.dispatch = launch.stack(entry.launch, entry.layers)
     return entry, leaves, dynamic
 
 
@@ -175,7 +181,7 @@ def _place_inputs(
     """`place`s the inputs that are values (not tracers: inside a trace, on the
     abstract mesh, the enclosing call places; NumPy only across processes, else
     `jax.jit` transfers it, as it would without us), sharing the caller's buffers
-    where the decoration's donation allows (`_donate.Donation.may_alias`)."""
+    where the decoration's donation allows (`donation.Donation.may_alias`)."""
     targets = [(i, s) for i, s in targets if not on_abstract_mesh(s)]
     multiprocess = any(not s.is_fully_addressable for _, s in targets)
     value = is_value if multiprocess else is_concrete
@@ -234,7 +240,7 @@ class AutoLayouts:
         return compiled(*args)
 
 
-def _jit(wrapper, cache: Cache, structure: ArgStructure, args, leaves, targets):
+def _jit(static_fun, cache: Cache, structure: ArgStructure, args, leaves, targets):
     """The `jax.jit` of an entry (a `ResolveRules` for rules in `out_shardings`)."""
     jit_kwargs: dict = {}
     if cache.in_shardings is not unset:
@@ -255,7 +261,7 @@ def _jit(wrapper, cache: Cache, structure: ArgStructure, args, leaves, targets):
     # trace only its abstract mesh is available.
     mesh = context_mesh(abstract_ok=True) if cache.out_rules else None
     make = ft.partial(
-        traced_function, cache, wrapper._static_fun, structure, leaves, targets, mesh
+        traced_function, cache, static_fun, structure, leaves, targets, mesh
     )
     if cache.out_rules:
         return ResolveRules(make, out_specs, jit_kwargs)

@@ -19,10 +19,8 @@ from equinox import Module
 from jax.sharding import Sharding
 from jax.tree_util import PyTreeDef
 
-from ._arrays import deleted_test, raise_if_deleted, raise_if_fun_deleted
-from ._donate import Donation
-from ._mirror import getter, Packing
-from ._spec import (
+from .._arrays import deleted_test, raise_if_deleted, raise_if_fun_deleted
+from .._spec.language import (
     check,
     context_mesh,
     flatten_specs,
@@ -30,21 +28,23 @@ from ._spec import (
     needs_mesh,
     spread,
 )
-from ._spec_leaves import is_spec_leaf, PathRules, RulesUsage, unset
+from .._spec.leaves import is_spec_leaf, PathRules, RulesUsage, unset
+from .donation import Donation
+from .packing import getter, Packing
 
 
 traceback_util.register_exclusion(__file__)
 
 
 #
-# The two keys of a call. Explanations of a cache miss (`_explain`) name the fields
-# that differ by these names, so a new field is explained without changing them.
+# The two keys of a call. Explanations of a cache miss (`explain_misses`) name the
+# fields that differ by these names, so a new field is explained without changing them.
 #
 
 
 class StructureKey(NamedTuple):
     """The key of `Cache.structures`: what a call's arguments must share to share an
-    `ArgStructure`. The cache hit (`_jit._call`) builds it in place, as the plain
+    `ArgStructure`. The cache hit (`filter_jit._call`) builds it in place, as the plain
     tuple `(treedef, leaf_types, dynamic)`: calling this class would cost it a frame."""
 
     # The structure of the bound `(args, kwargs)`.
@@ -131,7 +131,8 @@ class Cache:
         self.fun_source = fn_source(fun)
         self.structures: dict = {}
         self.entries: dict = {}
-        # The calls that made entries, under `jax_explain_cache_misses` (`_explain`).
+        # The calls that made entries, under `jax_explain_cache_misses`
+        # (`explain_misses`).
         self.seen: list = []
         self.lock = threading.Lock()
         _live_caches.add(self)

@@ -1,6 +1,6 @@
 """Spec leaves: what a leaf of a sharding specification may be (a leaf of one of the
-kinds of `_kinds`, `None`, a rule `leaf -> spec leaf`, or a `PathRules`), and
-`PathRules`, the leaf that chooses each array's spec by its key path (see `_spec` for
+kinds of `kinds`, `None`, a rule `leaf -> spec leaf`, or a `PathRules`), and
+`PathRules`, the leaf that chooses each array's spec by its key path (see `language` for
 the language as a whole)."""
 
 import re
@@ -11,21 +11,21 @@ import jax
 import jax.tree_util as jtu
 from jax.tree_util import PyTreeDef
 
-from ._kinds import is_kind, kind_of, names as kind_names, TYPES
+from .kinds import is_kind, kind_of, names as kind_names, TYPES
 
 
 # Callable (as context decorators), but never a sharding rule.
 _NOT_RULES = (jax.sharding.Mesh, jax.sharding.AbstractMesh)
 
 
-def _one_level(x: Any) -> PyTreeDef:  # pyright: ignore[reportInvalidTypeForm]
+def one_level(x: Any) -> PyTreeDef:  # pyright: ignore[reportInvalidTypeForm]
     return jtu.tree_structure(x, is_leaf=lambda y: y is not x)
 
 
 def is_pytree_node(x: Any) -> bool:
     # Flattens one level only: this is called on every callable node of a
     # specification, e.g. on every submodule of a Module-shaped one.
-    return not jtu.treedef_is_leaf(_one_level(x))
+    return not jtu.treedef_is_leaf(one_level(x))
 
 
 def is_rule(x: Any) -> bool:
@@ -44,14 +44,14 @@ def is_spec_leaf(x: Any) -> bool:
     return x is None or is_kind(x) or isinstance(x, PathRules) or is_rule(x)
 
 
-def _describe_leaf(x: Any) -> str:
+def describe_leaf(x: Any) -> str:
     text = repr(x)
     if len(text) > 80:
         text = text[:77] + "..."
     return f"{type(x).__name__} {text}"
 
 
-def _check_spec_leaf(x: Any, where: str) -> None:
+def check_spec_leaf(x: Any, where: str) -> None:
     if not is_spec_leaf(x):
         kind = kind_of(x)
         hint = "" if kind is None else kind.invalid
@@ -64,7 +64,7 @@ def _check_spec_leaf(x: Any, where: str) -> None:
         raise TypeError(
             f"{where}: a sharding specification leaf must be {kind_names()}`None`, a "
             "callable `leaf -> spec`, or an `equinox_shard.PathRules`; got "
-            f"{_describe_leaf(x)}.{hint}"
+            f"{describe_leaf(x)}.{hint}"
         )
 
 
@@ -161,14 +161,14 @@ class PathRules:
             if not (isinstance(rule, tuple) and len(rule) == 2):
                 raise TypeError(
                     f"PathRules: rule {k} must be a pair `(pattern, spec)`; got "
-                    f"{_describe_leaf(rule)}."
+                    f"{describe_leaf(rule)}."
                 )
             pattern, spec = rule
             if not isinstance(pattern, re.Pattern):
                 if not isinstance(pattern, str):
                     raise TypeError(
                         f"PathRules: the pattern of rule {k} must be a string or a "
-                        f"compiled regular expression; got {_describe_leaf(pattern)}."
+                        f"compiled regular expression; got {describe_leaf(pattern)}."
                     )
                 try:
                     pattern = re.compile(pattern)
@@ -254,7 +254,7 @@ class PathRules:
 def _check_rule_spec(spec: Any, where: str) -> None:
     if isinstance(spec, PathRules):
         raise TypeError(f"{where}: a `PathRules` cannot hold another `PathRules`.")
-    _check_spec_leaf(spec, where)
+    check_spec_leaf(spec, where)
 
 
 class RulesUsage:

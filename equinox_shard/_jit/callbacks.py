@@ -32,7 +32,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.experimental.layout import Layout
 
-from ._arrays import is_tracer
+from .._arrays import is_tracer
 
 
 traceback_util.register_exclusion(__file__)
@@ -222,7 +222,7 @@ def _equinox_runtime_error(
 
 
 def waiting(guards: Guards, inner: Callable) -> Callable:
-    """The dispatch layer (see `_launch.stack`) of an entry that contains callbacks:
+    """The dispatch layer (see `launch.stack`) of an entry that contains callbacks:
     `inner`, the entry's launch (its lock, its re-check of donated inputs, its warning
     filter), launches the guarded program; this waits for it and raises what its
     callbacks raised (an Equinox runtime error as `eqx.EquinoxRuntimeError`)."""

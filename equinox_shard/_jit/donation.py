@@ -6,7 +6,7 @@ private copies so that no array the caller keeps is donated, whether a donated i
 that moves may share the caller's buffers, and how a donating call launches, JAX's
 warning of unusable donations included. Which buffers a transfer shares, and the
 private copy that avoids it, are `_buffers`'; whether an array is deleted, and the one
-message for it, `_arrays`'; the lock, `_launch`'s."""
+message for it, `_arrays`'; the lock, `launch`'s."""
 
 import collections as co
 import contextlib
@@ -19,9 +19,9 @@ import jax
 import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 
-from ._arrays import is_deleted, is_tracer, raise_if_fun_deleted
-from ._buffers import private_copies, reuses_every_buffer
-from ._launch import dispatch_lock
+from .._arrays import is_deleted, is_tracer, raise_if_fun_deleted
+from .._buffers import private_copies, reuses_every_buffer
+from .launch import dispatch_lock
 
 
 traceback_util.register_exclusion(__file__)
@@ -61,7 +61,7 @@ MODES: dict[str, tuple[Callable[[int | None, int], bool], bool]] = {
 
 class Donation:
     """What one `filter_jit(donate=mode)` decoration donates, and what its calls do
-    with the inputs they donate. Made once per decoration (`_cache.Cache`) and asked
+    with the inputs they donate. Made once per decoration (`cache.Cache`) and asked
     when an argument structure or an entry is built, never on a call: what a call runs
     (`keeper`, `launch`) is made then."""
 
@@ -129,8 +129,8 @@ class Donation:
         return may_alias
 
     def launch(self, dynamic_fun: Any) -> Callable:
-        """The launch of an entry that donates (see `_launch.stack`): under
-        `_launch.dispatch_lock`, its inputs (and `dynamic_fun`'s arrays) checked again,
+        """The launch of an entry that donates (see `launch.stack`): under
+        `launch.dispatch_lock`, its inputs (and `dynamic_fun`'s arrays) checked again,
         and JAX's warning of unusable donations ignored where the mode says so."""
         return _donating(self._quiet, bool(jtu.tree_leaves(dynamic_fun)))
 
@@ -190,7 +190,7 @@ def keep_undonated(
 
 
 #
-# The launch of a donating call (see `_launch`), and JAX's warning.
+# The launch of a donating call (see `launch`), and JAX's warning.
 #
 
 

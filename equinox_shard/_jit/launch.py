@@ -1,8 +1,8 @@
 """The launch of a compiled call: its dispatch `dispatch(run, dynamic, deleted, leaves,
 jit_id)`, one per entry, stacked by `stack` from a launch (`plain`, `serialized`, or
-donation's, `_donate.Donation.launch`) and the layers that callbacks
-(`_callbacks.waiting`) and explanations (`_explain._watched`) supply; and the lock that
-serialises launches (RFC §6)."""
+donation's, `donation.Donation.launch`) and the layers that callbacks
+(`callbacks.waiting`) and explanations (`explain_misses._watched`) supply; and the lock
+that serialises launches (RFC §6)."""
 
 import threading
 from collections.abc import Callable, Sequence
@@ -11,7 +11,7 @@ import jax
 import jax._src.traceback_util as traceback_util
 from jax.sharding import Sharding
 
-from ._arrays import on_abstract_mesh
+from .._arrays import on_abstract_mesh
 
 
 traceback_util.register_exclusion(__file__)

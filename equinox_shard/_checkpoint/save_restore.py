@@ -28,9 +28,9 @@ import numpy as np
 from jax.sharding import NamedSharding, Sharding
 from jaxtyping import PyTree
 
-from . import _datafiles as datafiles, _progress as progress, _record as record_lib
-from ._orbax_setup import arrays_handler, composite, orbax as _orbax
-from ._spec import check, resolve_leaves
+from .._spec.language import check, resolve_leaves
+from . import data_files, manifest, progress
+from .orbax import arrays_handler, composite, orbax as _orbax
 
 
 traceback_util.register_exclusion(__file__)
@@ -45,7 +45,7 @@ _SWAP = ".eqxs-overwrite"
 _OLD = ".eqxs-old"
 
 
-def _absolute(path: str | os.PathLike) -> pathlib.Path:
+def absolute_path(path: str | os.PathLike) -> pathlib.Path:
     return pathlib.Path(os.path.abspath(os.fspath(path)))
 
 
@@ -166,8 +166,8 @@ def check_json(path: pathlib.Path, file: pathlib.Path) -> None:
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise damaged(path, file, f"is not valid JSON ({e})") from None
     if not isinstance(value, dict):
-        kind = "null" if value is None else f"a JSON {type(value).__name__}"
-        raise damaged(path, file, f"holds {kind}, not a JSON object")
+        what = "null" if value is None else f"a JSON {type(value).__name__}"
+        raise damaged(path, file, f"holds {what}, not a JSON object")
 
 
 def error_number(e: BaseException) -> int | None:
@@ -235,8 +235,8 @@ def save(
         ```
     """
     ocp = _orbax()
-    path = _absolute(path)
-    record, arrays = record_lib.build(tree, "tree")
+    path = absolute_path(path)
+    record, arrays = manifest.build(tree, "tree")
     if path.is_symlink():
         # Replaced, the link would become a directory; written through, the
         # checkpoint it names (shared by other links, say) would be lost.
@@ -304,17 +304,17 @@ def _read_record(ocp, path: pathlib.Path) -> list[dict]:
     record = out["leaves"]
     if (
         isinstance(record, dict)
-        and record.get("format", record_lib.FORMAT) != record_lib.FORMAT
+        and record.get("format", manifest.FORMAT) != manifest.FORMAT
     ):
         raise ValueError(f"{path} is not a checkpoint written by `equinox_shard.save`.")
-    if (why := record_lib.problem(record)) is not None:
+    if (why := manifest.problem(record)) is not None:
         raise damaged(
             path, path / "leaves" / "metadata", f"is not as `save` writes it ({why})"
         )
-    if record["version"] > record_lib.VERSION:
+    if record["version"] > manifest.VERSION:
         raise ValueError(
             f"{path} was written by a newer equinox_shard (format version "
-            f"{record['version']}; this one reads up to {record_lib.VERSION})."
+            f"{record['version']}; this one reads up to {manifest.VERSION})."
         )
     return record["leaves"]
 
@@ -407,7 +407,7 @@ def restore(
         ```
     """
     start = time.perf_counter()
-    path = _absolute(path)
+    path = absolute_path(path)
     out, read = restore_from(_found(path), like, shardings)
     logger.info(
         "restored %s: %d arrays, %d bytes in %.2f s",
@@ -424,26 +424,26 @@ def restore_from(
     ocp = _orbax()
     leaves, treedef = jtu.tree_flatten(like)
     paths = [jtu.keystr(p) for p, _ in jtu.tree_flatten_with_path(like)[0]]
-    kinds = [record_lib.kind(x) for x in leaves]
+    forms = [manifest.saved_form(x) for x in leaves]
     entries = _read_record(ocp, path)
-    like_leaves = [(p, k, x) for p, k, x in zip(paths, kinds, leaves) if k]
-    record_lib.match(path, entries, like_leaves)
+    like_leaves = [(p, k, x) for p, k, x in zip(paths, forms, leaves) if k]
+    manifest.match(path, entries, like_leaves)
     saved = {e["path"]: e for e in entries}
-    names = record_lib.names(entries)
+    names = manifest.names(entries)
     # Each array's target sharding: from `shardings`, else from `like`'s own leaf.
     targets: dict[int, Sharding] = {}
     if shardings is not None:
-        dynamic = lambda x: record_lib.kind(x) in ("array", "key")
+        dynamic = lambda x: manifest.saved_form(x) in ("array", "key")
         todo = resolve_leaves(
             like, leaves, shardings, "shardings", "like", abstract_ok=False,
             dynamic=dynamic,
         )  # fmt: skip
         targets = dict(todo)
     items, restore_args, placed = {}, {}, {}
-    for i, (p, kind, x) in enumerate(zip(paths, kinds, leaves)):
-        if kind not in ("array", "key", "numpy"):
+    for i, (p, form, x) in enumerate(zip(paths, forms, leaves)):
+        if form not in ("array", "key", "numpy"):
             continue
-        if kind == "key":  # its key data: one more, unsplit, dimension
+        if form == "key":  # its key data: one more, unsplit, dimension
             data = jax.eval_shape(
                 jax.random.key_data, jax.ShapeDtypeStruct(np.shape(x), x.dtype)
             )
@@ -451,7 +451,7 @@ def restore_from(
         else:
             shape, dtype = tuple(np.shape(x)), np.dtype(saved[p]["dtype"])
         sharding = None
-        if kind != "numpy":
+        if form != "numpy":
             sharding = targets[i] if i in targets else _placed(x)
         if sharding is not None:
             sharding = _concrete(sharding, "like" + p)
@@ -470,7 +470,7 @@ def restore_from(
     read = {}
     if items:
         check_json(path, path / "arrays" / "_METADATA")
-        stored = datafiles.check(path, names, "like")
+        stored = data_files.check(path, names, "like")
         with (
             progress.Bar(f"restoring {what or path.name}", stored),
             ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer,
@@ -490,16 +490,16 @@ def restore_from(
                 file = path / "arrays" / "_METADATA"
                 why = f"is not as orbax writes it ({type(e).__name__}: {e})"
                 raise damaged(path, file, why) from e
-    record_lib.verify(path, entries, read)
+    manifest.verify(path, entries, read)
     new = list(leaves)
-    for i, (p, kind) in enumerate(zip(paths, kinds)):
-        if kind == "scalar":
+    for i, (p, form) in enumerate(zip(paths, forms)):
+        if form == "scalar":
             e = saved[p]
             new[i] = complex(*e["value"]) if e["type"] == "complex" else e["value"]
-        elif kind in ("array", "key", "numpy"):
+        elif form in ("array", "key", "numpy"):
             shape, dtype, sharding = placed[p]
             value = read.get(names[p])
-            new[i] = _value(kind, leaves[i], value, shape, dtype, sharding, saved[p])
+            new[i] = _value(form, leaves[i], value, shape, dtype, sharding, saved[p])
     return jtu.tree_unflatten(treedef, new), read
 
 
@@ -511,17 +511,17 @@ def _placed(x: Any) -> Sharding | None:
     return getattr(x, "sharding", None)
 
 
-def _value(kind, leaf, value, shape, dtype, sharding, e) -> Any:
+def _value(form, leaf, value, shape, dtype, sharding, e) -> Any:
     """The restored leaf, from what orbax `read` (`None` for a zero-size array)."""
     if value is None:
         zeros = value = np.zeros(shape, dtype)
         if sharding is not None:
             value = jax.make_array_from_callback(shape, sharding, lambda i: zeros[i])
-    if kind == "numpy":
+    if form == "numpy":
         value = np.asarray(value)
         return value[()] if isinstance(leaf, np.generic) else value
     if not isinstance(value, jax.Array):
         value = jax.device_put(value)  # uncommitted
-    if kind == "key":
+    if form == "key":
         return jax.random.wrap_key_data(value, impl=e["impl"])
     return value

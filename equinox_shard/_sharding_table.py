@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
 from jaxtyping import PyTree
 
 from ._arrays import in_default_memory, is_array_or_struct, is_deleted, is_tracer
-from ._report import explain_rules, RuleMatch, RulesReport
+from ._spec.explain_rules import explain_rules, RuleMatch, RulesReport
 
 
 _HEADER = ("path", "shape", "dtype", "sharding", "bytes/device")

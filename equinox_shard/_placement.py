@@ -16,7 +16,7 @@ from jax.sharding import (
     SingleDeviceSharding,
 )
 
-from . import _multiprocess
+from . import _multihost
 from ._arrays import (
     in_default_memory,
     is_concrete,
@@ -30,8 +30,8 @@ from ._buffers import (
     shares_single_device_buffer,
     shares_source_buffer,
 )
-from ._kinds import kind_of, sharding_of
-from ._spec import check
+from ._spec.kinds import kind_of, sharding_of
+from ._spec.language import check
 
 
 traceback_util.register_exclusion(__file__)
@@ -79,7 +79,7 @@ def is_placed(x: jax.Array, sharding: Sharding) -> bool:
 def _is_on(x: jax.Array, target: Any) -> bool:
     """Whether the committed array `x` may stand for one placed on `target`, a value
     of a kind that is not a `Sharding`: on the sharding it gives (if any), and as its
-    kind asks in the rest (`_kinds.Kind.is_placed`: a layout, a memory)."""
+    kind asks in the rest (`_spec.kinds.Kind.is_placed`: a layout, a memory)."""
     kind: Any = kind_of(target)
     sharding = kind.sharding(target)
     return (sharding is None or is_placed(x, sharding)) and kind.is_placed(x, target)
@@ -87,8 +87,8 @@ def _is_on(x: jax.Array, target: Any) -> bool:
 
 def _onto_shardings_first(leaves: list, indices: list, targets: list) -> tuple:
     """Places each array whose target's kind needs it there first
-    (`_kinds.Kind.sharding_first`: a `Format`) onto the target's sharding, in place,
-    as a copy that owns its buffers; returns the `indices` and `targets` still to
+    (`_spec.kinds.Kind.sharding_first`: a `Format`) onto the target's sharding, in
+    place, as a copy that owns its buffers; returns the `indices` and `targets` still to
     place: those whose target asks for more (a layout) than that gave."""
     move = [
         k
@@ -150,7 +150,7 @@ def _fit(shape: tuple, sharding: Any) -> None:
 
 def _shares_source_buffer(x: Any, target: Any, memo: dict) -> bool:
     """`shares_source_buffer` for the sharding that `target` gives (one that keeps
-    the array's own always copies: `_kinds.Kind.sharding`), once per `(x.sharding,
+    the array's own always copies: `_spec.kinds.Kind.sharding`), once per `(x.sharding,
     x.shape, target)` in `memo`."""
     if not isinstance(x, jax.Array):
         return False
@@ -194,7 +194,7 @@ def place(
 ) -> None:
     """Places `leaves[i]` on `target` for each `(i, target)` in `todo` (a resolved
     spec leaf: a `Sharding`, or a value of a kind whose row says how it is placed,
-    `_kinds.Kind.target`) with one batched `jax.device_put`, in place: the one
+    `_spec.kinds.Kind.target`) with one batched `jax.device_put`, in place: the one
     placement of `filter_device_put`, `filter_shard`, `filter_jit`'s inputs and
     process-local data. `donate` and `may_alias` are `jax.device_put`'s, per leaf
     (lists are indexed by leaf index). Arrays that already carry an equivalent sharding
@@ -276,9 +276,7 @@ def place(
         raise_if_deleted(leaves, unchecked, where, then=", so it cannot be placed")
     if jax.process_count() > 1:
         # Host-local arrays onto shardings that span several processes.
-        indices, targets = _multiprocess.place_host_local(
-            leaves, indices, targets, where
-        )
+        indices, targets = _multihost.place_host_local(leaves, indices, targets, where)
         if not indices:
             return
     if first:

@@ -1,5 +1,5 @@
 """`filter_shard_map`: `jax.shard_map` over PyTrees of arrays and non-arrays, its specs
-PyTree prefixes in the language of `_spec`."""
+PyTree prefixes in the language of `_spec.language`."""
 
 import functools as ft
 from collections.abc import Callable
@@ -12,9 +12,9 @@ from equinox import is_array
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._arrays import raise_if_deleted
-from ._mirror import KeyPath, Named, Names
-from ._spec import (
+from .._arrays import raise_if_deleted
+from .._jit.packing import KeyPath, Named, Names
+from .._spec.language import (
     call_rule,
     check,
     flatten_specs,
@@ -23,8 +23,8 @@ from ._spec import (
     resolve_each,
     spread,
 )
-from ._spec_leaves import (
-    _describe_leaf,
+from .._spec.leaves import (
+    describe_leaf,
     is_rule,
     is_spec_leaf,
     PathRules,
@@ -54,7 +54,7 @@ def _check_specs(specs: Any, name: str) -> None:
                     f"{name}{jtu.keystr(path)}{which}: a `filter_shard_map` "
                     "specification leaf must be a `jax.sharding.PartitionSpec` (over "
                     "`mesh`), `None`, a callable `leaf -> PartitionSpec`, or an "
-                    f"`equinox_shard.PathRules` of those; got {_describe_leaf(spec)}."
+                    f"`equinox_shard.PathRules` of those; got {describe_leaf(spec)}."
                 )
 
 
@@ -65,7 +65,7 @@ def _resolve(spec: Any, leaf: Any, where: Callable[[], str]) -> PartitionSpec | 
         return spec
     raise TypeError(
         f"{where()}: a `filter_shard_map` specification must resolve to a "
-        f"`jax.sharding.PartitionSpec` or `None`; got {_describe_leaf(spec)}."
+        f"`jax.sharding.PartitionSpec` or `None`; got {describe_leaf(spec)}."
     )
 
 

@@ -15,8 +15,8 @@ import numpy as np
 from jax.sharding import PartitionSpec
 from jaxtyping import PyTree
 
-from ._shard_map import filter_shard_map
-from ._spec import mesh_or_context
+from .._spec.language import mesh_or_context
+from .shard_map import filter_shard_map
 
 
 traceback_util.register_exclusion(__file__)
@@ -265,8 +265,8 @@ def filter_pipeline(
     mesh_ = _get_mesh(mesh, axis_name)
     explicit = tuple(
         name
-        for name, kind in zip(mesh_.axis_names, mesh_.axis_types)
-        if kind == jax.sharding.AxisType.Explicit
+        for name, axis_type in zip(mesh_.axis_names, mesh_.axis_types)
+        if axis_type == jax.sharding.AxisType.Explicit
     )
     # Like JAX's own Explicit sharding, `auto_axes` needs the mesh in context.
     if explicit and jax.sharding.get_abstract_mesh() != getattr(

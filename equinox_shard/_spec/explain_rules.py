@@ -6,9 +6,9 @@ from typing import Any, NamedTuple
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from ._arrays import is_array_or_struct
-from ._spec import spread
-from ._spec_leaves import did_you_mean, RulesUsage, unset
+from .._arrays import is_array_or_struct
+from .language import spread
+from .leaves import did_you_mean, RulesUsage, unset
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,13 +13,13 @@ import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 from equinox import field, is_array, Module, module_update_wrapper, Partial
 
-from . import _explain
-from ._arrays import is_array_or_struct
-from ._cache import ArgStructure, Cache, diagnose, get_cache, StructureKey
-from ._donate import DonateMode
-from ._entry import AutoLayouts, build_entry, Entry, prepare
-from ._mirror import mirror_combine, mirror_partition
-from ._spec_leaves import unset
+from .._arrays import is_array_or_struct
+from .._spec.leaves import unset
+from . import explain_misses
+from .cache import ArgStructure, Cache, diagnose, get_cache, StructureKey
+from .donation import DonateMode
+from .entry import AutoLayouts, build_entry, Entry, prepare
+from .packing import mirror_combine, mirror_partition
 
 
 traceback_util.register_exclusion(__file__)
@@ -136,11 +136,19 @@ def _compile(wrapper, cache, args, kwargs, leaves, structure_key: tuple):
                 wrapper._dynamic_fun, cache, entry, structure, args, kwargs, leaves
             )
             return entry, structure, leaves, trees
-        make = lambda: build_entry(wrapper, cache, structure, args, kwargs, leaves)
+        make = lambda: build_entry(
+            wrapper._dynamic_fun,
+            wrapper._static_fun,
+            cache,
+            structure,
+            args,
+            kwargs,
+            leaves,
+        )
         config = jax.config
         if config.jax_explain_cache_misses and not config.jax_disable_jit:  # pyright: ignore
-            # JAX's own flag: say why, in the caller's names (`_explain`).
-            entry, leaves, trees = _explain.build(
+            # JAX's own flag: say why, in the caller's names (`explain_misses`).
+            entry, leaves, trees = explain_misses.build(
                 cache, structure, args, kwargs, leaves, make
             )
         else:

@@ -8,18 +8,18 @@ where that is not onto a `Sharding` (`Kind.target`, `Kind.is_placed`,
 `Kind.sharding_first`: a `Format` in its layout, a `jax.memory.Space` in its memory);
 which functions take it; and how it is applied inside a trace and by `filter_jit`'s
 `in_shardings` and `out_shardings`. The modules that treat one kind apart from another
-in these respects read the table (`_spec`, `_spec_leaves`, `_place`, `_sharding`,
-`_entry`, `_traced`) and test no kind's type themselves, but for a `Sharding` (which
-needs neither resolving nor a placement of its own).
+in these respects read the table (`language`, `leaves`, `_placement`, `_sharding`,
+`_jit.entry`, `_jit.traced_body`) and test no kind's type themselves, but for a
+`Sharding` (which needs neither resolving nor a placement of its own).
 
 Not in the table: `Layout.AUTO` (`is_auto`), the layout that a compiler chooses for a
-`Format` in `filter_jit`'s `in_shardings`, handled by `_entry._auto_layouts` and
-`_entry.AutoLayouts` (compiled before a call), `_callbacks._own_layouts` (the
-arguments' own layouts for such an executable) and `_traced._eager_targets` (under
-`jax.disable_jit`, the sharding alone); eagerly it is an error (`Kind.target`).
-`filter_shard_map`'s specifications are `PartitionSpec`s over its mesh, not these
-kinds (`_shard_map`). A callable rule and a `PathRules` are not kinds: they choose,
-per array, a spec leaf of one of these kinds (`_spec_leaves`).
+`Format` in `filter_jit`'s `in_shardings`, handled by `_jit.entry._auto_layouts` and
+`_jit.entry.AutoLayouts` (compiled before a call), `_jit.callbacks._own_layouts` (the
+arguments' own layouts for such an executable) and `_jit.traced_body._eager_targets`
+(under `jax.disable_jit`, the sharding alone); eagerly it is an error (`Kind.target`).
+`filter_shard_map`'s specifications are `PartitionSpec`s over its mesh, not these kinds
+(`_manual.shard_map`). A callable rule and a `PathRules` are not kinds: they choose, per
+array, a spec leaf of one of these kinds (`leaves`).
 """
 
 import enum
@@ -30,7 +30,7 @@ import jax
 from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from ._arrays import is_key_array
+from .._arrays import is_key_array
 
 
 class InTrace(enum.Enum):

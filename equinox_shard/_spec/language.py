@@ -1,7 +1,7 @@
 """The sharding-specification language shared by every public function.
 
 A *specification* is a PyTree prefix of a value. Each of its leaves ("spec leaves") is
-one of (the kinds of `_kinds.KINDS`, then `None`, a callable and a `PathRules`):
+one of (the kinds of `kinds.KINDS`, then `None`, a callable and a `PathRules`):
 
 - a `jax.sharding.Sharding`;
 - a `jax.Device`, meaning `jax.sharding.SingleDeviceSharding(device)`;
@@ -39,16 +39,16 @@ from equinox import is_array
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 from jax.tree_util import PyTreeDef
 
-from ._arrays import DEFAULT_MEMORY, on_abstract_mesh
-from ._kinds import is_kind, kind_of, names, sharding_of
-from ._spec_leaves import (
-    _check_spec_leaf,
-    _describe_leaf,
-    _one_level,
+from .._arrays import DEFAULT_MEMORY, on_abstract_mesh
+from .kinds import is_kind, kind_of, names, sharding_of
+from .leaves import (
+    check_spec_leaf,
+    describe_leaf,
     is_pytree_node,
     is_rule,
     is_spec_leaf,
     match_path_rules,
+    one_level,
     PathRules,
     RulesUsage,
 )
@@ -67,7 +67,7 @@ def flatten_specs(specs: Any, name: str) -> tuple[list, PyTreeDef]:  # pyright: 
             for path, leaf2 in jtu.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)[
                 0
             ]:
-                _check_spec_leaf(leaf2, name + jtu.keystr(path))
+                check_spec_leaf(leaf2, name + jtu.keystr(path))
     return leaves, treedef
 
 
@@ -76,7 +76,7 @@ def _describe_node(x: Any) -> str:
         shape = tuple(x.shape)  # pyright: ignore[reportAttributeAccessIssue]
         return f"an array leaf of shape {shape} and dtype {x.dtype}"
     if not is_pytree_node(x) and x is not None:
-        return f"a leaf ({_describe_leaf(x)})"
+        return f"a leaf ({describe_leaf(x)})"
     if isinstance(x, dict):
         return f"a {type(x).__name__} with keys {sorted(map(repr, x.keys()))}"
     if isinstance(x, (list, tuple)):
@@ -100,8 +100,8 @@ def _first_mismatch(spec: Any, value: Any, path: tuple) -> tuple[tuple, str] | N
     found = f"the specification has {_describe_node(spec)}"
     if not is_pytree_node(value) and value is not None:
         return path, f"{found} whereas the value has {_describe_node(value)}"
-    spec_def = _one_level(spec)
-    value_def = _one_level(value)
+    spec_def = one_level(spec)
+    value_def = one_level(value)
     if (
         type(spec) is type(value)
         and isinstance(spec, dict)
@@ -358,7 +358,7 @@ def resolve(
     spec: Any, leaf: Any, where: Callable[[], str], *, abstract_ok: bool, mesh=None
 ) -> Any:
     """Resolves one spec leaf against one array leaf, as its kind does
-    (`_kinds.Kind.resolve`): to a `Sharding`, a value of a kind that needs no
+    (`kinds.Kind.resolve`): to a `Sharding`, a value of a kind that needs no
     resolving (a `Format`, a `jax.memory.Space`), or `None`.
 
     `where()` returns the leaf's key path; it is only called to build an error message.
@@ -371,7 +371,7 @@ def resolve(
         if not (out is None or is_kind(out)):
             raise TypeError(
                 f"{where()}: the sharding rule {spec!r} must return {names()}or "
-                f"`None`; got {_describe_leaf(out)}."
+                f"`None`; got {describe_leaf(out)}."
             )
         if out is None:
             return None

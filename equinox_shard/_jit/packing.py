@@ -78,9 +78,9 @@ def _is_builtin(treedef: Any) -> bool:
     read from the structure itself, so no user class is rebuilt to find out."""
     if treedef.num_nodes == 1:
         return True
-    kind = treedef.node_data()[0]
-    if kind not in (tuple, list, dict) and not (
-        issubclass(kind, tuple) and hasattr(kind, "_fields")
+    node_type = treedef.node_data()[0]
+    if node_type not in (tuple, list, dict) and not (
+        issubclass(node_type, tuple) and hasattr(node_type, "_fields")
     ):
         return False
     return all(map(_is_builtin, treedef.children()))
@@ -177,10 +177,10 @@ def mirror(tree: Any, is_leaf=None) -> Any:
     classes is constructed, so their constructors' checks never see placeholders."""
     if tree is None or (is_leaf is not None and is_leaf(tree)):
         return tree
-    kind = type(tree)
-    if kind is tuple or kind is list:
-        return kind(mirror(x, is_leaf) for x in tree)
-    if kind is dict:
+    node_type = type(tree)
+    if node_type is tuple or node_type is list:
+        return node_type(mirror(x, is_leaf) for x in tree)
+    if node_type is dict:
         return {k: mirror(v, is_leaf) for k, v in tree.items()}
     children, node = jtu.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
     if jtu.treedef_is_leaf(node):
@@ -189,8 +189,8 @@ def mirror(tree: Any, is_leaf=None) -> Any:
     keys = tuple(path[0] for path, _ in children)
     if keys and all(isinstance(k, jtu.GetAttrKey) for k in keys):
         names = tuple(k.name for k in keys)  # pyright: ignore[reportAttributeAccessIssue]
-        return _namedtuple(kind, names)(*mirrored)
-    return _Node(tuple(mirrored), (kind, keys))
+        return _namedtuple(node_type, names)(*mirrored)
+    return _Node(tuple(mirrored), (node_type, keys))
 
 
 def mirror_partition(tree: Any) -> tuple[Any, tuple[tuple, Any]]:

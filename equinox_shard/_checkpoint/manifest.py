@@ -1,4 +1,4 @@
-"""The record of leaves that a checkpoint carries (see `_checkpoint.py`): what each
+"""The record of leaves that a checkpoint carries (see `save_restore.py`): what each
 saved leaf is, under which name its array is stored, and a checksum of its values;
 built by `build` on save, checked against `like` by `match` on restore before anything
 else is read, and its checksums by `verify` once the arrays are read.
@@ -21,7 +21,7 @@ import jax.tree_util as jtu
 import numpy as np
 from equinox import is_array
 
-from ._arrays import is_key_array, is_tracer, raise_if_deleted
+from .._arrays import is_key_array, is_tracer, raise_if_deleted
 
 
 traceback_util.register_exclusion(__file__)
@@ -38,7 +38,7 @@ def is_shape_dtype_struct(x: Any) -> bool:
     return isinstance(x, jax.ShapeDtypeStruct)
 
 
-def kind(x: Any) -> str | None:
+def saved_form(x: Any) -> str | None:
     """What is saved of a leaf: `array`, `key` (a typed PRNG key array), `numpy`,
     `scalar` (a Python bool/int/float/complex), or `None` (taken from `like`)."""
     if isinstance(x, jax.Array) or is_shape_dtype_struct(x):
@@ -60,11 +60,11 @@ def describe(entry: dict) -> str:
     )
 
 
-def entry(kind: str, x: Any) -> dict:
-    if kind == "scalar":
+def entry(form: str, x: Any) -> dict:
+    if form == "scalar":
         value = [x.real, x.imag] if isinstance(x, complex) else x
-        return {"kind": kind, "type": type(x).__name__, "value": value}
-    return {"kind": kind, "shape": list(np.shape(x)), "dtype": str(x.dtype)}
+        return {"kind": form, "type": type(x).__name__, "value": value}
+    return {"kind": form, "shape": list(np.shape(x)), "dtype": str(x.dtype)}
 
 
 #
@@ -211,7 +211,7 @@ def build(tree: Any, name: str) -> tuple[dict, dict]:
                 f"{where}: cannot save the abstract value {x!r}; `save` needs concrete "
                 "arrays (call it outside `jax.jit`)."
             )
-        k = kind(x)
+        k = saved_form(x)
         if k is None:
             continue
         raise_if_deleted([x], (0,), lambda _: where, then=", so it cannot be saved")
@@ -338,8 +338,8 @@ def names(entries: list[dict]) -> dict[str, str | None]:
 
 def match(path: Any, entries: list[dict], like: list) -> None:
     """Raises, naming the first leaf that differs, unless `like` (a list of
-    `(key path, kind, leaf)`) has exactly the saved leaves' paths, kinds, shapes and
-    dtypes."""
+    `(key path, saved form, leaf)`) has exactly the saved leaves' paths, forms, shapes
+    and dtypes."""
     saved = {e["path"]: e for e in entries}
     wanted = {p: (k, x) for p, k, x in like}
     for p, k, x in like:

@@ -12,13 +12,13 @@ import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 from equinox import is_array
 
-from ._arrays import is_tracer
-from ._cache import ArgStructure, Cache
-from ._kinds import is_auto, kind_of
-from ._mirror import mirror, mirror_combine, OutStatic
-from ._place import place
-from ._spec import check, for_jax, leaf_path, resolve, resolve_leaves
-from ._spec_leaves import is_rule, is_spec_leaf, PathRules, unset
+from .._arrays import is_tracer
+from .._placement import place
+from .._spec.kinds import is_auto, kind_of
+from .._spec.language import check, for_jax, leaf_path, resolve, resolve_leaves
+from .._spec.leaves import is_rule, is_spec_leaf, PathRules, unset
+from .cache import ArgStructure, Cache
+from .packing import mirror, mirror_combine, OutStatic
 
 
 traceback_util.register_exclusion(__file__)

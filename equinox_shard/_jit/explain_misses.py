@@ -23,9 +23,9 @@ import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 import jaxtyping
 
-from ._arrays import is_concrete
-from ._cache import path_name
-from ._launch import stack
+from .._arrays import is_concrete
+from .cache import path_name
+from .launch import stack
 
 
 traceback_util.register_exclusion(__file__)
@@ -88,7 +88,7 @@ def _array(x) -> dict:
 
 def _describe(cache, structure, args, kwargs, leaves) -> dict:
     """A call, as explanations compare it: its two cache keys field by field
-    (`_cache.StructureKey`, then `_cache.EntryKey`), the caller's name of each leaf,
+    (`cache.StructureKey`, then `cache.EntryKey`), the caller's name of each leaf,
     and what the `jax.jit` beneath keys on of each traced leaf (`_array`)."""
     flat, _ = jtu.tree_flatten_with_path((args, kwargs))
     names = [path_name(cache.names, path, cache.var_name) for path, _ in flat]
@@ -292,7 +292,7 @@ def _report(cache, new: dict, seen: list, head: str, diff: Callable) -> str:
 
 
 def build(cache, structure, args, kwargs, leaves, make: Callable[[], tuple]) -> tuple:
-    """`make()` (which builds and traces a new entry: `_entry.build_entry`) under the
+    """`make()` (which builds and traces a new entry: `entry.build_entry`) under the
     flag: explains the miss first, and records the call; the entry's dispatch then
     tells `_recompiled` which call it makes. Loggers are as they were afterwards."""
     with listening(), _each_report_once() as said:
@@ -329,12 +329,12 @@ def _seen(cache, entry, args, kwargs, leaves) -> None:
 
 
 def _watched(cache, entry, dispatch: Callable, said: set) -> Callable:
-    """The dispatch layer (see `_launch.stack`) of an entry built under the flag:
+    """The dispatch layer (see `launch.stack`) of an entry built under the flag:
     while the flag is on, `dispatch` runs with JAX's loggers listened to, and with
     this call (the entry, and the leaves as `jax.jit` gets them) known to
     `_recompiled`. The call that built the entry dispatches it first: what `build`
     said (`said`) is not said again by the first dispatch's traces
-    (`_callbacks.Guards`)."""
+    (`callbacks.Guards`)."""
     first = [said]
 
     def watched(run, dynamic, deleted, leaves, jit_id):
@@ -387,7 +387,7 @@ class _JaxReports(logging.Filter):
         head, _, rest = msg.partition("\n")
         prefix = "TRACING CACHE MISS at "
         where = head[len(prefix) :]
-        # An empty place: a trace nested in ours (`_callbacks.Guards`' `make_jaxpr`).
+        # An empty place: a trace nested in ours (`callbacks.Guards`' `make_jaxpr`).
         if not (head.startswith(prefix) and (where.startswith(_HERE) or where == ":")):
             return True
         if f" defined at {_HERE}" in rest.partition("\n")[0]:
@@ -434,7 +434,7 @@ _reports = _JaxReports()
 def _each_report_once(said: set | None = None):
     """JAX's reports of our `jax.jit` said once per call (`said`: those already said
     in this call): for an entry with callbacks it is traced twice
-    (`_callbacks.Guards`), and JAX explains each trace."""
+    (`callbacks.Guards`), and JAX explains each trace."""
     outer, _state.said = getattr(_state, "said", None), set() if said is None else said
     try:
         yield _state.said

@@ -25,23 +25,30 @@ import jax._src.traceback_util as traceback_util
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _record as record_lib
-from ._checkpoint import _absolute, error_number, LOCK, logger, nbytes, restore_from
-from ._orbax_setup import (
+from . import manifest
+from .orbax import (
     arrays_handler,
     composite,
     operation_id,
     orbax as _orbax,
     release,
 )
+from .save_restore import (
+    absolute_path,
+    error_number,
+    LOCK,
+    logger,
+    nbytes,
+    restore_from,
+)
 
 
 traceback_util.register_exclusion(__file__)
 
 
-def _positive(name: str, value: Any, kind: type | tuple[type, ...]) -> None:
+def _positive(name: str, value: Any, types: type | tuple[type, ...]) -> None:
     if value is not None and (
-        not isinstance(value, kind) or isinstance(value, bool) or value <= 0
+        not isinstance(value, types) or isinstance(value, bool) or value <= 0
     ):
         raise ValueError(f"`{name}` must be a positive number or None, not {value!r}.")
 
@@ -247,7 +254,7 @@ class CheckpointManager:
         self._locked = False
         self._read_only: OSError | None = None
         self._reported: set[str] = set()
-        self.directory = _absolute(directory)
+        self.directory = absolute_path(directory)
         if os.path.lexists(self.directory) and not self.directory.is_dir():
             raise NotADirectoryError(
                 f"{self.directory} is a file, not a directory: a CheckpointManager "
@@ -411,7 +418,7 @@ class CheckpointManager:
                 "was written.",
             )
         ocp = _orbax()
-        record, arrays = record_lib.build(state, "state")
+        record, arrays = manifest.build(state, "state")
         start = time.perf_counter()
         size = nbytes(arrays)
         saved = False

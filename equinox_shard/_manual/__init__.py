@@ -1,0 +1,5 @@
+"""Manual parallelism on `jax.shard_map`: `filter_shard_map`, and `filter_pipeline`
+built on it.
+
+Read `shard_map` first, then `pipeline`.
+"""

@@ -1,0 +1,6 @@
+"""The sharding-specification language that every public function speaks.
+
+Read `language` first (a specification and how it resolves against a PyTree), then
+`leaves` (what a spec leaf may be, and `PathRules`), `kinds` (the table of spec-leaf
+kinds) and `explain_rules` (what the rules of a specification do, as data).
+"""
