@@ -10,8 +10,11 @@ Where the right behaviour is not what the library does today, the test is writte
 the right behaviour and marked `xfail(strict=True)` with the reason.
 """
 
+import ast
 import contextlib
 import functools as ft
+import inspect
+import pathlib
 import re
 from typing import Any
 
@@ -42,28 +45,41 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-# Names that belong to the implementation, not to the user's arguments.
-_INTERNAL = (
-    "dynamic_donate",
-    "dynamic_nodonate",
-    "donated[",
-    "kept[",
-    "full[",
-    "fun_wrapped",
-    "static_template",
-    "_sharding.py",
-    "_placement.py",
-    "_jit/filter_jit.py",
-    "_jit/entry.py",
-    "_jit/donation.py",
-    "_arrays.py",
-    "_jit/launch.py",
-    "_jit/cache.py",
-    "_jit/packing.py",
-    "_spec/language.py",
-    "args[",
-    "kwargs[",
-)
+def _internal_names() -> tuple[str, ...]:
+    """Names that belong to the implementation, not to the user's arguments, read from
+    the package itself: each module's file (as a traceback prints it), each function
+    it defines with an underscore inside its name (an English word has none), and
+    each parameter name of its functions, longer than a letter, followed by `[` (the
+    root of a key path); less the names that messages do give: the public API's own
+    (its functions, classes, methods and their parameters) and JAX's."""
+    package = pathlib.Path(eqxs.__file__).parent
+    public = {"out"}  # the root of an output's key paths (`out[1]`)
+    for name in eqxs.__all__:
+        value = getattr(eqxs, name)
+        methods = vars(value).values() if isinstance(value, type) else ()
+        public |= {name, *dir(value)}
+        for member in (value, *methods):
+            with contextlib.suppress(TypeError, ValueError):
+                public |= set(inspect.signature(member).parameters)
+    names = set()
+    for path in package.rglob("*.py"):
+        names.add(path.relative_to(package.parent).as_posix())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and "_" in node.name.strip("_"):
+                names.add(node.name)
+            elif isinstance(node, ast.arg) and len(node.arg) > 1:
+                names.add(node.arg + "[")
+    return tuple(
+        sorted(
+            name
+            for name in names
+            if name.removesuffix("[") not in public
+            and not any(hasattr(m, name) for m in (jax, jax.sharding, jtu, eqx))
+        )
+    )
+
+
+_INTERNAL = _internal_names()
 
 
 def _kp(root: str, *keys) -> str:
