@@ -71,3 +71,34 @@ def test_no_import_cycle():
 
     for module in graph:
         visit(module, ())
+
+
+def test_no_private_name_crosses_a_module_line():
+    # A name with a leading underscore is its module's own: another module of the
+    # package neither imports it (`from .x import _name`) nor reads it (`x._name`).
+    paths = {_module(p): p for p in _PACKAGE.rglob("*.py")}
+    crossings = []
+    for module, path in paths.items():
+        folder = list(path.relative_to(_PACKAGE).parent.parts)
+        aliases = {}
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level >= 1:
+                base = folder[: len(folder) - (node.level - 1)]
+                base += node.module.split(".") if node.module else []
+                for alias in node.names:
+                    name = ".".join([*base, alias.name])
+                    if name in paths:
+                        aliases[alias.asname or alias.name] = name
+                    elif alias.name.startswith("_"):
+                        crossings.append(f"{module}: {'.'.join(base)}.{alias.name}")
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                crossings.append(f"{module}: {aliases[node.value.id]}.{node.attr}")
+    assert crossings == []
