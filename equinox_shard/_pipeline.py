@@ -348,7 +348,9 @@ def filter_pipeline(
         keys = None if keys is None else keys[0]
         varying = lambda a: jax.lax.pcast(a, axis_name, to="varying")
         inputs = jtu.tree_map(varying, inputs)
-        outputs = jtu.tree_map(jnp.zeros_like, inputs)
+        # Every slot is written before it is returned, so any start will do; not
+        # `zeros_like`, which drops the varying type of typed PRNG keys in `x`.
+        outputs = inputs
         held = jtu.tree_map(lambda a: a[0], outputs)
         here = jnp.asarray(table)[stage]  # `(ticks, 2)`: this stage's column
         last = jnp.asarray(table[stages - 1])  # what stage 0 receives, tick by tick

@@ -44,22 +44,26 @@ def _blocks(n, key):
     return eqx.filter_vmap(Block)(jr.split(key, n))
 
 
-def _reference(layers, x, *, microbatches, key=None):
+def _reference(layers, x, *, microbatches, key=None, fn=None):
     """The docstring's reference: each microbatch `x[m::M]` through every layer in
     order (one `jax.lax.scan`), with keys `split(split(key, M)[m], L)`."""
     arrays, static = eqx.partition(layers, eqx.is_array)
     n = jtu.tree_leaves(arrays)[0].shape[0]
-    out = jnp.zeros_like(x)
+    if fn is None:
+        fn = lambda layer, h, key: layer(h, key=key)
+    outs = []
     for m in range(microbatches):
         keys = None if key is None else jr.split(jr.split(key, microbatches)[m], n)
 
         def step(h, layer_and_key):
             layer, k = layer_and_key
-            return eqx.combine(layer, static)(h, key=k), None
+            return fn(eqx.combine(layer, static), h, key=k), None
 
-        y, _ = jax.lax.scan(step, x[m::microbatches], (arrays, keys))
-        out = out.at[m::microbatches].set(y)
-    return out
+        xm = jtu.tree_map(lambda a: a[m::microbatches], x)
+        outs.append(jax.lax.scan(step, xm, (arrays, keys))[0])
+    # Example `i` of microbatch `m` goes back to row `i * M + m`.
+    out = jtu.tree_map(lambda *o: jnp.stack(o, 1), *outs)
+    return jtu.tree_map(lambda a: a.reshape(-1, *a.shape[2:]), out)
 
 
 def _mesh(stages):
@@ -258,6 +262,42 @@ def test_explicit_mesh_axes_match_the_reference():
             grads, out = grad(placed, data, True, named)
             _assert_close((grads, out), expected)
             assert out.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)
+
+
+def _key_data(keys):
+    is_typed = jnp.issubdtype(keys.dtype, jax.dtypes.prng_key)
+    return jr.key_data(keys) if is_typed else keys
+
+
+@pytest.mark.parametrize("typed", [True, False])
+def test_keys_in_x_ride_with_the_activations(typed):
+    # One key per example, typed (`jr.key`) or raw (`jr.PRNGKey`), carried in `x`:
+    # each layer draws noise from it and passes on a fresh key.
+    layers = _blocks(8, jr.key(0))
+    seed = jr.key(1) if typed else jr.PRNGKey(1)
+    x = {"h": jr.normal(jr.key(2), (16, WIDTH)), "key": jr.split(seed, 16)}
+
+    def fn(layer, x, key=None):
+        noise = jax.vmap(lambda k: jr.normal(k, (WIDTH,)))(x["key"])
+        fresh = jax.vmap(lambda k: jr.split(k)[0])(x["key"])
+        return {"h": layer(x["h"]) + 0.1 * noise, "key": fresh}
+
+    def run(layers, pipelined):
+        if pipelined:
+            return eqxs.filter_pipeline(layers, x, microbatches=4, fn=fn)
+        return _reference(layers, x, microbatches=4, fn=fn)
+
+    def loss(layers, pipelined):
+        return jnp.sum(jnp.sin(run(layers, pipelined)["h"])), run(layers, pipelined)
+
+    grad = eqx.filter_jit(eqx.filter_grad(loss, has_aux=True))
+    with jax.set_mesh(_mesh(4)):
+        grads, out = grad(layers, True)
+    expected_grads, expected = grad(layers, False)
+    _assert_close((grads, out["h"]), (expected_grads, expected["h"]))
+    assert out["key"].dtype == x["key"].dtype
+    assert (_key_data(out["key"]) == _key_data(expected["key"])).all()
+    assert not (_key_data(out["key"]) == _key_data(x["key"])).all()
 
 
 def test_each_device_holds_its_stages_layers_only():
