@@ -113,6 +113,18 @@ def _get_mesh(mesh: Any, axis_name: str) -> Any:
             f"axis_name={axis_name!r} is not an axis of the mesh (its axes are "
             f"{tuple(mesh.axis_names)})."
         )
+    # Inside a `jax.shard_map` the mesh in context marks its axes Manual; a second
+    # `jax.shard_map` over one of them fails deep inside JAX.
+    for where in (jax.sharding.get_abstract_mesh(), mesh):
+        kinds = dict(zip(where.axis_names, where.axis_types))
+        if kinds.get(axis_name) == jax.sharding.AxisType.Manual:
+            raise ValueError(
+                f"axis_name={axis_name!r}: this `filter_pipeline` runs inside a "
+                f"`jax.shard_map` already manual over {axis_name!r} (such as the `fn` "
+                "of another `filter_pipeline` on that axis), so its stages cannot be "
+                "laid out on that axis again. Give the inner pipeline another mesh "
+                "axis, or put its layers into the outer stack."
+            )
     return mesh
 
 

@@ -300,6 +300,28 @@ def test_keys_in_x_ride_with_the_activations(typed):
     assert not (_key_data(out["key"]) == _key_data(x["key"])).all()
 
 
+def test_a_pipeline_inside_another_needs_another_axis():
+    outer, inner = _blocks(4, jr.key(0)), _blocks(4, jr.key(1))
+    x = jr.normal(jr.key(2), (16, WIDTH))
+
+    def inner_scan(layer, h, key=None):
+        return _reference(inner, layer(h), microbatches=1)
+
+    def run(axis_name):
+        def fn(layer, h):
+            h = layer(h)
+            return eqxs.filter_pipeline(inner, h, microbatches=2, axis_name=axis_name)
+
+        return eqxs.filter_pipeline(outer, x, microbatches=4, fn=fn)
+
+    with jax.set_mesh(_mesh(4)):
+        # The inner pipeline's stages on `data`, inside the outer one's on `stage`.
+        out = eqx.filter_jit(run)("data")
+        with pytest.raises(ValueError, match=r"axis_name='stage'.* inside .*'stage'"):
+            eqx.filter_jit(run)("stage")
+    _assert_close(out, _reference(outer, x, microbatches=4, fn=inner_scan))
+
+
 def test_each_device_holds_its_stages_layers_only():
     stages = 4
     layers = _blocks(8, jr.key(0))
