@@ -64,6 +64,71 @@ def _layer_count(layers: Any) -> int:
     return first.shape[0]
 
 
+def _refuse_layer_list(layers: Any) -> None:
+    # A list of unstacked layers has leaves that look stacked (a Linear's weight and
+    # bias share their first axis), so the layer-axis check alone lets it through.
+    if (
+        isinstance(layers, (list, tuple))
+        and len(layers) > 0
+        and all(isinstance(layer, eqx.Module) for layer in layers)
+        and len({type(layer) for layer in layers}) == 1
+    ):
+        raise ValueError(
+            f"layers: a {type(layers).__name__} of {len(layers)} "
+            f"`{type(layers[0]).__name__}` layers; `filter_pipeline` needs them "
+            "stacked into one, each array with the layer axis first. Build them with "
+            "`eqx.filter_vmap(make_layer)(keys)`, or stack the list with "
+            "`jax.tree.map(lambda *a: jnp.stack(a), *layers)`. (Several stacks of "
+            "layers go in a dict or a Module.)"
+        )
+
+
+def _check_key(key: Any) -> None:
+    if key is None:
+        return
+    # The default PRNG implementation's raw key: uint32 of shape (2,) for threefry.
+    raw = jax.eval_shape(lambda: jr.PRNGKey(0))
+    if eqx.is_array(key):
+        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+            if key.shape == ():
+                return
+            batch = key.shape
+        elif key.dtype == raw.dtype and key.shape[-1:] == raw.shape:
+            if key.ndim == 1:
+                return
+            batch = key.shape[:-1]
+        else:
+            batch = None
+        got = f"an array of dtype {key.dtype} and shape {key.shape}"
+        if batch is not None:
+            raise ValueError(
+                f"key: a single PRNG key is needed; got {got}, keys of batch shape "
+                f"{batch}. Pass one key: `filter_pipeline` splits it per microbatch "
+                "and per layer. (Keys per example may ride in `x`.)"
+            )
+    else:
+        got = repr(key)
+    raise TypeError(
+        "key: a single PRNG key is needed (`jax.random.key(seed)`, of shape (), or "
+        f"a raw `jax.random.PRNGKey(seed)`, {raw.dtype} of shape {raw.shape}); got "
+        f"{got}."
+    )
+
+
+def _check_bool(value: Any, name: str) -> bool:
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool; got {value!r}.")
+
+
+def _check_fn(fn: Any) -> None:
+    if fn is not None and not callable(fn):
+        raise TypeError(
+            "fn must be callable, `fn(layer, x) -> x` (or None, for `layer(x)`); got "
+            f"{fn!r}."
+        )
+
+
 def _refuse_state(tree: Any, name: str) -> None:
     is_state = lambda x: isinstance(x, (eqx.nn.State, eqx.nn.StateIndex))
     for path, leaf in jtu.tree_flatten_with_path(tree, is_leaf=is_state)[0]:
@@ -155,6 +220,24 @@ def _uncut(x: Any) -> Any:
 
 def _default_fn(layer, x, **kwargs):
     return layer(x, **kwargs)
+
+
+def _default_fn_hint(one_layer: Callable, shapes: tuple) -> str:
+    """What to do when `layer(x)` fails on a microbatch: most Equinox layers take one
+    example, so try the layer on each example of it."""
+    xm_shape, *rest = shapes
+    per_example = lambda xm, *rest: jax.vmap(lambda x: one_layer(x, *rest))(xm)
+    try:
+        jax.eval_shape(per_example, xm_shape, *rest)
+    except Exception:
+        return (
+            "Check that every array of `layers` has the layer axis first, or pass "
+            "`fn(layer, x) -> x`."
+        )
+    return (
+        "The layers take one example, as most Equinox layers (`eqx.nn.Linear`) do: "
+        "pass `fn=lambda layer, x: jax.vmap(layer)(x)`."
+    )
 
 
 def filter_pipeline(
@@ -274,6 +357,9 @@ def filter_pipeline(
     """
     microbatches = _check_positive(microbatches, "microbatches")
     repeats = _check_positive(repeats, "repeats")
+    remat = _check_bool(remat, "remat")
+    _check_fn(fn)
+    _check_key(key)
     mesh_ = _get_mesh(mesh, axis_name)
     explicit = tuple(
         name
@@ -290,6 +376,7 @@ def filter_pipeline(
         )
     _refuse_state(layers, "layers")
     _refuse_state(x, "x")
+    _refuse_layer_list(layers)
     n_layers = _layer_count(layers)
     stages = dict(zip(mesh_.axis_names, mesh_.axis_sizes))[axis_name]
     if n_layers % (stages * repeats):
@@ -299,6 +386,7 @@ def filter_pipeline(
             f"{stages} devices)."
         )
     _batch_size(x, microbatches)
+    fn_given = fn is not None
     fn = _default_fn if fn is None else fn
     chunk = n_layers // (stages * repeats)
     arrays, static = eqx.partition(layers, eqx.is_array)
@@ -321,7 +409,22 @@ def filter_pipeline(
         lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), arrays
     )
     key_shape = None if key is None else jax.ShapeDtypeStruct(key.shape, key.dtype)
-    out_shape = jax.eval_shape(one_layer, xm_shape, layer_shape, key_shape, fn_arrays)
+    shapes = (xm_shape, layer_shape, key_shape, fn_arrays)
+    try:
+        out_shape = jax.eval_shape(one_layer, *shapes)
+    except Exception as error:
+        if fn_given:
+            error.add_note(
+                "(Raised by `fn`, called by `filter_pipeline` on one layer of `layers` "
+                f"and one microbatch of `x`, {xm_shape}, before anything runs.)"
+            )
+            raise
+        raise ValueError(
+            "fn=None: the default `fn` calls `layer(x)` on one layer of `layers` and "
+            f"one microbatch of `x`, {xm_shape}, and that failed ("
+            f"{type(error).__name__}: {str(error).splitlines()[0].rstrip('.')}). "
+            + _default_fn_hint(one_layer, shapes)
+        ) from error
     if jtu.tree_structure(out_shape) != jtu.tree_structure(xm_shape) or any(
         (a.shape, a.dtype) != (b.shape, b.dtype)
         for a, b in zip(jtu.tree_leaves(out_shape), jtu.tree_leaves(xm_shape))

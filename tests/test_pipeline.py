@@ -15,7 +15,14 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 import pytest
-from equinox_shard._pipeline import _check_positive, _get_mesh, schedule
+from equinox_shard._pipeline import (
+    _check_bool,
+    _check_fn,
+    _check_key,
+    _check_positive,
+    _get_mesh,
+    schedule,
+)
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .helpers import auto_mesh, explicit_mesh
@@ -360,6 +367,10 @@ def _bad_inputs():
     stateful = eqx.filter_vmap(
         lambda k: eqx.nn.BatchNorm(WIDTH, axis_name="batch", mode="batch")
     )(jr.split(jr.key(0), 8))
+    linears = [eqx.nn.Linear(WIDTH, WIDTH, key=k) for k in jr.split(jr.key(0), 8)]
+    stacked_linears = eqx.filter_vmap(lambda k: eqx.nn.Linear(WIDTH, WIDTH, key=k))(
+        jr.split(jr.key(0), 8)
+    )
     return [
         (dict(layers=_blocks(6, jr.key(0))), r"layers: its L = 6 layers.*4 \* 1"),
         (dict(repeats=4), r"layers: its L = 8 layers.* 4 \* 4"),
@@ -377,6 +388,19 @@ def _bad_inputs():
         ),
         (dict(microbatches=True), r"microbatches must be a positive integer"),
         (dict(fn=lambda layer, x: x[:, :2]), r"fn=<lambda>: a layer must return"),
+        (dict(key=jnp.zeros(2)), r"key: a single PRNG key .*got .*float32.*\(2,\)"),
+        (dict(key=jr.split(jr.key(0), 4)), r"key: .*key<fry>.*\(4,\).*one key"),
+        (dict(key=jr.split(jr.PRNGKey(0), 4)), r"key: .*uint32.*\(4, 2\).*one key"),
+        (dict(layers=linears), r"layers: a list of 8 `Linear` layers.*stack"),
+        # A tuple of unstacked layers, with an `fn` that would run without using them.
+        (
+            dict(layers=tuple(map(Block, jr.split(jr.key(0), 4))), fn=lambda l, x: -x),
+            r"layers: a tuple of 4 `Block` layers.*stack",
+        ),
+        (
+            dict(layers=stacked_linears, fn=None),
+            r"fn=None: .*layer\(x\).*jax\.vmap\(layer\)\(x\)",
+        ),
     ]
 
 
@@ -410,6 +434,26 @@ def test_numpy_integers_are_integers_and_other_types_are_refused():
             _check_positive(bad, "repeats")
     with pytest.raises(TypeError, match="mesh must be a `jax.sharding.Mesh`"):
         _get_mesh("stage", "stage")
+
+
+def test_wrong_types_of_key_remat_and_fn_are_refused_by_name():
+    # The tests' type checker refuses these at the call; without one, the checks do.
+    with pytest.raises(TypeError, match=r"key: a single PRNG key .*; got 3\."):
+        _check_key(3)
+    with pytest.raises(TypeError, match=r"key: a single PRNG key .*; got 'k'\."):
+        _check_key("k")
+    for bad in ("yes", 1, None):
+        with pytest.raises(TypeError, match=f"remat must be a bool; got {bad!r}"):
+            _check_bool(bad, "remat")
+    with pytest.raises(TypeError, match=r"fn must be callable.*; got 'tanh'"):
+        _check_fn("tanh")
+    # What they accept.
+    for key in (jr.key(0), jr.PRNGKey(0), np.zeros(2, np.uint32), None):
+        _check_key(key)
+    for flag in (True, False, np.bool_(True)):
+        _check_bool(flag, "remat")
+    for fn in (None, jnp.tanh, eqx.Partial(jnp.add, 1), _blocks(1, jr.key(0))):
+        _check_fn(fn)
 
 
 def test_schedule_runs_every_microbatch_once_per_stage_and_repeat():
