@@ -284,14 +284,17 @@ def filter_pipeline(
 
     - `layers`: a stacked Module (or any PyTree): every array leaf has the layer axis,
         of the same size `L`, first; every other leaf is shared by all layers. This is
-        what `eqx.filter_vmap(make_layer)(keys)` builds. Place it with the layer axis
-        split over `axis_name` (`PartitionSpec(axis_name)`): stage `s` then holds layers
-        `s * L/S` to `(s + 1) * L/S - 1` and nothing moves (with `repeats=1`).
-    - `x`: a PyTree of arrays, each with the batch axis first.
+        what `eqx.filter_vmap(make_layer)(keys)` builds (a list of layers is refused:
+        stack it). Place it with the layer axis split over `axis_name`
+        (`PartitionSpec(axis_name)`): stage `s` then holds layers `s * L/S` to
+        `(s + 1) * L/S - 1` and nothing moves (with `repeats=1`).
+    - `x`: a PyTree of arrays, each with the batch axis first. PRNG keys (typed or
+        raw), one per example, may ride in it with the activations.
     - `microbatches`: `M`, how many microbatches the batch is cut into; microbatch
         `m` is `x[m::M]` (so that a batch split over a data axis stays split within
         each microbatch). The batch size must divide by `M`.
-    - `axis_name`: the mesh axis the `S` stages lie on.
+    - `axis_name`: the mesh axis the `S` stages lie on; inside the `fn` of another
+        pipeline, another axis than that pipeline's.
     - `repeats`: how many chunks of layers each stage holds. `1` (the default) is the
         GPipe schedule: `M + S - 1` ticks, a fraction `(S - 1)/(M + S - 1)` of them
         idle. With `R > 1` the layers are cut into `S * R` chunks and stage `s` holds
@@ -304,11 +307,12 @@ def filter_pipeline(
         `eqx.Partial`): its arrays are passed to every stage whole. Pass arrays
         computed inside a JIT that way (`eqx.Partial(f, mask=mask)`), not by closing
         over them: `fn` runs inside `jax.shard_map`.
-    - `key`: a PRNG key, split into one key per microbatch, and each of those into one
-        key per layer, as in the reference above.
-    - `remat`: whether to `jax.checkpoint` each stage's work at each tick, so that the
-        backward pass recomputes the activations inside a stage instead of storing
-        them.
+    - `key`: one PRNG key (`jax.random.key`, or a raw `jax.random.PRNGKey`), split
+        into one key per microbatch, and each of those into one key per layer, as in
+        the reference above.
+    - `remat`: a bool, whether to `jax.checkpoint` each stage's work at each tick, so
+        that the backward pass recomputes the activations inside a stage instead of
+        storing them.
     - `mesh`: a `jax.sharding.Mesh` or `AbstractMesh`; defaults to the mesh set with
         `jax.set_mesh`. Its axes may be Auto or Explicit; Explicit axes are made Auto
         inside (`jax.sharding.auto_axes`), the output keeps the sharding of `x`, and
@@ -320,9 +324,11 @@ def filter_pipeline(
 
     Errors are raised before anything runs, naming the argument or the leaf's key path:
     `L` not divisible by `S * repeats`, a batch not divisible by `microbatches`, an
-    axis not in the mesh, a leaf without the layer or batch axis, stateful layers,
+    axis not in the mesh or already manual (a pipeline inside another on its axis), a
+    leaf without the layer or batch axis, a list of layers, stateful layers,
     `microbatches` or `repeats` not positive integers (NumPy integers are accepted),
-    a `mesh` that is not a mesh, or an Explicit one not set with `jax.set_mesh`.
+    `key` not one PRNG key, `remat` not a bool, `fn` not callable or failing on one
+    layer, a `mesh` that is not a mesh, or an Explicit one not set with `jax.set_mesh`.
 
     !!! warning
 
