@@ -15,7 +15,14 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 import pytest
-from equinox_shard._manual.pipeline import _check_positive, _get_mesh, schedule
+from equinox_shard._manual.pipeline import (
+    _check_bool,
+    _check_fn,
+    _check_key,
+    _check_positive,
+    _get_mesh,
+    schedule,
+)
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .helpers import auto_mesh, explicit_mesh
@@ -44,22 +51,26 @@ def _blocks(n, key):
     return eqx.filter_vmap(Block)(jr.split(key, n))
 
 
-def _reference(layers, x, *, microbatches, key=None):
+def _reference(layers, x, *, microbatches, key=None, fn=None):
     """The docstring's reference: each microbatch `x[m::M]` through every layer in
     order (one `jax.lax.scan`), with keys `split(split(key, M)[m], L)`."""
     arrays, static = eqx.partition(layers, eqx.is_array)
     n = jtu.tree_leaves(arrays)[0].shape[0]
-    out = jnp.zeros_like(x)
+    if fn is None:
+        fn = lambda layer, h, key: layer(h, key=key)
+    outs = []
     for m in range(microbatches):
         keys = None if key is None else jr.split(jr.split(key, microbatches)[m], n)
 
         def step(h, layer_and_key):
             layer, k = layer_and_key
-            return eqx.combine(layer, static)(h, key=k), None
+            return fn(eqx.combine(layer, static), h, key=k), None
 
-        y, _ = jax.lax.scan(step, x[m::microbatches], (arrays, keys))
-        out = out.at[m::microbatches].set(y)
-    return out
+        xm = jtu.tree_map(lambda a: a[m::microbatches], x)
+        outs.append(jax.lax.scan(step, xm, (arrays, keys))[0])
+    # Example `i` of microbatch `m` goes back to row `i * M + m`.
+    out = jtu.tree_map(lambda *o: jnp.stack(o, 1), *outs)
+    return jtu.tree_map(lambda a: a.reshape(-1, *a.shape[2:]), out)
 
 
 def _mesh(stages):
@@ -260,6 +271,64 @@ def test_explicit_mesh_axes_match_the_reference():
             assert out.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)
 
 
+def _key_data(keys):
+    is_typed = jnp.issubdtype(keys.dtype, jax.dtypes.prng_key)
+    return jr.key_data(keys) if is_typed else keys
+
+
+@pytest.mark.parametrize("typed", [True, False])
+def test_keys_in_x_ride_with_the_activations(typed):
+    # One key per example, typed (`jr.key`) or raw (`jr.PRNGKey`), carried in `x`:
+    # each layer draws noise from it and passes on a fresh key.
+    layers = _blocks(8, jr.key(0))
+    seed = jr.key(1) if typed else jr.PRNGKey(1)
+    x = {"h": jr.normal(jr.key(2), (16, WIDTH)), "key": jr.split(seed, 16)}
+
+    def fn(layer, x, key=None):
+        noise = jax.vmap(lambda k: jr.normal(k, (WIDTH,)))(x["key"])
+        fresh = jax.vmap(lambda k: jr.split(k)[0])(x["key"])
+        return {"h": layer(x["h"]) + 0.1 * noise, "key": fresh}
+
+    def run(layers, pipelined):
+        if pipelined:
+            return eqxs.filter_pipeline(layers, x, microbatches=4, fn=fn)
+        return _reference(layers, x, microbatches=4, fn=fn)
+
+    def loss(layers, pipelined):
+        return jnp.sum(jnp.sin(run(layers, pipelined)["h"])), run(layers, pipelined)
+
+    grad = eqx.filter_jit(eqx.filter_grad(loss, has_aux=True))
+    with jax.set_mesh(_mesh(4)):
+        grads, out = grad(layers, True)
+    expected_grads, expected = grad(layers, False)
+    _assert_close((grads, out["h"]), (expected_grads, expected["h"]))
+    assert out["key"].dtype == x["key"].dtype
+    assert (_key_data(out["key"]) == _key_data(expected["key"])).all()
+    assert not (_key_data(out["key"]) == _key_data(x["key"])).all()
+
+
+def test_a_pipeline_inside_another_needs_another_axis():
+    outer, inner = _blocks(4, jr.key(0)), _blocks(4, jr.key(1))
+    x = jr.normal(jr.key(2), (16, WIDTH))
+
+    def inner_scan(layer, h, key=None):
+        return _reference(inner, layer(h), microbatches=1)
+
+    def run(axis_name):
+        def fn(layer, h):
+            h = layer(h)
+            return eqxs.filter_pipeline(inner, h, microbatches=2, axis_name=axis_name)
+
+        return eqxs.filter_pipeline(outer, x, microbatches=4, fn=fn)
+
+    with jax.set_mesh(_mesh(4)):
+        # The inner pipeline's stages on `data`, inside the outer one's on `stage`.
+        out = eqx.filter_jit(run)("data")
+        with pytest.raises(ValueError, match=r"axis_name='stage'.* inside .*'stage'"):
+            eqx.filter_jit(run)("stage")
+    _assert_close(out, _reference(outer, x, microbatches=4, fn=inner_scan))
+
+
 def test_each_device_holds_its_stages_layers_only():
     stages = 4
     layers = _blocks(8, jr.key(0))
@@ -298,6 +367,10 @@ def _bad_inputs():
     stateful = eqx.filter_vmap(
         lambda k: eqx.nn.BatchNorm(WIDTH, axis_name="batch", mode="batch")
     )(jr.split(jr.key(0), 8))
+    linears = [eqx.nn.Linear(WIDTH, WIDTH, key=k) for k in jr.split(jr.key(0), 8)]
+    stacked_linears = eqx.filter_vmap(lambda k: eqx.nn.Linear(WIDTH, WIDTH, key=k))(
+        jr.split(jr.key(0), 8)
+    )
     return [
         (dict(layers=_blocks(6, jr.key(0))), r"layers: its L = 6 layers.*4 \* 1"),
         (dict(repeats=4), r"layers: its L = 8 layers.* 4 \* 4"),
@@ -315,6 +388,19 @@ def _bad_inputs():
         ),
         (dict(microbatches=True), r"microbatches must be a positive integer"),
         (dict(fn=lambda layer, x: x[:, :2]), r"fn=<lambda>: a layer must return"),
+        (dict(key=jnp.zeros(2)), r"key: a single PRNG key .*got .*float32.*\(2,\)"),
+        (dict(key=jr.split(jr.key(0), 4)), r"key: .*key<fry>.*\(4,\).*one key"),
+        (dict(key=jr.split(jr.PRNGKey(0), 4)), r"key: .*uint32.*\(4, 2\).*one key"),
+        (dict(layers=linears), r"layers: a list of 8 `Linear` layers.*stack"),
+        # A tuple of unstacked layers, with an `fn` that would run without using them.
+        (
+            dict(layers=tuple(map(Block, jr.split(jr.key(0), 4))), fn=lambda l, x: -x),
+            r"layers: a tuple of 4 `Block` layers.*stack",
+        ),
+        (
+            dict(layers=stacked_linears, fn=None),
+            r"fn=None: .*layer\(x\).*jax\.vmap\(layer\)\(x\)",
+        ),
     ]
 
 
@@ -348,6 +434,26 @@ def test_numpy_integers_are_integers_and_other_types_are_refused():
             _check_positive(bad, "repeats")
     with pytest.raises(TypeError, match="mesh must be a `jax.sharding.Mesh`"):
         _get_mesh("stage", "stage")
+
+
+def test_wrong_types_of_key_remat_and_fn_are_refused_by_name():
+    # The tests' type checker refuses these at the call; without one, the checks do.
+    with pytest.raises(TypeError, match=r"key: a single PRNG key .*; got 3\."):
+        _check_key(3)
+    with pytest.raises(TypeError, match=r"key: a single PRNG key .*; got 'k'\."):
+        _check_key("k")
+    for bad in ("yes", 1, None):
+        with pytest.raises(TypeError, match=f"remat must be a bool; got {bad!r}"):
+            _check_bool(bad, "remat")
+    with pytest.raises(TypeError, match=r"fn must be callable.*; got 'tanh'"):
+        _check_fn("tanh")
+    # What they accept.
+    for key in (jr.key(0), jr.PRNGKey(0), np.zeros(2, np.uint32), None):
+        _check_key(key)
+    for flag in (True, False, np.bool_(True)):
+        _check_bool(flag, "remat")
+    for fn in (None, jnp.tanh, eqx.Partial(jnp.add, 1), _blocks(1, jr.key(0))):
+        _check_fn(fn)
 
 
 def test_schedule_runs_every_microbatch_once_per_stage_and_repeat():

@@ -64,6 +64,71 @@ def _layer_count(layers: Any) -> int:
     return first.shape[0]
 
 
+def _refuse_layer_list(layers: Any) -> None:
+    # A list of unstacked layers has leaves that look stacked (a Linear's weight and
+    # bias share their first axis), so the layer-axis check alone lets it through.
+    if (
+        isinstance(layers, (list, tuple))
+        and len(layers) > 0
+        and all(isinstance(layer, eqx.Module) for layer in layers)
+        and len({type(layer) for layer in layers}) == 1
+    ):
+        raise ValueError(
+            f"layers: a {type(layers).__name__} of {len(layers)} "
+            f"`{type(layers[0]).__name__}` layers; `filter_pipeline` needs them "
+            "stacked into one, each array with the layer axis first. Build them with "
+            "`eqx.filter_vmap(make_layer)(keys)`, or stack the list with "
+            "`jax.tree.map(lambda *a: jnp.stack(a), *layers)`. (Several stacks of "
+            "layers go in a dict or a Module.)"
+        )
+
+
+def _check_key(key: Any) -> None:
+    if key is None:
+        return
+    # The default PRNG implementation's raw key: uint32 of shape (2,) for threefry.
+    raw = jax.eval_shape(lambda: jr.PRNGKey(0))
+    if eqx.is_array(key):
+        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+            if key.shape == ():
+                return
+            batch = key.shape
+        elif key.dtype == raw.dtype and key.shape[-1:] == raw.shape:
+            if key.ndim == 1:
+                return
+            batch = key.shape[:-1]
+        else:
+            batch = None
+        got = f"an array of dtype {key.dtype} and shape {key.shape}"
+        if batch is not None:
+            raise ValueError(
+                f"key: a single PRNG key is needed; got {got}, keys of batch shape "
+                f"{batch}. Pass one key: `filter_pipeline` splits it per microbatch "
+                "and per layer. (Keys per example may ride in `x`.)"
+            )
+    else:
+        got = repr(key)
+    raise TypeError(
+        "key: a single PRNG key is needed (`jax.random.key(seed)`, of shape (), or "
+        f"a raw `jax.random.PRNGKey(seed)`, {raw.dtype} of shape {raw.shape}); got "
+        f"{got}."
+    )
+
+
+def _check_bool(value: Any, name: str) -> bool:
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool; got {value!r}.")
+
+
+def _check_fn(fn: Any) -> None:
+    if fn is not None and not callable(fn):
+        raise TypeError(
+            "fn must be callable, `fn(layer, x) -> x` (or None, for `layer(x)`); got "
+            f"{fn!r}."
+        )
+
+
 def _refuse_state(tree: Any, name: str) -> None:
     is_state = lambda x: isinstance(x, (eqx.nn.State, eqx.nn.StateIndex))
     for path, leaf in jtu.tree_flatten_with_path(tree, is_leaf=is_state)[0]:
@@ -113,6 +178,18 @@ def _get_mesh(mesh: Any, axis_name: str) -> Any:
             f"axis_name={axis_name!r} is not an axis of the mesh (its axes are "
             f"{tuple(mesh.axis_names)})."
         )
+    # Inside a `jax.shard_map` the mesh in context marks its axes Manual; a second
+    # `jax.shard_map` over one of them fails deep inside JAX.
+    for where in (jax.sharding.get_abstract_mesh(), mesh):
+        kinds = dict(zip(where.axis_names, where.axis_types))
+        if kinds.get(axis_name) == jax.sharding.AxisType.Manual:
+            raise ValueError(
+                f"axis_name={axis_name!r}: this `filter_pipeline` runs inside a "
+                f"`jax.shard_map` already manual over {axis_name!r} (such as the `fn` "
+                "of another `filter_pipeline` on that axis), so its stages cannot be "
+                "laid out on that axis again. Give the inner pipeline another mesh "
+                "axis, or put its layers into the outer stack."
+            )
     return mesh
 
 
@@ -143,6 +220,24 @@ def _uncut(x: Any) -> Any:
 
 def _default_fn(layer, x, **kwargs):
     return layer(x, **kwargs)
+
+
+def _default_fn_hint(one_layer: Callable, shapes: tuple) -> str:
+    """What to do when `layer(x)` fails on a microbatch: most Equinox layers take one
+    example, so try the layer on each example of it."""
+    xm_shape, *rest = shapes
+    per_example = lambda xm, *rest: jax.vmap(lambda x: one_layer(x, *rest))(xm)
+    try:
+        jax.eval_shape(per_example, xm_shape, *rest)
+    except Exception:
+        return (
+            "Check that every array of `layers` has the layer axis first, or pass "
+            "`fn(layer, x) -> x`."
+        )
+    return (
+        "The layers take one example, as most Equinox layers (`eqx.nn.Linear`) do: "
+        "pass `fn=lambda layer, x: jax.vmap(layer)(x)`."
+    )
 
 
 def filter_pipeline(
@@ -189,14 +284,17 @@ def filter_pipeline(
 
     - `layers`: a stacked Module (or any PyTree): every array leaf has the layer axis,
         of the same size `L`, first; every other leaf is shared by all layers. This is
-        what `eqx.filter_vmap(make_layer)(keys)` builds. Place it with the layer axis
-        split over `axis_name` (`PartitionSpec(axis_name)`): stage `s` then holds layers
-        `s * L/S` to `(s + 1) * L/S - 1` and nothing moves (with `repeats=1`).
-    - `x`: a PyTree of arrays, each with the batch axis first.
+        what `eqx.filter_vmap(make_layer)(keys)` builds (a list of layers is refused:
+        stack it). Place it with the layer axis split over `axis_name`
+        (`PartitionSpec(axis_name)`): stage `s` then holds layers `s * L/S` to
+        `(s + 1) * L/S - 1` and nothing moves (with `repeats=1`).
+    - `x`: a PyTree of arrays, each with the batch axis first. PRNG keys (typed or
+        raw), one per example, may ride in it with the activations.
     - `microbatches`: `M`, how many microbatches the batch is cut into; microbatch
         `m` is `x[m::M]` (so that a batch split over a data axis stays split within
         each microbatch). The batch size must divide by `M`.
-    - `axis_name`: the mesh axis the `S` stages lie on.
+    - `axis_name`: the mesh axis the `S` stages lie on; inside the `fn` of another
+        pipeline, another axis than that pipeline's.
     - `repeats`: how many chunks of layers each stage holds. `1` (the default) is the
         GPipe schedule: `M + S - 1` ticks, a fraction `(S - 1)/(M + S - 1)` of them
         idle. With `R > 1` the layers are cut into `S * R` chunks and stage `s` holds
@@ -209,11 +307,12 @@ def filter_pipeline(
         `eqx.Partial`): its arrays are passed to every stage whole. Pass arrays
         computed inside a JIT that way (`eqx.Partial(f, mask=mask)`), not by closing
         over them: `fn` runs inside `jax.shard_map`.
-    - `key`: a PRNG key, split into one key per microbatch, and each of those into one
-        key per layer, as in the reference above.
-    - `remat`: whether to `jax.checkpoint` each stage's work at each tick, so that the
-        backward pass recomputes the activations inside a stage instead of storing
-        them.
+    - `key`: one PRNG key (`jax.random.key`, or a raw `jax.random.PRNGKey`), split
+        into one key per microbatch, and each of those into one key per layer, as in
+        the reference above.
+    - `remat`: a bool, whether to `jax.checkpoint` each stage's work at each tick, so
+        that the backward pass recomputes the activations inside a stage instead of
+        storing them.
     - `mesh`: a `jax.sharding.Mesh` or `AbstractMesh`; defaults to the mesh set with
         `jax.set_mesh`. Its axes may be Auto or Explicit; Explicit axes are made Auto
         inside (`jax.sharding.auto_axes`), the output keeps the sharding of `x`, and
@@ -225,9 +324,11 @@ def filter_pipeline(
 
     Errors are raised before anything runs, naming the argument or the leaf's key path:
     `L` not divisible by `S * repeats`, a batch not divisible by `microbatches`, an
-    axis not in the mesh, a leaf without the layer or batch axis, stateful layers,
+    axis not in the mesh or already manual (a pipeline inside another on its axis), a
+    leaf without the layer or batch axis, a list of layers, stateful layers,
     `microbatches` or `repeats` not positive integers (NumPy integers are accepted),
-    a `mesh` that is not a mesh, or an Explicit one not set with `jax.set_mesh`.
+    `key` not one PRNG key, `remat` not a bool, `fn` not callable or failing on one
+    layer, a `mesh` that is not a mesh, or an Explicit one not set with `jax.set_mesh`.
 
     !!! warning
 
@@ -262,6 +363,9 @@ def filter_pipeline(
     """
     microbatches = _check_positive(microbatches, "microbatches")
     repeats = _check_positive(repeats, "repeats")
+    remat = _check_bool(remat, "remat")
+    _check_fn(fn)
+    _check_key(key)
     mesh_ = _get_mesh(mesh, axis_name)
     explicit = tuple(
         name
@@ -278,6 +382,7 @@ def filter_pipeline(
         )
     _refuse_state(layers, "layers")
     _refuse_state(x, "x")
+    _refuse_layer_list(layers)
     n_layers = _layer_count(layers)
     stages = dict(zip(mesh_.axis_names, mesh_.axis_sizes))[axis_name]
     if n_layers % (stages * repeats):
@@ -287,6 +392,7 @@ def filter_pipeline(
             f"{stages} devices)."
         )
     _batch_size(x, microbatches)
+    fn_given = fn is not None
     fn = _default_fn if fn is None else fn
     chunk = n_layers // (stages * repeats)
     arrays, static = eqx.partition(layers, eqx.is_array)
@@ -309,7 +415,22 @@ def filter_pipeline(
         lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), arrays
     )
     key_shape = None if key is None else jax.ShapeDtypeStruct(key.shape, key.dtype)
-    out_shape = jax.eval_shape(one_layer, xm_shape, layer_shape, key_shape, fn_arrays)
+    shapes = (xm_shape, layer_shape, key_shape, fn_arrays)
+    try:
+        out_shape = jax.eval_shape(one_layer, *shapes)
+    except Exception as error:
+        if fn_given:
+            error.add_note(
+                "(Raised by `fn`, called by `filter_pipeline` on one layer of `layers` "
+                f"and one microbatch of `x`, {xm_shape}, before anything runs.)"
+            )
+            raise
+        raise ValueError(
+            "fn=None: the default `fn` calls `layer(x)` on one layer of `layers` and "
+            f"one microbatch of `x`, {xm_shape}, and that failed ("
+            f"{type(error).__name__}: {str(error).splitlines()[0].rstrip('.')}). "
+            + _default_fn_hint(one_layer, shapes)
+        ) from error
     if jtu.tree_structure(out_shape) != jtu.tree_structure(xm_shape) or any(
         (a.shape, a.dtype) != (b.shape, b.dtype)
         for a, b in zip(jtu.tree_leaves(out_shape), jtu.tree_leaves(xm_shape))
@@ -348,7 +469,9 @@ def filter_pipeline(
         keys = None if keys is None else keys[0]
         varying = lambda a: jax.lax.pcast(a, axis_name, to="varying")
         inputs = jtu.tree_map(varying, inputs)
-        outputs = jtu.tree_map(jnp.zeros_like, inputs)
+        # Every slot is written before it is returned, so any start will do; not
+        # `zeros_like`, which drops the varying type of typed PRNG keys in `x`.
+        outputs = inputs
         held = jtu.tree_map(lambda a: a[0], outputs)
         here = jnp.asarray(table)[stage]  # `(ticks, 2)`: this stage's column
         last = jnp.asarray(table[stages - 1])  # what stage 0 receives, tick by tick
