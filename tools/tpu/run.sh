@@ -6,6 +6,7 @@
 #
 #     bash tools/tpu/run.sh bench [--quick]  # python -m benchmarks --device
 #     bash tools/tpu/run.sh tests [ARGS]     # README's tests on the chip's backend
+#         (ARGS: pytest's, e.g. a half of the files: tests/test_[a-j]*.py)
 #     bash tools/tpu/run.sh setup            # the installs only
 #
 # The installs (tools/tpu/install.py) go to $EQXS_TPU_SITE (default /tmp/eqxs-tpu),
@@ -49,7 +50,7 @@ case "$mode" in
     # JAX_PLATFORMS). SIGINT before the command's limit: pytest then still writes its
     # summary and junit file; every result line is in tests.log as it comes.
     JAX_PLATFORMS=${JAX_PLATFORMS:-tpu} timeout --signal=INT 560 \
-      "$PYTHON" -m pytest -m "not slow" -p no:cacheprovider -rfEs -v \
+      "$PYTHON" -m pytest -m "not slow" -p no:cacheprovider -rfEs -v --durations=20 \
       --junitxml="$OUT/junit.xml" "$@" > "$OUT/tests.log" 2>&1
     status=$?
     {
