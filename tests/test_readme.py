@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+from .isolated import child_env
+
 
 _ROOT = pathlib.Path(__file__).parent.parent
 
@@ -30,6 +32,7 @@ def test_readme_example_runs(tmp_path):
         cwd=tmp_path,
         capture_output=True,
         text=True,
+        env=child_env(),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     (loss,) = re.findall(r"^loss (\S+)$", proc.stdout, re.M)
