@@ -41,6 +41,20 @@ def sample_async(fn: Callable, args: tuple, inner: int) -> float:
     return (stop - start) * 1e-9 / inner
 
 
+def sample_async_wall(fn: Callable, args: tuple, inner: int) -> float:
+    """Wall-clock seconds per call, with asynchronous dispatch: `inner` calls are
+    issued back to back, and only the last output is waited for, outside the timed
+    region. For an accelerator's host, whose thread CPU clock advances in steps
+    coarser than a sample (it read 0 for whole samples on a TPU host)."""
+    out = None
+    start = time.perf_counter()
+    for _ in range(inner):
+        out = fn(*args)
+    stop = time.perf_counter()
+    jax.block_until_ready(out)
+    return (stop - start) / inner
+
+
 def sample_sync(fn: Callable, args: tuple, inner: int) -> float:
     """Wall-clock seconds per call, waiting for each output before the next call."""
     start = time.perf_counter()
@@ -110,15 +124,15 @@ def progress_printer(what: str, rounds: int, verbose: bool) -> Callable[[int], N
 
 def paired_ratios(samples: dict, names: list, base) -> dict:
     """For each name, the median over rounds of `sample / base sample` within the same
-    round: robust to load that drifts between rounds."""
+    round: robust to load that drifts between rounds. Rounds whose base sample is 0 (a
+    clock coarser than the sample) are left out; `None` where no round is left."""
     out = {}
     for name in names:
         if name not in samples or base not in samples:
             out[name] = None
             continue
-        out[name] = statistics.median(
-            x / y for x, y in zip(samples[name], samples[base])
-        )
+        ratios = [x / y for x, y in zip(samples[name], samples[base]) if y > 0]
+        out[name] = statistics.median(ratios) if ratios else None
     return out
 
 

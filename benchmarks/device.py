@@ -8,10 +8,11 @@ devices), and prints one table, each row `equinox_shard` against its peer:
 - **host-to-device**: a PyTree of NumPy arrays (1 GiB; 4 MiB in the quick run), split
     over the devices: `eqxs.filter_device_put` against `jax.device_put` of its array
     leaves, in GB/s.
-- **dispatch**: `eqxs.filter_jit` of an already-compiled trivial body, N = 10 and 100
-    array leaves of a Module tree (`benchmarks/dispatch.py`, asynchronous dispatch,
-    replicated): against the flat sketch (`benchmarks/flat_jit.py`) and
-    `eqx.filter_jit`, in µs per call.
+- **dispatch**: `eqxs.filter_jit` of an already-compiled trivial body, N = 1, 10 and
+    100 array leaves of a Module tree (`benchmarks/dispatch.py`, asynchronous dispatch,
+    replicated, wall clock with one wait at the end): against `jax.jit` on the flat
+    leaves (without and with shardings), the flat sketch (`benchmarks/flat_jit.py`)
+    and `eqx.filter_jit`, in µs per call.
 - **training step**: the transformer of `examples/train_transformer.py` (its
     `train_step`, data-parallel, donating) against `jax.jit` of the same body on the
     partitioned leaves with the same shardings and donation, in ms per step; and the
@@ -24,11 +25,14 @@ devices), and prints one table, each row `equinox_shard` against its peer:
     (`jax.memory.Space.Host`, `Space.Device`): `eqxs.filter_device_put` against
     `jax.device_put`, in GB/s (bytes moved, both ways).
 
-A row whose feature the backend lacks says "n/a (backend has no ...)".
+A row whose feature the backend lacks says "n/a (backend has no ...)"; the rows of a
+section that raised say "failed: ..." (the run goes on, and exits with status 1).
 """
 
 import collections
+import sys
 import time
+import traceback
 
 import equinox as eqx
 import equinox_shard as eqxs
@@ -93,19 +97,40 @@ QUICK = {
     },
 }
 
-# The rows of the table, in order (the quick run's test checks each is printed).
-ROWS = (
-    "host-to-device",
-    "dispatch N=10 vs flat sketch",
-    "dispatch N=10 vs eqx.filter_jit",
-    "dispatch N=100 vs flat sketch",
-    "dispatch N=100 vs eqx.filter_jit",
-    "training step",
-    "training step peak memory",
-    "restore",
-    "background save",
-    "host offload round trip",
+DISPATCH_NS = (1, 10, 100)
+# Per N, the peers of `eqxs.filter_jit` in the dispatch rows: (row name, eqxs variant,
+# peer variant of `benchmarks/dispatch.py`, peer name).
+DISPATCH_PEERS = (
+    ("vs jax.jit", "eqxs", "floor", "jax.jit on the flat leaves"),
+    ("with shardings vs jax.jit", "eqxs+shard", "jit+shard", "jax.jit, shardings"),
+    ("vs flat sketch", "eqxs", "flat", "flat sketch"),
+    ("vs eqx.filter_jit", "eqxs", "eqx", "eqx.filter_jit"),
 )
+
+
+def _dispatch_ratio(row: dict, peer: str) -> float | None:
+    """eqxs over `peer` in a row of `benchmarks/dispatch.py`: medians of paired
+    ratios."""
+    if peer == "floor":
+        return row["ratio_to_floor"]["eqxs"]
+    if peer == "jit+shard":
+        return row["eqxs_shard_over_jit_shard"]
+    if peer == "flat":
+        return row["ratio_to_flat"]["eqxs"]
+    return None if not row["eqx_over_eqxs"] else 1 / row["eqx_over_eqxs"]
+
+
+# The rows of each section, in order (the quick run's test checks each is printed).
+SECTION_ROWS = {
+    "host-to-device": ("host-to-device",),
+    "dispatch": tuple(
+        f"dispatch N={n} {what}" for n in DISPATCH_NS for what, *_ in DISPATCH_PEERS
+    ),
+    "training step": ("training step", "training step peak memory"),
+    "checkpoint": ("restore", "background save"),
+    "host offload": ("host offload round trip",),
+}
+ROWS = sum(SECTION_ROWS.values(), ())
 
 
 def _row(what, ours, peer_name, peer, unit, ratio=None, note=""):
@@ -237,41 +262,33 @@ def _dispatch(cfg) -> list[dict]:
     sub = {
         **cfg["dispatch"],
         "layouts": ["replicated"],
-        "ns": [10, 100],
+        "ns": list(DISPATCH_NS),
         "verbose": False,
+        # A TPU host's thread CPU clock read 0 for whole samples.
+        "async_clock": "wall",
     }
     result = dispatch.run(sub)
     out = []
-    for n in (10, 100):
+    for n in DISPATCH_NS:
         (row,) = [
             r
             for r in result["rows"]
             if r["tree"] == "module" and r["n"] == n and r["mode"] == "async"
         ]
-        us = {v: row["seconds"][v] * 1e6 for v in ("eqxs", "flat", "eqx")}
-        out.append(
-            _row(
-                f"dispatch N={n} vs flat sketch",
-                us["eqxs"],
-                "flat sketch",
-                us["flat"],
-                "µs/call",
-                row["ratio_to_flat"]["eqxs"],
-                "calling thread's CPU time, asynchronous dispatch",
+        for what, ours, peer, peer_name in DISPATCH_PEERS:
+            out.append(
+                _row(
+                    f"dispatch N={n} {what}",
+                    row["seconds"][ours] * 1e6,
+                    peer_name,
+                    row["seconds"][peer] * 1e6,
+                    "µs/call",
+                    _dispatch_ratio(row, peer),
+                    "wall clock, asynchronous dispatch, one wait at the end"
+                    if what == "vs jax.jit"
+                    else "",
+                )
             )
-        )
-        eqx_over_eqxs = row["eqx_over_eqxs"]
-        out.append(
-            _row(
-                f"dispatch N={n} vs eqx.filter_jit",
-                us["eqxs"],
-                "eqx.filter_jit",
-                us["eqx"],
-                "µs/call",
-                None if not eqx_over_eqxs else 1 / eqx_over_eqxs,
-                "",
-            )
-        )
     return out
 
 
@@ -418,22 +435,30 @@ def _checkpoint(cfg) -> list[dict]:
 
 
 def run(cfg: dict) -> dict:
-    sections = (
-        ("host-to-device", _transfer),
-        ("dispatch", _dispatch),
-        ("training step", _step),
-        ("checkpoint", _checkpoint),
-        ("host offload", _offload),
-    )
-    rows, seconds = [], {}
-    for name, section in sections:
+    sections = {
+        "host-to-device": _transfer,
+        "dispatch": _dispatch,
+        "training step": _step,
+        "checkpoint": _checkpoint,
+        "host offload": _offload,
+    }
+    rows, seconds, failed = [], {}, []
+    for name, section in sections.items():
         if cfg["verbose"]:
-            print(f"running {name} ...", flush=True)
+            print(f"running {name} ...", file=sys.stderr, flush=True)
         start = time.perf_counter()
-        rows += section(cfg)
+        try:
+            rows += section(cfg)
+        except Exception as e:
+            # One section's failure costs its rows, not the whole table (a run on a
+            # borrowed chip is long and rare).
+            traceback.print_exc()
+            failed.append(name)
+            message = f"failed: {type(e).__name__}: {e}".splitlines()[0][:120]
+            rows += [{"row": r, "na": message} for r in SECTION_ROWS[name]]
         seconds[name] = time.perf_counter() - start
     assert [r["row"] for r in rows] == list(ROWS), [r["row"] for r in rows]
-    return {"rows": rows, "seconds": seconds}
+    return {"rows": rows, "seconds": seconds, "failed": failed}
 
 
 def _value(x, unit: str) -> str:

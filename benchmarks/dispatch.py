@@ -16,7 +16,9 @@ Variants, all called on the same placed (committed) inputs:
 - `eqxs+shard`: `equinox_shard.filter_jit` with `in_shardings`/`out_shardings`.
 
 Modes: `async` is the calling thread's CPU time per call (`time.thread_time`) with
-asynchronous dispatch; `sync` is wall time per call, each call waited for.
+asynchronous dispatch (wall time instead with `cfg["async_clock"] = "wall"`, as the
+accelerator run does: a TPU host's thread CPU clock is coarser than a sample); `sync`
+is wall time per call, each call waited for.
 
 Targets (issue 23), per cell of asynchronous dispatch, every N and layout: `eqxs` at
 most 1.1x the flat sketch, and at most 1.15x the floor at N >= 10 (1.3x at N = 1).
@@ -93,6 +95,9 @@ def _variants(tree, s):
 
 
 def run(cfg: dict) -> dict:
+    sample_async = (
+        h.sample_async_wall if cfg.get("async_clock") == "wall" else h.sample_async
+    )
     cells = {}
     keep_alive = []
     for layout in cfg["layouts"]:
@@ -106,7 +111,7 @@ def run(cfg: dict) -> dict:
                 for name, (fn, args) in variants.items():
                     inner = h.calibrate(fn, args, cfg["sample_s"], cfg["max_inner"])
                     samplers[(name, "async")] = lambda fn=fn, args=args, inner=inner: (
-                        h.sample_async(fn, args, inner)
+                        sample_async(fn, args, inner)
                     )
                     samplers[(name, "sync")] = lambda fn=fn, args=args, inner=inner: (
                         h.sample_sync(fn, args, inner)

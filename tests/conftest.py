@@ -1,3 +1,4 @@
+import os
 import typing
 
 import jax
@@ -9,9 +10,17 @@ from . import hypothesis_profiles  # noqa: F401 - registers `--hypothesis-profil
 typing.TESTING = True  # pyright: ignore
 
 
+# The devices the suite is written for: 8 simulated CPU devices. `JAX_PLATFORMS`, when
+# set, picks the backend instead (`JAX_PLATFORMS=tpu`: the chip's own devices), and
+# `JAX_NUM_CPU_DEVICES` the number of CPU devices (1 shows here what a chip skips).
+SUITE_DEVICES = 8
+if not os.environ.get("JAX_PLATFORMS"):
+    jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
-jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update(
+    "jax_num_cpu_devices", int(os.environ.get("JAX_NUM_CPU_DEVICES", SUITE_DEVICES))
+)
 
 
 @pytest.fixture
@@ -21,3 +30,81 @@ def getkey():
     import equinox.internal as eqxi
 
     return eqxi.GetKey()
+
+
+def pytest_collection_modifyitems(config, items):
+    del config
+    n, backend = jax.device_count(), jax.default_backend()
+    for item in items:
+        if item.get_closest_marker("accelerator") is not None and backend == "cpu":
+            reason = "needs an accelerator (JAX_PLATFORMS=tpu or gpu)"
+            item.add_marker(pytest.mark.skip(reason=reason))
+        marker = item.get_closest_marker("devices")
+        if marker is not None and n < marker.args[0]:
+            reason = f"needs {marker.args[0]} devices; {n} {backend} device(s) present"
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def _exceptions(error: BaseException):
+    """`error`, its causes and contexts, and the members of exception groups."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        if isinstance(e, BaseExceptionGroup):
+            todo += list(e.exceptions)
+
+
+def _too_few_devices(error: BaseException) -> str | None:
+    """The skip reason when `error` comes from the suite wanting more devices than the
+    backend has (a mesh larger than the devices, `jax.devices()[k]` past the end);
+    `None` otherwise, or when all the suite's devices are present."""
+    n = jax.device_count()
+    if n >= SUITE_DEVICES:
+        return None
+    for e in _exceptions(error):
+        text = str(e)
+        if (isinstance(e, ValueError) and text.startswith("Number of devices")) or (
+            isinstance(e, IndexError) and text == "list index out of range"
+        ):
+            first = text.splitlines()[0][:100]
+            return (
+                f"needs {SUITE_DEVICES} devices; {n} {jax.default_backend()} "
+                f"device(s) present ({type(e).__name__}: {first})"
+            )
+    return None
+
+
+# A test written for the suite's 8 devices skips, saying why, on a backend with fewer
+# (one accelerator chip): decided here, from the error it raised (a mesh larger than
+# the devices, `jax.devices()[k]` past the end), not from a list of tests; a test whose
+# need shows otherwise says so with `@pytest.mark.devices(n)`.
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed and call.excinfo is not None:
+        reason = _too_few_devices(call.excinfo.value)
+        if reason is not None:
+            report.outcome = "skipped"
+            report.longrepr = (str(item.path), item.location[1], f"Skipped: {reason}")
+    return report
+
+
+# The same for a test module that builds its meshes when it is imported.
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    report = yield
+    n = jax.device_count()
+    text = str(report.longrepr) if report.failed else ""
+    if n < SUITE_DEVICES and "ValueError: Number of devices" in text:
+        reason = (
+            f"needs {SUITE_DEVICES} devices; {n} {jax.default_backend()} device(s) "
+            "present (a mesh built when the module is imported)"
+        )
+        report.outcome = "skipped"
+        report.longrepr = (str(collector.path), 0, f"Skipped: {reason}")
+    return report

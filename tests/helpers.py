@@ -18,6 +18,14 @@ def auto_mesh(shape=(8,), names=("x",)):
     )
 
 
+def chip_mesh(names=("x",)):
+    """A 1-D Auto mesh over every device there is: for the tests marked
+    `accelerator`, which run on a chip's own devices, however many."""
+    return jax.make_mesh(
+        (jax.device_count(),), names, axis_types=(jax.sharding.AxisType.Auto,)
+    )
+
+
 def explicit_mesh(shape=(8,), names=("x",)):
     return jax.make_mesh(
         shape, names, axis_types=(jax.sharding.AxisType.Explicit,) * len(shape)

@@ -32,6 +32,20 @@ def report(value):
 # process): far past any run, so that no test fails because the machine is busy.
 HANG_SECONDS = 1200
 
+# What a TPU v5e host's JAX prints at `import jax` in every process (a VM setting).
+_RUNTIME_WARNING = "ignore:Transparent hugepages are not enabled:UserWarning"
+
+
+def child_env() -> dict:
+    """The environment of a child process: the tests' CPU devices (on an accelerator
+    the parent holds the chip, which a child cannot open), without the runtime's
+    warning at `import jax`, so that a child's stderr holds only what it says."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    warnings = [w for w in (env.get("PYTHONWARNINGS"), _RUNTIME_WARNING) if w]
+    env["PYTHONWARNINGS"] = ",".join(warnings)
+    return env
+
 
 class Isolated:
     """What happened in the fresh process: `returncode` (negative: killed by that
@@ -54,8 +68,7 @@ def run_isolated(code: str, *, timeout: float) -> Isolated:
     """Runs `code` (dedented) in a new process group; kills the group after `timeout`
     seconds, or `HANG_SECONDS` if that is longer."""
     timeout = max(timeout, HANG_SECONDS)
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env = child_env()
     proc = subprocess.Popen(
         [sys.executable, "-c", _PREAMBLE + textwrap.dedent(code)],
         stdout=subprocess.PIPE,
@@ -81,8 +94,7 @@ def run_isolated(code: str, *, timeout: float) -> Isolated:
 def killed_after_first_line(*args: str) -> tuple[str, int | None]:
     """Runs `python *args` with the tests' CPU devices, reads the first line it prints,
     then kills it (SIGKILL): `(line, returncode)`. For saves killed midway."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env = child_env()
     with subprocess.Popen(
         [sys.executable, *args],
         stdout=subprocess.PIPE,

@@ -254,3 +254,16 @@ def test_pipeline_quick_run(tmp_path):
         assert row["idle"] == pytest.approx(row["formula"])
     remat = pipeline["remat_temp_bytes"]
     assert remat["True"] < remat["False"]
+
+
+def test_paired_ratios_skip_rounds_whose_base_reads_zero():
+    # A TPU host's thread CPU clock read 0 for whole samples: such rounds are left out
+    # of the median, and a ratio with no round left is `None`, never a division by 0.
+    from benchmarks._harness import paired_ratios
+
+    samples = {"ours": [3.0, 2.0, 5.0, 1.0], "base": [0.0, 1.0, 2.0, 0.0]}
+    assert paired_ratios(samples, ["ours"], "base") == {"ours": 2.25}
+    assert paired_ratios({"ours": [1.0], "base": [0.0]}, ["ours"], "base") == {
+        "ours": None
+    }
+    assert paired_ratios(samples, ["missing"], "base") == {"missing": None}

@@ -154,3 +154,76 @@ def test_checksums_are_those_of_version_2(dtype, shape, spec):
         assert manifest.checksums([x]) == [expected]
     finally:
         manifest._CHUNK = chunk
+
+
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+def test_checksums_on_the_device_are_those_of_the_host(monkeypatch, axis_type):
+    # On an accelerator each checksum is computed on the array's devices (no copy to
+    # the host); here the CPU stands in for one. The very sums of the host pass, for
+    # every type the device pass takes, any sharding, under the caller's mesh.
+    from equinox_shard._checkpoint import manifest
+
+
+    mesh = {"auto": auto_mesh, "explicit": explicit_mesh}[axis_type](
+        (4, 2), ("data", "model")
+    )
+    rng = np.random.default_rng(0)
+    cases = [
+        (jnp.float32, (16, 6), P("data", "model")),
+        (jnp.float32, (6, 16), P(None, ("data", "model"))),
+        (jnp.bfloat16, (8, 4, 6), P("model", "data")),
+        (jnp.bool_, (8,), P("data")),
+        (jnp.uint8, (), P()),
+        (jnp.int16, (3, 5), P()),
+        (jnp.float8_e4m3fn, (16, 6), P("data")),
+        (jnp.int4, (8, 6), P("data")),  # not taken: summed on the host
+    ]
+    arrays = [
+        jax.device_put(
+            jnp.asarray(rng.standard_normal(shape) * 5).astype(dtype),
+            NamedSharding(mesh, spec),
+        )
+        for dtype, shape, spec in cases
+    ]
+    arrays.append(jax.device_put(jax.random.key(3), NamedSharding(mesh, P())))
+    # The same devices in another mesh, and one device: several calls, no transfer.
+    other = explicit_mesh((8,), ("x",))
+    arrays.insert(0, jax.device_put(jnp.arange(16.0), NamedSharding(other, P("x"))))
+    arrays.insert(0, jax.device_put(jnp.arange(3, dtype=jnp.int8), jax.devices()[5]))
+    host = manifest.checksums(arrays)
+    assert not any(manifest.on_device(x) for x in arrays)
+    monkeypatch.setattr(_record, "HOST_PLATFORMS", ())
+    taken = [manifest.on_device(x) for x in arrays[:-1]]
+    assert taken == [True] * 9 + [False]
+    with jax.set_mesh(mesh):
+        assert manifest.checksums(arrays) == host
+    with jax.disable_jit(), jax.transfer_guard("disallow"):
+        assert manifest.checksums(arrays) == host
+    assert manifest.checksums(arrays) == host
+    assert host[:-1] == [_reference_checksum(x) for x in arrays[:-1]]
+
+
+def test_restore_checks_on_the_device_what_the_host_saved(monkeypatch, tmp_path):
+    # A checkpoint summed on the host restores where the sums are computed on the
+    # device, and the other way round; a flipped byte is found either way.
+
+    from .test_checkpoint_safety import _flip_byte_of
+
+    mesh = auto_mesh((4, 2), ("data", "model"))
+    values = np.random.default_rng(0).integers(0, 2**32, 4096, dtype=np.uint32)
+    mesh_replicated = NamedSharding(mesh, P())
+    state = {
+        "w": jax.device_put(values.reshape(64, 64), NamedSharding(mesh, P("data"))),
+        "b": jax.device_put(jnp.arange(8, dtype=jnp.bfloat16), mesh_replicated),
+        "key": jax.random.key(1),
+    }
+    eqxs.save(tmp_path / "host", state)
+    monkeypatch.setattr(_record, "HOST_PLATFORMS", ())
+    eqxs.save(tmp_path / "device", state)
+    for name in ("host", "device"):
+        out = eqxs.restore(tmp_path / name, state)
+        np.testing.assert_array_equal(np.asarray(out["w"]), values.reshape(64, 64))
+        assert out["w"].sharding == state["w"].sharding
+    _flip_byte_of(tmp_path / "host" / "arrays", values)
+    with pytest.raises(ValueError, match=r"like\['w'\]: .* checksum"):
+        eqxs.restore(tmp_path / "host", state)

@@ -656,33 +656,40 @@ def _run_matrix(fn: str, kinds=KINDS, seeds=SEEDS) -> None:
 QUICK_KINDS = ("float", "key", "sds")
 
 
+@pytest.mark.devices(8)
 def test_filter_device_put_context_matrix():
     _run_matrix("device_put", seeds=(0,))
 
 
+@pytest.mark.devices(8)
 def test_filter_shard_context_matrix():
     _run_matrix("shard", seeds=(0,))
 
 
 @pytest.mark.slow
+@pytest.mark.devices(8)
 def test_filter_device_put_context_matrix_second_order():
     _run_matrix("device_put", seeds=(1,))
 
 
 @pytest.mark.slow
+@pytest.mark.devices(8)
 def test_filter_shard_context_matrix_second_order():
     _run_matrix("shard", seeds=(1,))
 
 
+@pytest.mark.devices(8)
 def test_filter_jit_in_shardings_context_matrix():
     _run_matrix("jit_in", QUICK_KINDS, seeds=(0,))
 
 
+@pytest.mark.devices(8)
 def test_filter_jit_out_shardings_context_matrix():
     _run_matrix("jit_out", QUICK_KINDS, seeds=(0,))
 
 
 @pytest.mark.slow
+@pytest.mark.devices(8)
 def test_filter_shard_map_context_matrix():
     _run_matrix("shard_map", QUICK_KINDS, seeds=(0,))
 
@@ -690,16 +697,19 @@ def test_filter_shard_map_context_matrix():
 # The whole matrix of the last three, in another order (after the quick ones, in the
 # same process: their cache entries are met again here).
 @pytest.mark.slow
+@pytest.mark.devices(8)
 def test_filter_jit_in_shardings_context_matrix_full():
     _run_matrix("jit_in", seeds=(1,))
 
 
 @pytest.mark.slow
+@pytest.mark.devices(8)
 def test_filter_jit_out_shardings_context_matrix_full():
     _run_matrix("jit_out", seeds=(1,))
 
 
 @pytest.mark.slow
+@pytest.mark.devices(8)
 def test_filter_shard_map_context_matrix_full():
     _run_matrix("shard_map", seeds=(1,))
 

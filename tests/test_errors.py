@@ -901,6 +901,7 @@ def test_committed_on_other_devices_unspecified(donate):
         f(model, batch)
 
 
+@pytest.mark.devices(8)
 def test_in_shardings_from_two_device_sets():
     devices = np.array(jax.devices())
     first = NamedSharding(jax.sharding.Mesh(devices, ("x",)), P("x"))

@@ -15,6 +15,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 
+# The example trains on 8 devices.
+pytestmark = pytest.mark.devices(8)
+
+
 _path = pathlib.Path(__file__).parent.parent / "examples" / "train_digits.py"
 _spec = importlib.util.spec_from_file_location("train_digits", _path)
 assert _spec is not None and _spec.loader is not None

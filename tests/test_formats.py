@@ -16,11 +16,12 @@ import equinox_shard as eqxs
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 import pytest
 from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .helpers import assert_alive, auto_mesh, count_compiles, make_module
+from .helpers import assert_alive, auto_mesh, chip_mesh, count_compiles, make_module
 
 
 def _step(model, key, x, label):
@@ -263,3 +264,78 @@ def test_auto_layout_inside_an_outer_trace(aot):
     assert jnp.array_equal(jax.jit(f)(w, x), jax.jit(oracle)(w, x))
     grad = jax.grad(lambda w: f(w, x).sum())(w)
     assert jnp.array_equal(grad, jax.grad(lambda w: oracle(w, x).sum())(w))
+
+
+@pytest.mark.accelerator
+def test_auto_layouts_on_a_chip_as_jax_jit():
+    """docs/why.md's flow where it matters: the chip's compiler chooses layouts other
+    than the CPU's untiled default (a TPU tiles a float32 matrix `(8, 128)`), and
+    `filter_jit` gets exactly the formats, and the values, that `jax.jit` gets on the
+    array leaves; one compilation, none at call time."""
+    mesh = chip_mesh()
+    r, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("x"))
+    auto_r, auto_batch = Format(Layout.AUTO, r), Format(Layout.AUTO, batch)
+    model = make_module(eqx.nn.MLP, 128, 128, 256, 1)
+    key, x = jax.random.key(0), jnp.ones((8 * jax.device_count(), 128))
+    step = eqxs.filter_jit(
+        _step,
+        in_shardings=(auto_r, auto_r, auto_batch, None),
+        out_shardings=(r, r, batch, None),
+    )
+    structs = jtu.tree_map(_struct, (model, key, x))
+    with count_compiles() as lowering:
+        compiled = step.lower(*structs, "label").compile()
+    assert len(lowering) == 1
+    formats, _ = compiled.input_formats
+
+    # The oracle: `jax.jit` on the array leaves, with the same shardings.
+    leaves, static = eqx.partition((model, key, x), eqx.is_array)
+    leaf_specs = (
+        jtu.tree_map(lambda _: auto_r, leaves[0]),
+        auto_r,
+        auto_batch,
+    )
+
+    def on_leaves(leaves):
+        m, k, a = eqx.combine(leaves, static)
+        out = _step(m, k, a, "label")
+        return eqx.filter(out[:3], eqx.is_array)
+
+    oracle = jax.jit(on_leaves, in_shardings=(leaf_specs,)).lower(
+        jtu.tree_map(_struct, leaves)
+    )
+    oracle = oracle.compile()
+    (oracle_formats,), _ = oracle.input_formats
+    ours = [f for f in jtu.tree_leaves(formats[:3]) if isinstance(f, Format)]
+    theirs = jtu.tree_leaves(oracle_formats)
+    assert len(ours) == len(theirs) > 0
+    for a, b in zip(ours, theirs):
+        assert isinstance(a.layout, Layout) and a.sharding is not None
+        assert a.layout == b.layout, (a, b)
+        assert a.sharding.is_equivalent_to(b.sharding, len(a.layout.major_to_minor))
+    # What only a chip shows: a tiled layout for a matrix.
+    layouts = [f.layout for f in ours if isinstance(f.layout, Layout)]
+    assert any(layout.tiling != () for layout in layouts), layouts
+
+    placed = eqxs.filter_device_put((model, key, x, "label"), formats)
+    assert placed[2].format == formats[2]
+    with count_compiles() as calls:
+        out = compiled(*placed)
+        again = step(*placed)
+    assert len(calls) == 0
+    # A key array is placed on its format's sharding (its layout is its key data's).
+    is_key = lambda a: jnp.issubdtype(a.dtype, jax.dtypes.prng_key)
+    put = lambda a, f: jax.device_put(a, f.sharding if is_key(a) else f)
+    expected = oracle(jtu.tree_map(put, leaves, oracle_formats))
+    for a, b in zip(
+        jtu.tree_leaves(eqx.filter(out[:3], eqx.is_array)), jtu.tree_leaves(expected)
+    ):
+        assert np.array_equal(_bits(a), _bits(b))
+    assert np.array_equal(_bits(again[2]), _bits(out[2]))
+    assert out[3] == "label" and out[0].activation is model.activation
+
+
+def _bits(x):
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x).reshape(-1).view(np.uint8)

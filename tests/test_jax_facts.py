@@ -28,7 +28,7 @@ from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from .helpers import auto_mesh, compiled_names, explicit_mesh
-from .isolated import HANG_SECONDS
+from .isolated import child_env, HANG_SECONDS
 
 
 def jax_at_least(version: str) -> bool:
@@ -688,6 +688,7 @@ def test_donating_aliased_multidevice_buffer_crashes():
             [sys.executable, "-c", _ALIASED_DONATION],
             capture_output=True,
             text=True,
+            env=child_env(),
             timeout=HANG_SECONDS,
         )
     except subprocess.TimeoutExpired:
@@ -727,6 +728,7 @@ def test_device_put_donate_to_single_device_sharding_crashes():
             [sys.executable, "-c", _DONATE_TO_SINGLE_DEVICE_SHARDING, target],
             capture_output=True,
             text=True,
+            env=child_env(),
             timeout=HANG_SECONDS,
         )
     assert results["device"].returncode == 0, results["device"].stderr[-2000:]

@@ -17,12 +17,13 @@ from .helpers import (
     assert_same_values,
     assert_shardings,
     auto_mesh,
+    chip_mesh,
     compiled_names,
     explicit_mesh,
     snapshot,
     tree_allclose,
 )
-from .isolated import HANG_SECONDS
+from .isolated import child_env, HANG_SECONDS
 
 
 def _add_one(tree):
@@ -707,6 +708,7 @@ def test_donating_module_function_inside_jit():
     np.testing.assert_array_equal(out, np.arange(4.0) + 1)
 
 
+@pytest.mark.devices(8)
 def test_filter_pmap_migration(getkey):
     # Equinox's docs recommend replacing `filter_pmap` with `filter_jit` on sharded
     # inputs. The numbers must match.
@@ -763,11 +765,13 @@ def test_reusing_a_donated_array_raises_instead_of_crashing():
     import subprocess
     import sys
 
+    # On the CPU, as every child of the tests (`child_env`).
     result = subprocess.run(
         [sys.executable, "-c", _REUSE_DONATED],
         capture_output=True,
         text=True,
         timeout=HANG_SECONDS,
+        env=child_env(),
     )
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
     assert "x: this array has been deleted" in result.stdout
@@ -804,3 +808,85 @@ def test_an_array_of_the_function_passed_again_is_refused():
         assert not model.w.is_deleted()
     out = eqxs.filter_jit(model.update, donate="all")(jnp.ones(4))
     assert np.array_equal(np.asarray(out), np.arange(4.0, dtype=np.float32) + 1)
+
+
+def _bytes_in_use() -> int:
+    return sum(d.memory_stats()["bytes_in_use"] for d in jax.local_devices())
+
+
+@pytest.mark.accelerator
+def test_donation_frees_device_memory_on_a_chip():
+    # On a chip a donated buffer is reused for the output: the step costs no new
+    # memory, where without donation it holds input and output (128 MiB) at once.
+    s = NamedSharding(chip_mesh(), P("x"))
+    shape = (8192 * jax.device_count(), 4096)  # 128 MiB a device, float32
+    nbytes = 8192 * 4096 * 4 * jax.device_count()
+
+    def step(tree):
+        return {"w": tree["w"] * 2, "name": tree["name"]}
+
+    donating = eqxs.filter_jit(step, in_shardings=s, out_shardings=s, donate="all")
+    keeping = eqxs.filter_jit(step, in_shardings=s, out_shardings=s)
+    tree = {"w": eqxs.filter_device_put(jnp.ones(shape), s), "name": "a leaf"}
+    keep = {"w": eqxs.filter_device_put(jnp.ones(shape), s), "name": "a leaf"}
+    jax.block_until_ready((tree, keep))
+    # Compiled first, so that the measured calls allocate only their outputs.
+    jax.block_until_ready(donating.lower(tree).compile())
+    jax.block_until_ready(keeping.lower(keep).compile())
+
+    before = _bytes_in_use()
+    out = jax.block_until_ready(donating(tree))
+    donated = _bytes_in_use() - before
+    assert tree["w"].is_deleted() and out["name"] == "a leaf"
+
+    before = _bytes_in_use()
+    kept = jax.block_until_ready(keeping(keep))
+    not_donated = _bytes_in_use() - before
+    assert not keep["w"].is_deleted()
+    # Allocator rounding is far below the 1 MiB allowed.
+    assert abs(donated) <= 2**20, donated
+    assert abs(not_donated - nbytes) <= 2**20, (not_donated, nbytes)
+    assert np.array_equal(np.asarray(out["w"]), np.asarray(kept["w"]))
+    assert float(out["w"][0, 0]) == 2.0
+
+
+@pytest.mark.accelerator
+@pytest.mark.parametrize(
+    "dtype, precision, tolerance",
+    [
+        # The default precision of a float32 matmul on a chip multiplies bfloat16
+        # roundings of the inputs (one pass on a TPU): each product within 2 * 2**-9 of
+        # its size, so within 2**-8 of `|x| @ |w|` in all; stated as 1e-2.
+        (jnp.float32, None, 1e-2),
+        # float32 throughout: 512 float32 additions, within 512 * 2**-24 (3e-5).
+        (jnp.float32, jax.lax.Precision.HIGHEST, 1e-4),
+        # bfloat16 inputs multiply exactly and add in float32; the result is rounded
+        # to bfloat16 (2**-9 of its size), allowed below as 2**-8 of `|ref|`.
+        (jnp.bfloat16, None, 1e-3),
+    ],
+)
+def test_matmul_precision_on_a_chip(dtype, precision, tolerance):
+    # Against a CPU reference (NumPy, float64, from the very inputs), and bit for bit
+    # against `jax.jit` with the same shardings.
+    batch = NamedSharding(chip_mesh(), P("x"))
+    replicated = NamedSharding(batch.mesh, P())
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((128 * jax.device_count(), 512)), dtype)
+    w = jnp.asarray(rng.standard_normal((512, 256)), dtype)
+
+    def matmul(x, w):
+        return jnp.matmul(x, w, precision=precision)
+
+    in_shardings = (batch, replicated)
+    out = eqxs.filter_jit(matmul, in_shardings=in_shardings, out_shardings=batch)(x, w)
+    expected = jax.jit(matmul, in_shardings=in_shardings, out_shardings=batch)(x, w)
+    assert out.dtype == dtype and out.sharding.is_equivalent_to(batch, 2)
+    assert np.array_equal(
+        np.asarray(out).view(np.uint8), np.asarray(expected).view(np.uint8)
+    )
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    ref = x64 @ w64
+    scale = np.abs(x64) @ np.abs(w64)
+    bound = tolerance * scale + (2**-8 * np.abs(ref) if dtype == jnp.bfloat16 else 0)
+    error = np.abs(np.asarray(out, np.float64) - ref)
+    assert np.all(error <= bound), float(np.max(error / scale))

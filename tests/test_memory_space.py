@@ -12,7 +12,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .helpers import auto_mesh
+from .helpers import auto_mesh, chip_mesh
 
 
 Space = jax.memory.Space
@@ -205,3 +205,40 @@ def test_shard_map_path_rules_with_a_space_name_the_rule():
         eqxs.filter_shard_map(
             lambda t: t, mesh=mesh, in_specs=(rules,), out_specs=P("x")
         )(tree)
+
+
+def _bytes_in_use() -> int:
+    return sum(d.memory_stats()["bytes_in_use"] for d in jax.local_devices())
+
+
+@pytest.mark.accelerator
+def test_offload_to_pinned_host_and_back_on_a_chip():
+    # On a chip the host space is other memory: the device's bytes in use drop by
+    # the tree's bytes while it is offloaded, and come back, values bit for bit.
+    mesh = chip_mesh()
+    s = NamedSharding(mesh, P("x"))
+    tree = {
+        "w": eqxs.filter_device_put(
+            jax.random.normal(jax.random.key(0), (1024 * jax.device_count(), 4096)), s
+        ),
+        "b": eqxs.filter_device_put(jnp.arange(4096, dtype=jnp.bfloat16), s),
+        "name": "a non-array leaf",
+    }
+    nbytes = sum(x.nbytes for x in jtu.tree_leaves(eqx.filter(tree, eqx.is_array)))
+    before = _host_copy(tree)
+    on_device = _bytes_in_use()
+    host = eqxs.filter_device_put(tree, Space.Host)
+    _assert_moved(host, tree, Space.Host)
+    assert host["name"] is tree["name"]
+    del tree
+    jax.block_until_ready(host)
+    # The tree's bytes (16 MiB a device) left the chip; the allocator's rounding is
+    # far below the 1 MiB allowed.
+    assert on_device - _bytes_in_use() >= nbytes - 2**20, (on_device, nbytes)
+    back = eqxs.filter_device_put(host, Space.Device)
+    _assert_moved(back, host, Space.Device)
+    assert _bytes_in_use() - (on_device - nbytes) >= nbytes - 2**20
+    for name in ("w", "b"):
+        assert np.array_equal(
+            np.asarray(back[name]).view(np.uint8), before[name].view(np.uint8)
+        )

@@ -16,6 +16,8 @@ from packaging.utils import canonicalize_name
 
 from . import test_example
 
+from .isolated import child_env
+
 
 _ROOT = pathlib.Path(__file__).parent.parent
 
@@ -40,6 +42,7 @@ def test_readme_example_runs(tmp_path):
         cwd=tmp_path,
         capture_output=True,
         text=True,
+        env=child_env(),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     (loss,) = re.findall(r"^loss (\S+)$", proc.stdout, re.M)

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from .helpers import assert_shardings, auto_mesh, compiled_names, explicit_mesh
-from .isolated import HANG_SECONDS
+from .isolated import child_env, HANG_SECONDS
 
 
 _MESHES = {"auto": auto_mesh, "explicit": explicit_mesh}
@@ -380,6 +380,7 @@ def test_filter_device_put_donate_to_another_device():
         [sys.executable, "-c", _FDP_DONATE_TO_DEVICE],
         capture_output=True,
         text=True,
+        env=child_env(),
         timeout=HANG_SECONDS,
     )
     assert result.returncode == 0, result.returncode
@@ -453,6 +454,7 @@ def _function_array_passed_again(mode):
         [sys.executable, "-c", _FUNCTION_ARRAY_PASSED_AGAIN, mode],
         capture_output=True,
         text=True,
+        env=child_env(),
         timeout=HANG_SECONDS,
     )
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])

@@ -34,6 +34,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.mark.devices(8)
 def test_devices():
     assert len(jax.devices()) == 8
 

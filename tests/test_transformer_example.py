@@ -101,6 +101,7 @@ def _check(tree, mesh, expected):
     assert n == 17  # every parameter of the model
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("name", train_transformer.LAYOUTS)
 def test_initialised_directly_into_the_rules(name):
     layout = train_transformer.make_layout(name, jax.devices())

@@ -5,10 +5,13 @@ else is read, and its checksums by `verify` once the arrays are read.
 
 A checksum covers the values, not the layout, so a checkpoint restored onto any
 sharding is checked the same way: for a JAX array (a PRNG key array: its key data) it is
-the sum, modulo 2**32, of a 32-bit mix of each element's bits with its flat index,
-computed on the host with NumPy from the shards each process holds (nothing compiled,
-nothing run on a device, so the caller's mesh and flags play no part); for a NumPy
-array, the CRC-32 of its bytes.
+the sum, modulo 2**32, of a 32-bit mix of each element's bits with its flat index; for a
+NumPy array, the CRC-32 of its bytes. Where the bytes are: on a CPU, on the host with
+NumPy from the shards each process holds (nothing compiled, nothing run on a device);
+on an accelerator, on the device, by one function compiled per checkpoint structure,
+only the sums coming back (reading each array back to the host would cost a full
+device-to-host copy there). Both give the same sums, so either verifies the other's
+checkpoint; neither depends on the caller's mesh or flags.
 """
 
 import zlib
@@ -158,19 +161,101 @@ def _partial_sum(data: np.ndarray, index: tuple, shape: tuple) -> int:
     return total
 
 
+def _bits(dtype) -> int | None:
+    """The width of an element that the device pass reads as one 32-bit lane (as
+    `_lanes` does); `None` for the others (64-bit, complex, 4- and 6-bit types)."""
+    if dtype == np.bool_:
+        return 8
+    if jnp.issubdtype(dtype, jnp.floating):
+        bits = jnp.finfo(dtype).bits
+    elif jnp.issubdtype(dtype, jnp.integer):
+        bits = jnp.iinfo(dtype).bits
+    else:
+        return None
+    whole = bits in (8, 16, 32) and bits == 8 * np.dtype(dtype).itemsize
+    return bits if whole else None
+
+
+# Where the device's memory is the host's: an array there is summed on the host, where
+# it already is (nothing compiled).
+HOST_PLATFORMS = ("cpu",)
+
+
+def on_device(x: Any) -> bool:
+    """Whether the checksum of `x` is computed on its devices: a JAX array in the
+    device memory of an accelerator, in one process, of a type `_bits` takes."""
+    if not isinstance(x, jax.Array) or jax.process_count() > 1:
+        return False
+    if x.sharding.memory_kind not in (None, "device"):
+        return False
+    platforms = {d.platform for d in x.sharding.device_set}
+    return platforms.isdisjoint(HOST_PLATFORMS) and _bits(x.dtype) is not None
+
+
+def _device_sum(x: jax.Array) -> jax.Array:
+    """The checksum of `x` (traced, the global array), as `_partial_sum` computes it
+    over all shards: each device sums its own elements, one uint32 comes back."""
+    if x.dtype == np.bool_:
+        lanes = x.astype(jnp.uint32)
+    else:
+        width = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}
+        unsigned = width[_bits(x.dtype) or 32]
+        lanes = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+    shape = x.shape or (1,)
+    lanes = lanes.reshape(shape)
+    sharding = jax.typeof(lanes).sharding
+    index = jnp.uint32(0x9E3779B9)
+    for a in range(len(shape)):
+        stride = int(np.prod(shape[a + 1 :], dtype=np.uint64)) % 2**32
+        iota = jax.lax.broadcasted_iota(jnp.uint32, shape, a, out_sharding=sharding)
+        index = index + iota * jnp.uint32(stride)  # modulo 2**32, as on the host
+
+    def fmix(h):
+        h = h ^ (h >> 16)
+        h = h * jnp.uint32(0x85EBCA6B)
+        h = h ^ (h >> 13)
+        h = h * jnp.uint32(0xC2B2AE35)
+        return h ^ (h >> 16)
+
+    return jnp.sum(fmix(fmix(index) ^ lanes), dtype=jnp.uint32)
+
+
+_device_sums = jax.jit(lambda arrays: [_device_sum(x) for x in arrays])
+
+
 def checksums(arrays: list) -> list[int]:
     """The checksum of each array (a JAX array, its key data for a PRNG key array, or
-    a NumPy array), computed on the host with NumPy from the shards this process holds
-    (those with `replica_id == 0`): nothing runs on a device, so nothing is compiled,
-    and no mesh, default device or flag of the caller changes it. The sums of an array
-    split over several processes are gathered from each."""
+    a NumPy array). On an accelerator (`on_device`) it is computed on the array's
+    devices, only the sums coming back. Otherwise on the host with NumPy from the
+    shards this process holds (those with `replica_id == 0`): nothing runs on a
+    device, so nothing is compiled. No mesh, default device or flag of the caller
+    changes it. The sums of an array split over several processes are gathered from
+    each."""
+    arrays = [jax.random.key_data(x) if is_key_array(x) else x for x in arrays]
+    # One call per set of devices (in their order): a call over several would move
+    # arrays between them.
+    groups: dict = {}
+    for i, x in enumerate(arrays):
+        if on_device(x):
+            mesh = getattr(x.sharding, "mesh", None)
+            devices = tuple(mesh.devices.flat) if mesh is not None else None
+            if len(x.sharding.device_set) == 1:
+                devices = tuple(x.sharding.device_set)
+            groups.setdefault(devices or i, []).append(i)
+    summed = {}
+    for group in groups.values():
+        # Compiled even under `jax.disable_jit` (op by op it fails on an Explicit mesh).
+        with jax.set_mesh(None), jax.disable_jit(False):
+            sums = _device_sums([arrays[i] for i in group])
+        summed.update(zip(group, map(int, jax.device_get(sums))))
     out, spread = [], []
     for i, x in enumerate(arrays):
+        if i in summed:
+            out.append(summed[i])
+            continue
         if isinstance(x, np.ndarray):
             out.append(_partial_sum(x, (slice(None),) * x.ndim, x.shape))
             continue
-        if is_key_array(x):
-            x = jax.random.key_data(x)
         total = 0
         for shard in x.addressable_shards:
             if shard.replica_id == 0:
