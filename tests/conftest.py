@@ -11,7 +11,8 @@ typing.TESTING = True  # pyright: ignore
 
 
 # The devices the suite is written for: 8 simulated CPU devices. `JAX_PLATFORMS`, when
-# set, picks the backend instead (`JAX_PLATFORMS=tpu`: the chip's own devices), and
+# set, picks the backend instead (`JAX_PLATFORMS=tpu,cpu`: the chip's own devices, and
+# the CPU that host callbacks need), and
 # `JAX_NUM_CPU_DEVICES` the number of CPU devices (1 shows here what a chip skips).
 SUITE_DEVICES = 8
 if not os.environ.get("JAX_PLATFORMS"):
@@ -37,7 +38,7 @@ def pytest_collection_modifyitems(config, items):
     n, backend = jax.device_count(), jax.default_backend()
     for item in items:
         if item.get_closest_marker("accelerator") is not None and backend == "cpu":
-            reason = "needs an accelerator (JAX_PLATFORMS=tpu or gpu)"
+            reason = "needs an accelerator (JAX_PLATFORMS=tpu,cpu or gpu,cpu)"
             item.add_marker(pytest.mark.skip(reason=reason))
         marker = item.get_closest_marker("devices")
         if marker is not None and n < marker.args[0]:

@@ -15,6 +15,7 @@ def _error(fn):
     raise AssertionError("no error")
 
 
+@pytest.mark.devices(8)  # asserts what the suite's own 8 CPU devices give
 def test_too_few_devices_is_a_skip_reason(monkeypatch):
     mesh_error = _error(lambda: jax.make_mesh((16,), ("x",)))
     index_error = _error(lambda: jax.devices()[8])

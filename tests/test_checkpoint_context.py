@@ -163,7 +163,6 @@ def test_checksums_on_the_device_are_those_of_the_host(monkeypatch, axis_type):
     # every type the device pass takes, any sharding, under the caller's mesh.
     from equinox_shard._checkpoint import manifest
 
-
     mesh = {"auto": auto_mesh, "explicit": explicit_mesh}[axis_type](
         (4, 2), ("data", "model")
     )
@@ -192,7 +191,7 @@ def test_checksums_on_the_device_are_those_of_the_host(monkeypatch, axis_type):
     arrays.insert(0, jax.device_put(jnp.arange(3, dtype=jnp.int8), jax.devices()[5]))
     host = manifest.checksums(arrays)
     assert not any(manifest.on_device(x) for x in arrays)
-    monkeypatch.setattr(_record, "HOST_PLATFORMS", ())
+    monkeypatch.setattr(manifest, "HOST_PLATFORMS", ())
     taken = [manifest.on_device(x) for x in arrays[:-1]]
     assert taken == [True] * 9 + [False]
     with jax.set_mesh(mesh):
@@ -206,6 +205,7 @@ def test_checksums_on_the_device_are_those_of_the_host(monkeypatch, axis_type):
 def test_restore_checks_on_the_device_what_the_host_saved(monkeypatch, tmp_path):
     # A checkpoint summed on the host restores where the sums are computed on the
     # device, and the other way round; a flipped byte is found either way.
+    from equinox_shard._checkpoint import manifest
 
     from .test_checkpoint_safety import _flip_byte_of
 
@@ -218,7 +218,7 @@ def test_restore_checks_on_the_device_what_the_host_saved(monkeypatch, tmp_path)
         "key": jax.random.key(1),
     }
     eqxs.save(tmp_path / "host", state)
-    monkeypatch.setattr(_record, "HOST_PLATFORMS", ())
+    monkeypatch.setattr(manifest, "HOST_PLATFORMS", ())
     eqxs.save(tmp_path / "device", state)
     for name in ("host", "device"):
         out = eqxs.restore(tmp_path / name, state)

@@ -15,7 +15,6 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from . import test_example
-
 from .isolated import child_env
 
 

@@ -49,7 +49,7 @@ case "$mode" in
     # README's test command on the chip's own backend (tests/conftest.py honours
     # JAX_PLATFORMS). SIGINT before the command's limit: pytest then still writes its
     # summary and junit file; every result line is in tests.log as it comes.
-    JAX_PLATFORMS=${JAX_PLATFORMS:-tpu} timeout --signal=INT 560 \
+    JAX_PLATFORMS=${JAX_PLATFORMS:-tpu,cpu} timeout --signal=INT 560 \
       "$PYTHON" -m pytest -m "not slow" -p no:cacheprovider -rfEs -v --durations=20 \
       --junitxml="$OUT/junit.xml" "$@" > "$OUT/tests.log" 2>&1
     status=$?
