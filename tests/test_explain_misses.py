@@ -1,8 +1,8 @@
 """`jax.config.update("jax_explain_cache_misses", True)` explains every cache miss of
 `filter_jit` (issue 26 §1): ours (a static leaf, the structure, the context mesh, a
-recompile without a retrace beneath) on the `equinox_shard` logger, at the caller's line,
-in the caller's argument names; a retrace of the `jax.jit` beneath (shape, dtype, memory
-kind) in JAX's own report, as JAX writes it (issue 51: no filters on JAX's loggers)."""
+recompile without a retrace beneath) on the `equinox_shard` logger, at the caller's
+line, in the caller's argument names; a retrace of the `jax.jit` beneath (shape, dtype,
+memory kind) in JAX's own report, as JAX writes it (issue 51: public logging only)."""
 
 import collections
 import inspect
@@ -91,6 +91,34 @@ def test_keyword_argument(explain):
     scaled(jnp.ones(4), scale=3.0)
     (msg,) = _ours(explain)
     assert "at scale, now 3.0 and before 2.0" in msg
+    _check_clean(explain)
+
+
+def test_leaf_type(explain):
+    @eqxs.filter_jit
+    def scaled(x, scale):
+        return x * scale
+
+    scaled(jnp.ones(4), 2.0)
+    explain.clear()
+    scale = jnp.asarray(2.0)
+    scaled(jnp.ones(4), scale)
+    (msg,) = _ours(explain)
+    # Said once, by its type (not also as a static leaf that is gone).
+    assert _bullets(msg) == [
+        f"at scale, now {type(scale).__name__} and before float (its type)"
+    ]
+
+    @eqxs.filter_jit
+    def labelled(x, label):
+        return x
+
+    labelled(jnp.ones(4), 1)
+    explain.clear()
+    labelled(jnp.ones(4), "one")
+    (msg,) = _ours(explain)
+    # Static before and after: said by its type, not also by its value.
+    assert _bullets(msg) == ["at label, now str and before int (its type)"]
     _check_clean(explain)
 
 
@@ -261,6 +289,26 @@ def test_nothing_logged_with_the_flag_off(caplog, getkey):
     assert not caplog.records
 
 
+def test_nothing_logged_once_the_flag_is_off(caplog):
+    caplog.set_level(logging.DEBUG, logger="equinox_shard")
+    caplog.set_level(logging.WARNING)
+
+    @eqxs.filter_jit
+    def inc(x):
+        return x + 1
+
+    jax.config.update("jax_explain_cache_misses", True)
+    try:
+        inc(jnp.ones(4))  # an entry built under the flag
+    finally:
+        jax.config.update("jax_explain_cache_misses", False)
+    caplog.clear()
+    # A recompile beneath that entry, which the flag on would explain.
+    out = inc(jax.device_put(jnp.ones(4), jax.devices()[0]))
+    assert np.array_equal(out, np.full(4, 2.0))
+    assert not caplog.records
+
+
 _LOGGERS = ("jax._src.interpreters.pxla", "jax._src.interpreters.partial_eval")
 
 
@@ -421,7 +469,9 @@ def test_jax_report_for_an_entry_with_callbacks(explain):
     # `jax.jit` of an entry with callbacks is traced twice, `callbacks.Guards`).
     mine = [r.getMessage() for r in explain.records if r.name != "equinox_shard"]
     mine = [m for m in mine if f"for checked defined at {__file__}" in m]
-    assert mine and all(m.endswith("  * at x, now f32[16] and before f32[8]") for m in mine)
+    assert mine and all(
+        m.endswith("  * at x, now f32[16] and before f32[8]") for m in mine
+    )
 
 
 def test_a_new_key_field_keys_a_plain_call(monkeypatch):

@@ -1,10 +1,8 @@
-"""`jax.config.update("jax_explain_cache_misses", True)` for `filter_jit`: each miss of
-our cache (a new entry, so a new `jax.jit`) is explained on the `equinox_shard` logger,
-at the caller's line, in the caller's argument names, against the closest call seen
-before. Beneath an entry, a retrace of its `jax.jit` (shape, dtype, memory kind) is
-JAX's own report, as JAX writes it; a recompile without a retrace (a sharding,
-committedness), which JAX does not explain, is ours again, heard through
-`jax.monitoring`. Nothing of it runs with the flag off (RFC §13)."""
+"""`jax.config.update("jax_explain_cache_misses", True)` for `filter_jit` (RFC §13):
+each miss of our cache (a new `jax.jit`), and a recompile without a retrace beneath
+(heard through `jax.monitoring`), explained on the `equinox_shard` logger, at the
+caller's line, in the caller's names, against the closest call seen before. JAX explains
+its retraces (shape, dtype, memory kind) itself. Nothing runs with the flag off."""
 
 import contextlib
 import dataclasses
@@ -16,11 +14,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import equinox
 import jax
 import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
-import jaxtyping
 
 from .._arrays import is_concrete
 from .cache import path_name
@@ -29,41 +25,37 @@ from .launch import stack
 
 traceback_util.register_exclusion(__file__)
 
-
 logger = logging.getLogger("equinox_shard")
-
 # Frames that are not the caller's: ours, JAX's, and the wrappers between.
 _NOT_USER = tuple(
-    os.path.dirname(os.path.abspath(str(m.__file__))) + os.sep
-    for m in (jax, equinox, jaxtyping, logging, sys.modules[__package__])
+    os.path.dirname(os.path.abspath(str(sys.modules[m].__file__))) + os.sep
+    for m in ("jax", "equinox", "jaxtyping", "logging", str(__package__))
 ) + (contextlib.__file__, ft.__file__)
-# `jax.monitoring` events (the same in JAX 0.10.2 and 0.12): a `jax.jit` traced, with
-# `fun_name` the function's name, and compiled, with `fun_name` `jit(<name>)`.
+# `jax.monitoring` events of a `jax.jit`, the same in JAX 0.10.2 and 0.12 (`_heard`).
 _TRACE = "/jax/core/compile/jaxpr_trace_duration"
 _COMPILE = "/jax/core/compile/backend_compile_duration"
-_state = threading.local()  # `.call`: the call `_watched` dispatches, for `_heard`
-_lock, _listening = threading.Lock(), []
+_state = threading.local()  # `.call`: the call `build`'s layer dispatches
 
 
 def _user_callsite() -> str:
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_NOT_USER):
+    while frame.f_code.co_filename.startswith(_NOT_USER) and frame.f_back:
         frame = frame.f_back
-    if frame is None:
-        return "<unknown>"
     return f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
 
 
-def _short(x: Any, limit: int = 120) -> str:
-    text = repr(x)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+def _short(x: Any) -> str:
+    return text if len(text := repr(x)) <= 120 else text[:117] + "..."
+
+
+def _change(now: Any, before: Any, show: Callable = _short) -> str:
+    return f"now {show(now)} and before {show(before)}"
 
 
 def _equal(a: Any, b: Any) -> bool:
-    try:
+    with contextlib.suppress(Exception):
         return bool(a == b)
-    except Exception:
-        return a is b
+    return a is b
 
 
 def _mesh(mesh) -> str:
@@ -75,10 +67,7 @@ def _mesh(mesh) -> str:
 
 def _array(x) -> dict:
     """What the `jax.jit` beneath keys on, of one traced leaf."""
-    try:
-        out: dict = {"type": jax.typeof(x).str_short(short_dtypes=True)}
-    except Exception:  # e.g. a `ShapeDtypeStruct`, for `.lower`
-        out = {"type": f"{getattr(x, 'dtype', '?')}{list(getattr(x, 'shape', ()))}"}
+    out: dict = {"type": jax.typeof(x).str_short(short_dtypes=True)}
     if is_concrete(x):
         s = x.sharding
         named = isinstance(s, jax.sharding.NamedSharding)
@@ -89,26 +78,28 @@ def _array(x) -> dict:
 
 
 def _describe(cache, structure, leaves: list, entry=None) -> dict:
-    """A call, as explanations compare it: its two cache keys field by field
-    (`cache.StructureKey`, then `cache.EntryKey`), the caller's name of each leaf, and
-    what the `jax.jit` beneath keys on of each traced leaf (`_array`)."""
-    paths = jtu.tree_flatten_with_path(structure.treedef.unflatten(leaves))[0]
+    """A call as explanations compare it: its cache keys (`cache.StructureKey`, then
+    `cache.EntryKey`) by field, the caller's leaf names, and `_array` of each traced."""
+    tree = structure.treedef.unflatten([None] * len(leaves))
+    paths = jtu.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
     names = [path_name(cache.names, path, cache.var_name) for path, _ in paths]
     key = structure.structure_key._asdict() | structure.entry_key(leaves)._asdict()
     arrays = {names[i]: _array(leaves[i]) for i in structure.dynamic}
-    return dict(key=key, names=names, structure=structure, arrays=arrays, entry=entry)
+    return dict(
+        key=key, names=names, tree=tree, arrays=arrays, entry=entry, s=structure
+    )
 
 
 def _by_leaf(call: dict, field: str) -> dict:
-    """A key field that holds one item per leaf (of some leaves), by leaf name."""
-    s, every = call["structure"], range(len(call["names"]))
+    s, every = call["s"], range(len(call["names"]))
     indices = {"static": s.static, "avals": s.rules}.get(field, every)
     return dict(zip((call["names"][i] for i in indices), call["key"][field]))
 
 
-def _structure(cache, new: Any, old: Any, path: tuple = ()):
-    """How two structures differ, one level at a time, by the caller's key path; a
-    Module's static fields by name."""
+def _structure(cache, new: Any, old: Any, path: tuple | None = None):
+    """How two structures differ, by key path; a Module's static fields by name."""
+    if path is None:  # two calls
+        new, old, path = new["tree"], old["tree"], ()
     flat = lambda t: jtu.tree_flatten_with_path(t, is_leaf=lambda x: x is not t)
     (kids, now), (old_kids, before) = flat(new), flat(old)
     if now == before:
@@ -122,63 +113,51 @@ def _structure(cache, new: Any, old: Any, path: tuple = ()):
         for f in dataclasses.fields(new):
             x, y = getattr(new, f.name, None), getattr(old, f.name, None)
             if f.metadata.get("static", False) and not _equal(x, y):
-                kind = f"(a static field of {type(new).__name__})"
-                yield f"at {where}.{f.name}, now {_short(x)} and before {_short(y)} {kind}"
+                kind = type(new).__name__
+                yield f"at {where}.{f.name}, {_change(x, y)} (a static field of {kind})"
         return
     why = f"new children {keys[0] - keys[1]}, gone {keys[1] - keys[0] or '{}'}"
-    why = "the node's metadata differs" if keys[0] == keys[1] else why
-    why = "the node type differs" if type(new) is not type(old) else why
-    yield f"structure at {where}: now {_short(now)} and before {_short(before)}, so {why}"
+    why = why if keys[0] != keys[1] else "the node's type or metadata differs"
+    yield f"structure at {where}: {_change(now, before)}, so {why}"
 
 
-def _per_leaf(field: str, show: Callable, kind: str) -> Callable:
-    """How a key field with an item per leaf differs, by leaf; a leaf whose type
-    changed is said once, by its type."""
-
-    def lines(cache, *calls: dict) -> list[str]:
-        (now, before), types = (
-            [_by_leaf(c, f) for c in calls] for f in (field, "leaf_types")
-        )
-        same = lambda n: field == "leaf_types" or types[0][n] is types[1][n]
-        return [
-            f"at {n}, now {show(x)} and before {show(before[n])}{kind}"
-            for n, x in now.items()
-            if n in before and same(n) and not _equal(x, before[n])
-        ]
-
-    return lines
+def _aval(x: tuple) -> str:
+    return f"{x[1]}{list(x[0])}"
 
 
-# How a field of the cache keys that differs is said, by the field's name; any other
-# field is said by its name alone, so a new field is explained without a line here.
+def _each(field: str, show: Callable, kind: str, cache, *calls: dict) -> list:
+    """A key field with an item per leaf, said by leaf (a new type by its type only)."""
+    now, before = (_by_leaf(c, field) for c in calls)
+    types = [_by_leaf(c, "leaf_types") for c in calls]
+    same = lambda n: field == "leaf_types" or types[0][n] is types[1][n]
+    return [
+        f"at {n}, {_change(x, before[n], show)}{kind}"
+        for n, x in now.items()
+        if n in before and same(n) and not _equal(x, before[n])
+    ]
+
+
+# How a key field is said, by its name; any other by its name alone (needs no line).
 _FIELDS = {
-    "treedef": lambda cache, *calls: list(
-        _structure(
-            cache,
-            *(c["key"]["treedef"].unflatten([None] * len(c["names"])) for c in calls),
-        )
-    ),
-    "leaf_types": _per_leaf("leaf_types", lambda t: t.__name__, " (the leaf's type)"),
-    "static": _per_leaf("static", _short, " (a static leaf)"),
-    "avals": _per_leaf(
-        "avals",
-        lambda x: f"{x[1]}{list(x[0])}",
-        ", which the sharding rule above it sees",
+    "treedef": _structure,
+    "leaf_types": ft.partial(_each, "leaf_types", lambda t: t.__name__, " (its type)"),
+    "static": ft.partial(_each, "static", _short, " (a static leaf)"),
+    "avals": ft.partial(
+        _each, "avals", _aval, ", which the sharding rule above it sees"
     ),
     "mesh": lambda cache, *calls: [
         "the context mesh, that bare PartitionSpecs and rules resolve against: "
-        "now {} and before {}".format(*(_mesh(c["key"]["mesh"]) for c in calls))
+        + _change(*(c["key"]["mesh"] for c in calls), show=_mesh)
     ],
 }
 
 
 def _key_diff(cache, new: dict, old: dict) -> list[str]:
-    """Why `new` missed the entry of `old`: the fields of the cache keys that differ,
-    in the keys' order, each said once."""
+    """Why `new` missed the entry of `old`: the key fields that differ, each once."""
     lines = []
     for field, now in new["key"].items():
         if not _equal(now, before := old["key"].get(field)):
-            say = f"the cache key's `{field}`: now {_short(now)} and before {_short(before)}"
+            say = f"the cache key's `{field}`: {_change(now, before)}"
             lines.extend(_FIELDS.get(field, lambda *_: [say])(cache, new, old))
     return lines
 
@@ -186,7 +165,7 @@ def _key_diff(cache, new: dict, old: dict) -> list[str]:
 def _array_diff(cache, new: dict, old: dict) -> list[str]:
     """How the traced leaves differ in what the `jax.jit` beneath keys on."""
     return [
-        f"at {name}, {what} now {now[what]} and before {old['arrays'][name][what]}"
+        f"at {name}, {what} {_change(now[what], old['arrays'][name][what], str)}"
         for name, now in new["arrays"].items()
         for what in now
         if name in old["arrays"] and now[what] != old["arrays"][name].get(what)
@@ -202,9 +181,7 @@ def _report(cache, new: dict, seen: list, head: str, diff: Callable) -> None:
     same = lambda old: old["key"]["treedef"] == new["key"]["treedef"]
     diffs = [(not same(old), diff(cache, new, old)) for old in seen]
     if not diffs:  # (entries built with the flag off are not in `seen`)
-        lines.append(
-            "  first call seen with the flag on" if cache.structures else "  first call"
-        )
+        lines.append("  first call" + " seen with the flag on" * bool(cache.structures))
     else:
         _, closest = min(diffs, key=lambda d: (d[0], len(d[1])))
         calls = "call" if len(diffs) == 1 else "calls"
@@ -222,26 +199,20 @@ def _never_failing():
 
 
 def build(cache, structure, args, kwargs, leaves, make: Callable[[], tuple]) -> tuple:
-    """`make()` (which builds and traces a new entry: `entry.build_entry`) under the
-    flag: explains the miss first, then records the call (with the leaves as `jax.jit`
-    gets them). The entry gets one more dispatch layer: while the flag is on, its call
-    is known to `_heard` (in a thread-local; no frame is read)."""
+    """`make()` (`entry.build_entry`) under the flag: explains the miss, records the
+    call, and adds a layer that names each call to `_heard` (in a thread-local) while
+    the flag is on (not for an AOT `Compiled`)."""
     with _never_failing():
         new = _describe(cache, structure, leaves)
         _report(cache, new, cache.seen, "a new jax.jit", _key_diff)
     entry, leaves, trees = make()
     with contextlib.suppress(Exception):  # then "not explained" was said
         cache.seen.append(_describe(cache, entry.structure, leaves, entry))
-    with _lock:  # one listener for the process, from the first miss explained on
-        if not _listening:
-            jax.monitoring.register_event_duration_secs_listener(_heard)
-            _listening.append(_heard)
 
     def watched(dispatch: Callable) -> Callable:
         def watched(run, dynamic, deleted, leaves, jit_id):
             __tracebackhide__ = True
-            flag = jax.config.jax_explain_cache_misses  # pyright: ignore
-            if not flag or run is not entry.jitted:  # off, or an AOT `Compiled`
+            if not jax.config.jax_explain_cache_misses or run is not entry.jitted:
                 return dispatch(run, dynamic, deleted, leaves, jit_id)
             outer, _state.call = getattr(_state, "call", None), [cache, entry, leaves]
             try:
@@ -255,25 +226,25 @@ def build(cache, structure, args, kwargs, leaves, make: Callable[[], tuple]) -> 
     return entry, leaves, trees
 
 
-def _heard(event: str, duration: float, fun_name: Any = None, **_) -> None:
-    """A `jax.monitoring` listener. In a call that `build`'s layer names, a trace of the
-    entry's `jax.jit` is JAX's to explain (it does); a compile without one (a call that
-    found its entry) is explained here, against the calls this entry has seen."""
-    cache, entry, leaves, *traced = call = getattr(_state, "call", None) or [None] * 3
-    if cache is not None and event == _TRACE and fun_name == cache.fun_names[0]:
+def _heard(event: str, duration_secs: float, fun_name: Any = None, **_) -> None:
+    """A `jax.monitoring` listener: explains a compile without a trace (JAX explains
+    those) of `jit(<name>)`, the `jax.jit` of the call that `build`'s layer names."""
+    call = getattr(_state, "call", None)
+    name = call and call[0].fun_names[0]
+    if call and event == _TRACE and fun_name == name:
         call.append(True)
-    elif (
-        cache is not None
-        and event == _COMPILE
-        and fun_name == f"jit({cache.fun_names[0]})"
-    ):
-        with _never_failing():  # (not JAX's own `jax.jit`s, that place the inputs)
-            new = _describe(cache, entry.structure, leaves, entry)
-            same = [old for old in cache.seen if old["entry"] is entry]
-            if all(
-                _array_diff(cache, new, old) for old in same
-            ):  # else its first compile
-                if not traced:  # else a retrace, that JAX explained
-                    head = "the jax.jit beneath recompiles without retracing"
-                    _report(cache, new, same, head, _array_diff)
-                cache.seen.append(new)
+    if not call or event != _COMPILE or fun_name != f"jit({name})":
+        return  # e.g. JAX's own `jax.jit`s, that place the inputs
+    cache, entry, leaves, *traced = call
+    with _never_failing():
+        new = _describe(cache, entry.structure, leaves, entry)
+        same = [old for old in cache.seen if old["entry"] is entry]
+        if all(_array_diff(cache, new, old) for old in same):  # else its first compile
+            if not traced:
+                head = "the jax.jit beneath recompiles without retracing"
+                _report(cache, new, same, head, _array_diff)
+            cache.seen.append(new)
+
+
+# One listener for the process: it does nothing outside a call that `build` names.
+jax.monitoring.register_event_duration_secs_listener(_heard)
