@@ -763,3 +763,38 @@ def test_shard_map_reads_out_specs_after_tracing():
     np.testing.assert_array_equal(out[0], jnp.arange(16.0) * 2)
     assert out[1] == 120.0
     assert out[0].sharding.spec == P("x")
+
+
+#
+# RFC §13: explaining cache misses.
+#
+
+
+@rfc("§13")
+def test_monitoring_names_a_jit_trace_and_compile():
+    # `explain_misses` hears a recompile without a retrace through these two
+    # `jax.monitoring` events: a trace with the function's name, a compile with
+    # `jit(<name>)`; a new sharding of an Auto-axes input compiles without a trace.
+    events = []
+    record = lambda event, duration_secs, **kwargs: events.append((event, kwargs))
+    jax.monitoring.register_event_duration_secs_listener(record)
+    mesh = auto_mesh((8,), ("x",))
+
+    def spelled(x):
+        return x + 1
+
+    jitted = jax.jit(spelled)
+    try:
+        jitted(jax.device_put(jnp.ones(8), NamedSharding(mesh, P())))
+        first = events[:]
+        events.clear()
+        jitted(jax.device_put(jnp.ones(8), NamedSharding(mesh, P("x"))))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(record)
+    named = [e for e, kwargs in events if "spelled" in str(kwargs.get("fun_name"))]
+    assert "/jax/core/compile/backend_compile_duration" in named
+    assert "/jax/core/compile/jaxpr_trace_duration" not in named
+    compiles = [k for e, k in events if e.endswith("/backend_compile_duration")]
+    assert {"fun_name": "jit(spelled)"} in compiles
+    trace = ("/jax/core/compile/jaxpr_trace_duration", {"fun_name": "spelled"})
+    assert trace in first

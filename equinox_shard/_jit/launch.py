@@ -1,7 +1,7 @@
 """The launch of a compiled call: its dispatch `dispatch(run, dynamic, deleted, leaves,
 jit_id)`, one per entry, stacked by `stack` from a launch (`plain`, `serialized`, or
 donation's, `donation.Donation.launch`) and the layers that callbacks
-(`callbacks.waiting`) and explanations (`explain_misses._watched`) supply; and the lock
+(`callbacks.waiting`) and explanations (`explain_misses.build`) supply; and the lock
 that serialises launches (RFC §6)."""
 
 import threading
