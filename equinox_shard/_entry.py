@@ -122,13 +122,15 @@ def build_entry(
     shardings = [s for _, s in targets]
     shardings += [getattr(leaves[i], "sharding", None) for i in structure.dynamic]
     # The dispatch: the launch (under the lock where the entry donates, with its
-    # inputs checked again, or runs on several CPU devices), then the wait for
-    # callbacks.
+    # inputs checked again, or runs on several CPU devices), its pacing (on several
+    # CPU devices), then the wait for callbacks.
     if entry.donates:
         entry.launch = donation.launch(wrapper._dynamic_fun)
     else:
         entry.launch = _launch.launch_for(shardings)
     entry.layers = () if guards is None else (ft.partial(_callbacks.waiting, guards),)
+    if _launch.serialize_dispatch(shardings):
+        entry.layers = (_launch.paced, *entry.layers)
     entry.dispatch = _launch.stack(entry.launch, entry.layers)
     return entry, leaves, dynamic
 
