@@ -397,10 +397,21 @@ def train(layout: Layout, cfg: Config, corpus: np.ndarray, *, resume: bool) -> R
                 )
                 resumed.append(loss)
             resumed_losses = np.asarray([float(x) for x in resumed])
+            # Compared on the host: `eqx.tree_equal` here would launch three small
+            # 8-device programs per array back to back, which JAX 0.10.2's CPU client
+            # can deadlock on (docs/troubleshooting.md).
             same_final_state = bool(
-                eqx.tree_equal(
-                    eqx.filter((resumed_model, resumed_state), eqx.is_array),
-                    eqx.filter((model, opt_state), eqx.is_array),
+                jtu.tree_all(
+                    jtu.tree_map(
+                        np.array_equal,
+                        jtu.tree_map(
+                            np.asarray,
+                            eqx.filter((resumed_model, resumed_state), eqx.is_array),
+                        ),
+                        jtu.tree_map(
+                            np.asarray, eqx.filter((model, opt_state), eqx.is_array)
+                        ),
+                    )
                 )
             )
     return Result(

@@ -13,6 +13,9 @@
 """
 
 import gc
+import os
+import subprocess
+import sys
 
 import equinox as eqx
 import equinox_shard as eqxs
@@ -130,6 +133,60 @@ def test_threads_sharded():
     # A deadlocked run is killed at the deadline (a good run takes seconds).
     run = run_isolated(_THREADS.format(sharded=True, calls=calls), timeout=90)
     _check_threads(run, calls)
+
+
+# One thread compares two lists of 54 arrays on 8 devices, leaf by leaf, 100 times:
+# thousands of small 8-device calls with an all-reduce, launched back to back while busy
+# processes compete for every core. JAX 0.10.2's CPU client queues at most 32 programs
+# per device and waits for a free slot on a thread of its pool, which has one thread per
+# device where the machine has at most 8 cores (`NPROC` says how many it counts): one
+# launch waiting there, and the all-reduce queued before it never gets its 8th
+# participant; XLA aborts the process after 40 s (SIGABRT;
+# upstream/jax-reports/cpu-inflight-limit-deadlock). `filter_jit` waits for every
+# `_jit.launch.PACE`-th launch on several CPU devices, so they never queue that deep.
+_BACK_TO_BACK = """
+import os
+
+os.environ["NPROC"] = "8"  # before the CPU client exists: one pool thread per device
+
+import equinox_shard as eqxs
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+replicated = NamedSharding(mesh, P())
+specs = [P("x", None), P(None, "x"), P()] * 18
+xs = [
+    jax.device_put(jnp.full((64, 64), i, jnp.float32), NamedSharding(mesh, s))
+    for i, s in enumerate(specs)
+]
+ys = [jnp.copy(x) for x in xs]
+same = eqxs.filter_jit(lambda a, b: jnp.all(a == b), out_shardings=replicated)
+both = eqxs.filter_jit(lambda a, b: a & b, out_shardings=replicated)
+rounds = []
+for _ in range(100):
+    ok = same(xs[0], ys[0])
+    for x, y in zip(xs, ys):
+        ok = both(ok, same(x, y))
+    rounds.append(bool(ok))
+report(rounds)
+"""
+
+
+@pytest.mark.slow
+def test_many_calls_back_to_back_under_load():
+    busy = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(os.cpu_count() or 2)
+    ]
+    try:
+        run = run_isolated(_BACK_TO_BACK, timeout=600)
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
+    assert run.returncode == 0, run
+    assert run.result == [True] * 100, run
 
 
 # One array donated from 8 threads at once, to one function or to two: the first call

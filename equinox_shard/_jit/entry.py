@@ -128,13 +128,15 @@ def build_entry(
     shardings = [s for _, s in targets]
     shardings += [getattr(leaves[i], "sharding", None) for i in structure.dynamic]
     # The dispatch: the launch (under the lock where the entry donates, with its
-    # inputs checked again, or runs on several CPU devices), then the wait for
-    # callbacks.
+    # inputs checked again, or runs on several CPU devices), its pacing (on several
+    # CPU devices), then the wait for callbacks.
     if entry.donates:
         entry.launch = donation.launch(dynamic_fun)
     else:
         entry.launch = launch.launch_for(shardings)
     entry.layers = () if guards is None else (ft.partial(callbacks.waiting, guards),)
+    if launch.serialize_dispatch(shardings):
+        entry.layers = (launch.paced, *entry.layers)
     entry.dispatch = launch.stack(entry.launch, entry.layers)
     return entry, leaves, dynamic
 

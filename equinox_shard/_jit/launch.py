@@ -1,6 +1,6 @@
 """The launch of a compiled call: its dispatch `dispatch(run, dynamic, deleted, leaves,
 jit_id)`, one per entry, stacked by `stack` from a launch (`plain`, `serialized`, or
-donation's, `donation.Donation.launch`) and the layers that callbacks
+donation's, `donation.Donation.launch`) and the layers that pacing (`paced`), callbacks
 (`callbacks.waiting`) and explanations (`explain_misses.build`) supply; and the lock
 that serialises launches (RFC §6)."""
 
@@ -11,7 +11,7 @@ import jax
 import jax._src.traceback_util as traceback_util
 from jax.sharding import Sharding
 
-from .._arrays import on_abstract_mesh
+from .._arrays import is_tracer, on_abstract_mesh
 
 
 traceback_util.register_exclusion(__file__)
@@ -31,6 +31,43 @@ def plain(run, dynamic, deleted, leaves, jit_id):
 def serialized(run, dynamic, deleted, leaves, jit_id):
     with dispatch_lock:
         return run(*dynamic)
+
+
+# Every PACE-th multi-device launch on the CPU waits for its own outputs, so that at
+# most PACE of ours are queued on a device. JAX 0.10.2's CPU client waits for a free
+# slot among a device's 32 queued programs on a thread of its pool, which has only as
+# many threads as devices on a machine with fewer cores: one thread waiting there, and
+# the collective queued first lacks a participant, deadlocks, and XLA aborts the
+# process after 40 s (upstream/jax-reports/cpu-inflight-limit-deadlock).
+PACE = 8
+_launches = [0]  # multi-device CPU launches so far (counted under `_count_lock`)
+_count_lock = threading.Lock()
+
+
+def paced(inner: Callable) -> Callable:
+    """The dispatch layer (see `stack`) of an entry that launches on several CPU
+    devices: `inner`, then, every `PACE`-th launch, a wait for its outputs. The CPU
+    client runs multi-device programs one at a time in launch order, so this waits
+    for every earlier one too."""
+
+    def dispatch(run, dynamic, deleted, leaves, jit_id):
+        out = inner(run, dynamic, deleted, leaves, jit_id)
+        with _count_lock:
+            _launches[0] += 1
+            wait = _launches[0] % PACE == 0
+        if wait:
+            # Outside the lock: other threads launch meanwhile. Tracers (an outer
+            # trace) and arrays another thread has donated since have nothing to wait
+            # for.
+            arrays = [
+                x
+                for x in jax.tree_util.tree_leaves(out)
+                if isinstance(x, jax.Array) and not is_tracer(x) and not x.is_deleted()
+            ]
+            jax.block_until_ready(arrays)
+        return out
+
+    return dispatch
 
 
 def serialize_dispatch(shardings: list) -> bool:
