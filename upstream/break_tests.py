@@ -17,6 +17,10 @@ import tempfile
 
 
 DEVICE_PUT = "    x = jax.device_put(x, sharding, may_alias=False)\n"
+COND = (
+    "    if _UNCONSTRAINED in names or "
+    "(_AxisType.Auto in types and not names & explicit):\n"
+)
 VARIANTS = {
     # B1: `reshard` (0001 before this revision) needs `jax.set_mesh` inside JIT when
     # no input is on the mesh yet.
@@ -32,22 +36,23 @@ VARIANTS = {
     # 0001 before this revision: the array first replicated over the spec's axes.
     "with_sharding_constraint to no axis before device_put": (
         DEVICE_PUT,
-        "    none = jshard.PartitionSpec(*[None] * len(spec))\n"
+        "    none = jshard.PartitionSpec(*[None] * len(sharding.spec))\n"
         "    x = lax.with_sharding_constraint(\n"
         "        x, jshard.NamedSharding(sharding.mesh, none)\n"
         "    )\n" + DEVICE_PUT,
     ),
     "no with_sharding_constraint after device_put on mixed meshes": (
-        "    if _AxisType.Auto not in types:\n",
-        "    if True:\n",
+        "    if _AxisType.Auto not in types:\n        return x\n",
+        "    return x\n",
+    ),
+    # Under `vmap` `device_put` puts a spec on the batch dimension first.
+    "device_put also for specs naming no Explicit axis on mixed meshes": (
+        COND,
+        "    if _UNCONSTRAINED in names:\n",
     ),
     "UNCONSTRAINED not sent to with_sharding_constraint": (
-        "        or _UNCONSTRAINED in jtu.tree_leaves(tuple(spec))\n",
-        "",
-    ),
-    "device_put on every mesh": (
-        "        or _AxisType.Explicit not in types\n",
-        "",
+        COND,
+        "    if _AxisType.Auto in types and not names & explicit:\n",
     ),
     "Explicit axes not applied": (DEVICE_PUT, ""),
     # Eagerly `device_put` returns an array already in place as it is.
