@@ -354,6 +354,25 @@ def test_filter_shard_jit_explicit_is_reshard(set_mesh):
     np.testing.assert_array_equal(out, 2 * np.asarray(x) + 1)
 
 
+@pytest.mark.parametrize("jit", [eqx.filter_jit, eqxs.filter_jit])
+@pytest.mark.parametrize("spec", [P(), P("x")])
+def test_filter_shard_jit_explicit_without_mesh_context(jit, spec):
+    # `jax.make_mesh`'s default (Explicit) axes, no `jax.set_mesh` and no input on the
+    # mesh: inside the trace JAX learns the mesh's devices from `filter_shard` alone.
+    mesh = jax.make_mesh((8,), ("x",))
+    assert mesh.axis_types == (jax.sharding.AxisType.Explicit,)
+    s = NamedSharding(mesh, spec)
+    model = make_module(eqx.nn.MLP, 8, 8, 8, 2)
+    expected = snapshot(model)
+    x = jnp.arange(16.0)
+    out_model, out = jit(lambda m, y: eqxs.filter_shard((m, y * 2), s))(model, x)
+    assert out_model.activation is model.activation
+    assert_array_shardings(out_model, [s] * 6)
+    assert_same_values(out_model, expected)
+    assert_shardings(out, s)
+    np.testing.assert_array_equal(out, 2 * np.asarray(x))
+
+
 def test_eqx_filter_shard_fails_on_explicit_mesh_where_ours_works():
     mesh = explicit_mesh()
     s = NamedSharding(mesh, P("x"))

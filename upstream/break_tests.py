@@ -1,9 +1,11 @@
 """0001's tests against wrong implementations: each variant below breaks
-`equinox/_sharding.py` of a 0001 checkout in one way, and the tests must fail on it.
+`equinox/_sharding.py` of a 0001 checkout in one way; `tests/test_sharding.py` should
+fail on it. For each variant, `repro_0001.py` also gives the largest eager
+"peak/final" (more than 1: an array copied onto more devices on the way, e.g. gathered
+before being split again, which tests of the result cannot see) and how many of its
+cases raise or come out wrong.
 
     python upstream/break_tests.py /path/to/equinox   # a git checkout with 0001 applied
-
-Prints, for each variant, pytest's summary and the first assertion or error it hit.
 """
 
 import pathlib
@@ -14,72 +16,47 @@ import sys
 import tempfile
 
 
-RULE_AUTO = (
-    "    if jshard.AxisType.Auto in named:\n        return _reshard_and_constrain\n"
+DEVICE_PUT = "    x = jax.device_put(x, sharding, may_alias=False)\n"
+COND = (
+    "    if _UNCONSTRAINED in names or "
+    "(_AxisType.Auto in types and not names & explicit):\n"
 )
-RULE_UNCONSTRAINED = (
-    "    if jshard.PartitionSpec.UNCONSTRAINED in names:\n"
-    "        # Only `with_sharding_constraint` accepts it, and it needs `Auto` axes.\n"
-    "        return lax.with_sharding_constraint\n"
-)
-RULE_EXPLICIT = "        return _constrain_and_reshard\n    return _reshard\n"
 VARIANTS = {
-    # `P()` names no axis: left to `with_sharding_constraint`, as at v0.13.8.
-    "with_sharding_constraint for specs naming no axis": (
-        RULE_AUTO,
-        RULE_AUTO
-        + "    if not named - {None}:\n        return lax.with_sharding_constraint\n",
+    # B1: `reshard` (0001 before this revision) needs `jax.set_mesh` inside JIT when
+    # no input is on the mesh yet.
+    "reshard instead of device_put": (
+        DEVICE_PUT,
+        "    x = jshard.reshard(x, sharding)\n",
     ),
-    "with_sharding_constraint for specs naming no axis, on Explicit-only meshes": (
-        RULE_EXPLICIT,
-        RULE_EXPLICIT.replace(
-            "    return _reshard\n",
-            "    return _reshard if named - {None} else lax.with_sharding_constraint\n",
-        ),
+    # The gather: the `Explicit` dimensions given as `None`, not unconstrained.
+    "None for the Explicit dimensions": (
+        "_UNCONSTRAINED if p and",
+        "None if p and",
     ),
-    # `P.UNCONSTRAINED`: counted as no axis (a `KeyError` in `reshard`), or as `None`.
-    "UNCONSTRAINED not sent to with_sharding_constraint": (RULE_UNCONSTRAINED, ""),
-    "UNCONSTRAINED taken off the Explicit axes first": (
-        RULE_UNCONSTRAINED,
-        RULE_UNCONSTRAINED.replace(
-            "return lax.with_sharding_constraint", "return _reshard_and_constrain"
-        ),
+    # 0001 before this revision: the array first replicated over the spec's axes.
+    "with_sharding_constraint to no axis before device_put": (
+        DEVICE_PUT,
+        "    none = jshard.PartitionSpec(*[None] * len(sharding.spec))\n"
+        "    x = lax.with_sharding_constraint(\n"
+        "        x, jshard.NamedSharding(sharding.mesh, none)\n"
+        "    )\n" + DEVICE_PUT,
     ),
-    # Mixed meshes: the `Auto` axes left free, or the `Explicit` ones.
-    "reshard alone on mixed meshes, spec naming no Auto axis": (
-        "        return _constrain_and_reshard\n",
-        "        return _reshard\n",
+    "no with_sharding_constraint after device_put on mixed meshes": (
+        "    if _AxisType.Auto not in types:\n        return x\n",
+        "    return x\n",
     ),
-    "with_sharding_constraint alone on mixed meshes, spec naming no Auto axis": (
-        "    return jshard.reshard(lax.with_sharding_constraint(x, none), shardings)",
-        "    return lax.with_sharding_constraint(x, none)",
+    # Under `vmap` `device_put` puts a spec on the batch dimension first.
+    "device_put also for specs naming no Explicit axis on mixed meshes": (
+        COND,
+        "    if _UNCONSTRAINED in names:\n",
     ),
-    "with_sharding_constraint alone on mixed meshes, spec naming an Auto axis": (
-        RULE_AUTO,
-        RULE_AUTO.replace(
-            "return _reshard_and_constrain", "return lax.with_sharding_constraint"
-        ),
+    "UNCONSTRAINED not sent to with_sharding_constraint": (
+        COND,
+        "    if _AxisType.Auto in types and not names & explicit:\n",
     ),
-    "reshard alone on mixed meshes, spec naming an Auto axis": (
-        "    return lax.with_sharding_constraint(jshard.reshard(x, none), shardings)",
-        "    return jshard.reshard(x, none)",
-    ),
-    "one operation, the first leaf's, for the whole tree": (
-        "    if len(distinct) > 1:",
-        "    distinct = set(jtu.tree_leaves(functions)[:1])\n    if len(distinct) > 1:",
-    ),
-    "specs naming an Auto axis not applied": (
-        RULE_AUTO,
-        RULE_AUTO.replace("return _reshard_and_constrain", "return lambda x, s: x"),
-    ),
-    "Explicit-only meshes not applied": (
-        RULE_EXPLICIT,
-        RULE_EXPLICIT.replace("return _reshard\n", "return lambda x, s: x\n"),
-    ),
-    "no refusal of a spec naming both kinds": (
-        "    if jshard.AxisType.Auto in named and jshard.AxisType.Explicit in named:",
-        "    if False:",
-    ),
+    "Explicit axes not applied": (DEVICE_PUT, ""),
+    # Eagerly `device_put` returns an array already in place as it is.
+    "no copy": (DEVICE_PUT, DEVICE_PUT.replace(", may_alias=False", "")),
     "non-arrays not filtered out": (
         "    dynamic, static = partition(x, is_array)",
         "    dynamic, static = x, jtu.tree_map(lambda _: None, x)",
@@ -97,6 +74,7 @@ VARIANTS = {
 
 def main():
     equinox = pathlib.Path(sys.argv[1]).resolve()
+    repro = pathlib.Path(__file__).resolve().parent / "repro_0001.py"
     source = (equinox / "equinox" / "_sharding.py").read_text()
     base = subprocess.run(
         ["git", "-C", equinox, "show", "v0.13.8:equinox/_sharding.py"],
@@ -116,7 +94,7 @@ def main():
             shutil.copy(equinox / "pyproject.toml", tree)
             (tree / "equinox" / "_sharding.py").write_text(text)
             cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-            cmd += ["tests/test_sharding.py", "-k", "filter_shard_"]
+            cmd += ["tests/test_sharding.py"]
             out = subprocess.run(cmd, cwd=tree, capture_output=True, text=True).stdout
             lines = out.splitlines()
             first = next((x for x in lines if x.startswith("E  ")), "")
@@ -127,6 +105,18 @@ def main():
                     print("  ", line[:110])
             if first:
                 print("   first:", first[1:].strip()[:150], "|", where[:60])
+            env = {"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"}
+            cmd = [sys.executable, str(repro)]
+            rows = subprocess.run(
+                cmd, cwd=tree, env=env, capture_output=True, text=True
+            ).stdout
+            rows = [r for r in rows.splitlines() if " to " in r]
+            peaks = [float(p) for p in re.findall(r"peak/final (\d+)", "\n".join(rows))]
+            bad = sum(("WRONG" in r or "Error" in r) for r in rows)
+            print(
+                f"   repro_0001: largest eager peak/final {max(peaks, default=0):.0f}; "
+                f"{bad} of {len(rows)} cases raise or come out wrong"
+            )
 
 
 if __name__ == "__main__":

@@ -1,46 +1,95 @@
-# PR.md's table: `filter_shard` on a default (`Explicit`) mesh and on a mesh mixing
-# `Explicit` and `Auto` axes; run against Equinox v0.13.8 and after 0001.
-import equinox as eqx
+"""What `eqx.filter_shard` does on meshes with `Explicit` axes, with no `jax.set_mesh`,
+against the Equinox found on `PYTHONPATH` (8 CPU devices): each case's result, eager
+and inside `eqx.filter_jit`, and eagerly how many bytes the largest intermediate
+result held against the final one ("peak/final" > 1: the array was copied onto more
+devices on the way, e.g. gathered before being split again).
+
+    PYTHONPATH=/path/to/equinox/tree python upstream/repro_0001.py
+"""
+
 import jax
-import jax.numpy as jnp
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 
-jax.config.update("jax_num_cpu_devices", 2)
-mesh = jax.make_mesh((2,), ("x",))  # axis_types=(Explicit,), the default
-s, x = NamedSharding(mesh, P("x")), jnp.zeros(4)
-y = jax.device_put(x, s)
-types = (AxisType.Explicit, AxisType.Auto)
-mixed = jax.make_mesh((1, 2), ("x", "y"), axis_types=types)
-z = jax.device_put(x, NamedSharding(mixed, P("y")))
-x2 = jnp.zeros((4, 4))
-z2 = jax.device_put(x2, NamedSharding(mixed, P(None, "y")))
-free = NamedSharding(mixed, P(None, P.UNCONSTRAINED))
-rows = jax.make_mesh((2, 1), ("x", "y"), axis_types=types)
-w = jax.device_put(x2, NamedSharding(rows, P("x", None)))
-columns = NamedSharding(rows, P(None, "y"))
+jax.config.update("jax_num_cpu_devices", 8)
+import jax.numpy as jnp  # noqa: E402
+import jax.random as jr  # noqa: E402
+import jax.sharding as jshard  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+
+
+held = []
+
+
+def _record(f):
+    def wrapped(*args, **kwargs):
+        out = f(*args, **kwargs)
+        for leaf in jax.tree.leaves(out):
+            if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+                held.append(sum(s.data.nbytes for s in leaf.addressable_shards))
+        return out
+
+    return wrapped
+
+
+# Every operation a `filter_shard` may call.
+jax.lax.with_sharding_constraint = _record(jax.lax.with_sharding_constraint)
+jax.device_put = _record(jax.device_put)
+jshard.reshard = _record(jshard.reshard)
+import equinox as eqx  # noqa: E402  (after: it may keep a reference to `reshard`)
+
+
+E, A, U = AxisType.Explicit, AxisType.Auto, P.UNCONSTRAINED
+print("jax", jax.__version__, "equinox from", eqx.__file__)
+x = jnp.arange(32.0).reshape(8, 4)
+explicit = jax.make_mesh((2, 4), ("x", "y"))  # the default: both `Explicit`
+ea = jax.make_mesh((2, 4), ("x", "y"), axis_types=(E, A))
+ae = jax.make_mesh((2, 4), ("x", "y"), axis_types=(A, E))
+mlp = eqx.nn.MLP(4, 4, 8, 2, key=jr.PRNGKey(0))
+cases = [
+    # (mesh, input spec or None for uncommitted, target spec, input)
+    (explicit, None, P(), x),
+    (explicit, None, P("x"), x),
+    (explicit, P("x"), P(), x),
+    (explicit, P("x"), P(None, "y"), x),
+    (explicit, None, P(), mlp),
+    (explicit, None, P("x"), mlp),
+    (ea, P(None, "y"), P(), x),
+    (ea, P(None, "y"), P(None, U), x),
+    (ea, P("x"), P(None, "y"), x),
+    (ea, P("x"), P("x", "y"), x),
+    (ea, None, P("x", "y"), x),
+    (ae, P(None, "y"), P("x"), x),
+    (ae, P("x"), P(None, "y"), x),
+]
 shard_jit = eqx.filter_jit(eqx.filter_shard)
-
-
-def in_mesh(f):
-    with jax.set_mesh(mesh):
-        return f()
-
-
-cases = {
-    "1 eager": lambda: eqx.filter_shard(x, s),
-    "2 filter_jit, set_mesh": lambda: in_mesh(lambda: shard_jit(x, s)),
-    "3 bare P('x'), set_mesh": lambda: in_mesh(lambda: eqx.filter_shard(x, P("x"))),
-    "4 filter_jit, P() of y": lambda: shard_jit(y, NamedSharding(mesh, P())),
-    "5 mixed mesh, P() of z": lambda: eqx.filter_shard(z, NamedSharding(mixed, P())),
-    "5' ... inside filter_jit": lambda: shard_jit(z, NamedSharding(mixed, P())),
-    "6 mixed mesh, P(None, UNCONSTRAINED) of z2": lambda: eqx.filter_shard(z2, free),
-    "6' ... inside filter_jit": lambda: shard_jit(z2, free),
-    "7 (2, 1) mixed mesh, P(None, 'y') of w": lambda: eqx.filter_shard(w, columns),
-    "8 case 7 inside filter_jit": lambda: shard_jit(w, columns),
-}
-for name, f in cases.items():
-    try:
-        print(name, f().sharding.spec)
-    except Exception as e:
-        print(name, type(e).__name__, str(e).splitlines()[0][:90])
+for mesh, source, spec, value in cases:
+    target = NamedSharding(mesh, spec)
+    if source is not None:
+        value = jax.device_put(value, NamedSharding(mesh, source))
+    kinds = "".join(t.name[0] for t in mesh.axis_types)
+    what = "MLP" if value is mlp else "x"
+    row = f"{kinds} {what} from {source or 'uncommitted'} to {spec}:"
+    for name, shard in (("eager", eqx.filter_shard), ("jit", shard_jit)):
+        held.clear()
+        try:
+            out = shard(value, target)
+        except Exception as e:
+            row += f" {name} {type(e).__name__}: {str(e).splitlines()[0][:60]};"
+            continue
+        arrays = jax.tree.leaves(eqx.filter(out, eqx.is_array))
+        a = arrays[0]
+        placed = all(
+            b.addressable_shards[0].data.shape == target.shard_shape(b.shape)
+            for b in arrays
+        ) or (U in spec and a.sharding.is_equivalent_to(value.sharding, a.ndim))
+        same = bool(eqx.tree_equal(out, value))
+        row += f" {name} {a.sharding.spec}{'' if placed and same else ' WRONG'}"
+        if a.sharding == target:
+            row += " (== target)"
+        if name == "eager" and held:
+            final = max(
+                sum(s.data.nbytes for s in b.addressable_shards) for b in arrays
+            )
+            row += f" peak/final {max(held) / final:.0f}"
+        row += ";"
+    print(row)
