@@ -131,6 +131,7 @@ class Cache:
         self.fun_source = fn_source(fun)
         self.structures: dict = {}
         self.entries: dict = {}
+        self.packings: dict = {}
         # The calls that made entries, under `jax_explain_cache_misses` (`_explain`).
         self.seen: list = []
         self.lock = threading.Lock()
@@ -140,6 +141,7 @@ class Cache:
         with self.lock:
             self.structures = {}
             self.entries = {}
+            self.packings = {}
             self.seen = []
 
 
@@ -241,8 +243,13 @@ class ArgStructure:
         self.dynamic = tuple(i for i, m in enumerate(mask) if m)
         self.static = tuple(i for i, m in enumerate(mask) if not m)
         self.static_of = getter(self.static)
-        # How the traced leaves go to `jax.jit`.
-        self.packing = Packing(args, kwargs, mask)
+        # How the traced leaves go to `jax.jit`: one `Packing` per traced leaves, as
+        # the entries, so that any of these structures packs for any of their entries.
+        packing = cache.packings.get((treedef, mask))
+        if packing is None:
+            packing = Packing(args, kwargs, mask)
+            cache.packings[(treedef, mask)] = packing
+        self.packing = packing
         self.donated = cache.donation.leaves(args, self.dynamic)
         self.specs = _in_specs(cache, args, kwargs, leaves, dynamic)
         # What resolving the specs depends on: the leaves that rules see (every

@@ -3,23 +3,27 @@
 the function that `_traced` builds), what each call's inputs go through before it
 (`prepare`), and the layers of its dispatch.
 
-`in_shardings` is the request to place: an input that is not yet there (uncommitted, or
-committed elsewhere) is moved first, so that `jax.jit` always sees inputs on their
-shardings, `x = f(x)` compiles once, and a committed input is moved where plain
-`jax.jit` would refuse (the same devices, another sharding). A move of an input that
-is not donated may share the caller's buffers, which are never donated. A donated input
-that moves is freed where `jax.jit` frees it: when the move hands back all of its
-buffers (onto its own device, or replicated over devices that include its own),
-donating the moved array deletes the caller's; otherwise it moves a private copy."""
+`in_shardings` goes to `jax.jit`, which moves uncommitted and NumPy inputs onto it
+itself, in its C++ path (RFC §6): those are handed over as they are. We move only what
+`jax.jit` refuses: a committed input on another sharding (and, where `jax.jit` cannot
+move them, inputs for a layout, another memory, or devices of other processes). A move
+of an input that is not donated may share the caller's buffers, which are never
+donated. A donated input that moves is freed where `jax.jit` frees it: when the move
+hands back all of its buffers (onto its own device, or replicated over devices that
+include its own), donating the moved array deletes the caller's; otherwise it moves a
+private copy. `x = f(x)` from an uncommitted `x` traces once (`_traced`)."""
 
 import functools as ft
 
 import jax
 import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
+from jax.sharding import Sharding
 
 from . import _callbacks, _launch
 from ._arrays import (
+    in_default_memory,
+    is_committed,
     is_concrete,
     is_tracer,
     is_value,
@@ -29,7 +33,7 @@ from ._arrays import (
 from ._cache import arg_path, ArgStructure, Cache, diagnose
 from ._kinds import is_auto, kind_of, sharding_of
 from ._mirror import getter, mirror
-from ._place import all_placed, place
+from ._place import all_placed, jit_takes, place
 from ._spec import (
     check,
     context_mesh,
@@ -55,7 +59,9 @@ class Entry:
         "static",
         "targets",
         "get_targets",
-        "placed",  # `(True, sharding)` per target: committed there
+        "placed",  # per target, what `ready` compares its leaf with
+        "ready",  # whether `jax.jit` takes the leaves at `targets` as they are
+        "hands_over",  # whether `jax.jit` moves uncommitted and NumPy inputs itself
         "donates",
         "keep",  # `_donate.Donation.keeper`'s, where the entry donates
         "lean",  # nothing placed, nothing donated: `prepare` only packs
@@ -85,6 +91,7 @@ def build_entry(
                 f"{where(i)}: `in_shardings` cannot hold a {kind.name} "
                 f"({sharding}): {kind.jit_in_hint}."
             )
+    _one_device_set(targets, where)
     auto = _auto_layouts(targets, leaves, where)
     # `jax.jit` is given the spec leaves (a `Format`'s layout is its own); inputs are
     # placed on their shardings.
@@ -95,7 +102,19 @@ def build_entry(
     entry.static = structure.static_of(leaves)
     entry.targets = targets
     entry.get_targets = getter(tuple(i for i, _ in targets))
-    entry.placed = tuple((True, s) for _, s in targets)
+    # `jax.jit` moves an uncommitted or NumPy input onto a sharding of this process in
+    # the default memory itself (no layout: a `Format` is ours to place).
+    entry.hands_over = all(
+        isinstance(f, Sharding) and in_default_memory(f) and f.is_fully_addressable
+        for _, f in formats
+    )
+    # What `ready` compares the leaves with: `(True, sharding)` for `all_placed`.
+    shardings = tuple(s for _, s in targets)
+    entry.ready, entry.placed = (
+        (jit_takes, shardings)
+        if entry.hands_over
+        else (all_placed, tuple((True, s) for s in shardings))
+    )
     donation = cache.donation
     n_args = len(args)
     entry.donates = donation.donates(structure.donated, wrapper._dynamic_fun, n_args)
@@ -150,11 +169,11 @@ def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple
     placed = leaves
     if entry.donates:
         placed = entry.keep(leaves, dynamic_fun, _where(cache, args, kwargs))
-    if entry.targets and not all_placed(entry.get_targets(placed), entry.placed):
+    if entry.targets and not entry.ready(entry.get_targets(placed), entry.placed):
         placed = list(placed)
         where = _where(cache, args, kwargs)
         try:
-            _place_inputs(placed, entry.targets, where, cache, structure)
+            _place_inputs(placed, entry, where, cache, structure)
         except Exception:
             # The entry was checked for the shapes of the call that made it.
             diagnose(cache, args, kwargs, placed, structure.dynamic, entry.targets)
@@ -170,18 +189,44 @@ def _where(cache, args, kwargs):
 
 
 def _place_inputs(
-    leaves: list, targets: list, where, cache: Cache, structure: ArgStructure
+    leaves: list, entry: Entry, where, cache: Cache, structure: ArgStructure
 ) -> None:
-    """`place`s the inputs that are values (not tracers: inside a trace, on the
-    abstract mesh, the enclosing call places; NumPy only across processes, else
-    `jax.jit` transfers it, as it would without us), sharing the caller's buffers
-    where the decoration's donation allows (`_donate.Donation.may_alias`)."""
-    targets = [(i, s) for i, s in targets if not on_abstract_mesh(s)]
+    """`place`s the inputs that `jax.jit` would refuse: committed arrays on another
+    sharding where it `hands_over` (it moves uncommitted and NumPy inputs itself,
+    in its C++ path), else every value (not tracers: inside a trace, on the abstract
+    mesh, the enclosing call places; NumPy only across processes). A move shares the
+    caller's buffers where the decoration's donation allows
+    (`_donate.Donation.may_alias`)."""
+    targets = [(i, s) for i, s in entry.targets if not on_abstract_mesh(s)]
     multiprocess = any(not s.is_fully_addressable for _, s in targets)
-    value = is_value if multiprocess else is_concrete
+    if entry.hands_over:
+        value = is_committed
+    else:
+        value = is_value if multiprocess else is_concrete
     todo = [(i, s) for i, s in targets if value(leaves[i])]
     may_alias = cache.donation.may_alias(leaves, todo, structure.donated)
     place(leaves, todo, where, may_alias=may_alias)
+
+
+def _one_device_set(targets, where) -> None:
+    """Raises, naming two leaves, if `in_shardings` puts them on different sets of
+    devices, which one `jax.jit` call refuses: by their names only where the inputs
+    are committed, and it moves uncommitted ones itself."""
+    first = None
+    for i, target in targets:
+        sharding = sharding_of(target)
+        if sharding is None or on_abstract_mesh(sharding):
+            continue
+        devices = sharding.device_set
+        if first is None:
+            first = (i, devices)
+        elif devices != first[1]:
+            ids = lambda d: sorted(x.id for x in d)
+            raise ValueError(
+                f"{where(first[0])} and {where(i)}: `in_shardings` places them on "
+                f"different devices ({ids(first[1])} and {ids(devices)}), but the "
+                "inputs of one call must share one set of devices."
+            )
 
 
 def _auto_layouts(targets, leaves, where) -> str | None:

@@ -131,7 +131,11 @@ def _compile(wrapper, cache, args, kwargs, leaves, structure_key: tuple):
             structure = ArgStructure(cache, args, kwargs, leaves, structure_key)
         key = structure.key(leaves)
         entry = structure.entries.get(key)
-        if entry is not None:  # made by another thread meanwhile
+        if entry is not None:
+            # Made by another thread meanwhile, or for other leaf types (JAX arrays
+            # where these are NumPy): this structure is kept, so the next call hits.
+            if not jax.config.jax_disable_jit:  # pyright: ignore
+                cache.structures[structure_key] = structure
             leaves, trees = prepare(
                 wrapper._dynamic_fun, cache, entry, structure, args, kwargs, leaves
             )
@@ -351,11 +355,12 @@ def filter_jit(
         the compiler), a callable `leaf -> spec` or an
         [`equinox_shard.PathRules`][]; `None`, and any argument not covered, is
         unspecified. A `jax.memory.Space` is refused here (`jax.jit` takes none for
-        an input): give a sharding with a memory kind. An array not yet on its
-        sharding is moved there first, as a copy that leaves the caller's array
-        alive, unless it is donated: then it is freed wherever `jax.jit` would free
-        it (a move onto its own device, or a replication over devices that include
-        its own).
+        an input): give a sharding with a memory kind. Uncommitted and NumPy arrays
+        go to `jax.jit` as they are, which moves them; a committed array on another
+        sharding (which `jax.jit` refuses) is moved first, as a copy that leaves the
+        caller's array alive, unless it is donated: then it is freed wherever
+        `jax.jit` would free it (a move onto its own device, or a replication over
+        devices that include its own).
     - `out_shardings`: a PyTree prefix of the output, in the same language, given to
         `jax.jit`'s own `out_shardings`; a `jax.memory.Space` is taken here too, and
         applied inside the function. Non-array outputs are returned untouched.
