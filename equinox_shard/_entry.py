@@ -105,7 +105,9 @@ def build_entry(
     # `jax.jit` moves an uncommitted or NumPy input onto a sharding of this process in
     # the default memory itself (no layout: a `Format` is ours to place).
     entry.hands_over = all(
-        isinstance(f, Sharding) and in_default_memory(f) and f.is_fully_addressable
+        isinstance(f, Sharding)
+        and in_default_memory(f)
+        and (on_abstract_mesh(f) or f.is_fully_addressable)  # abstract: in a trace
         for _, f in formats
     )
     # What `ready` compares the leaves with: `(True, sharding)` for `all_placed`.
