@@ -153,7 +153,14 @@ def run(cfg: dict) -> dict:
                     "eqxs_shard_over_jit_shard": to_jit_shard[("eqxs+shard", mode)],
                 }
             )
-    return {"variants": list(VARIANTS), "modes": list(MODES), "rows": rows}
+    # Issue 48's cells: N up to 100.
+    inputs = run_inputs({**cfg, "ns": [n for n in cfg["ns"] if n <= 100]})
+    return {
+        "variants": list(VARIANTS),
+        "modes": list(MODES),
+        "rows": rows,
+        "inputs": inputs,
+    }
 
 
 def scaling(result: dict) -> list[dict]:
@@ -274,6 +281,8 @@ def render(result: dict) -> str:
                 f"at N = 1 ({met['floor']}/{cells} cells pass).\n\n"
             )
         parts.append(text + h.table(headers, rows))
+    if "inputs" in result:
+        parts.append(render_inputs(result["inputs"]))
     return "\n\n".join(parts)
 
 
