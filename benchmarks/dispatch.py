@@ -400,10 +400,10 @@ def render_inputs(result: dict) -> str:
         "inputs",
         "tree",
         "N",
-        "eqxs",
-        "flat sketch",
-        "jax.jit",
-        f"eqxs/flat sketch (<= {TARGET_INPUTS}x)",
+        "eqxs+shard",
+        "flat sketch+shard",
+        "jit+shard",
+        f"eqxs+shard/flat sketch+shard (<= {TARGET_INPUTS}x)",
     ]
     rows = []
     met = 0
