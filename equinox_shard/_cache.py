@@ -19,7 +19,12 @@ from equinox import Module
 from jax.sharding import Sharding
 from jax.tree_util import PyTreeDef
 
-from ._arrays import deleted_test, raise_if_deleted, raise_if_fun_deleted
+from ._arrays import (
+    deleted_test,
+    is_tracer,
+    raise_if_deleted,
+    raise_if_fun_deleted,
+)
 from ._donate import Donation
 from ._mirror import getter, Packing
 from ._spec import (
@@ -267,6 +272,8 @@ class ArgStructure:
             else self.entry_key
         )
         self.deleted = deleted_test(leaves, getter(self.dynamic))
+        # Tracers (inside an outer trace): `jax.jit` is called, not an executable.
+        self.traced = any(is_tracer(leaves[i]) for i in self.dynamic)
         # Shared by every argument structure with the same traced leaves (NumPy, JAX,
         # tracers): a `StructureKey` field that changes the program must join this key.
         self.entries = cache.entries.setdefault((treedef, mask), {})

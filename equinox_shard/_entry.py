@@ -11,14 +11,16 @@ of an input that is not donated may share the caller's buffers, which are never
 donated. A donated input that moves is freed where `jax.jit` frees it: when the move
 hands back all of its buffers (onto its own device, or replicated over devices that
 include its own), donating the moved array deletes the caller's; otherwise it moves a
-private copy. `x = f(x)` from an uncommitted `x` traces once (`_traced`)."""
+private copy. On Auto axes, calls that hand `jax.jit` uncommitted inputs run the
+executable of the committed types (`Typed`), so both kinds compile once."""
 
 import functools as ft
+from typing import Any
 
 import jax
 import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
-from jax.sharding import Sharding
+from jax.sharding import AxisType, NamedSharding, Sharding
 
 from . import _callbacks, _launch
 from ._arrays import (
@@ -33,7 +35,7 @@ from ._arrays import (
 from ._cache import arg_path, ArgStructure, Cache, diagnose
 from ._kinds import is_auto, kind_of, sharding_of
 from ._mirror import getter, mirror
-from ._place import all_placed, jit_takes, place
+from ._place import all_placed, jit_takes, MOVES, place
 from ._spec import (
     check,
     context_mesh,
@@ -59,12 +61,13 @@ class Entry:
         "static",
         "targets",
         "get_targets",
-        "placed",  # per target, what `ready` compares its leaf with
-        "ready",  # whether `jax.jit` takes the leaves at `targets` as they are
+        "placed",  # `(True, sharding)` per target: committed there
+        "shardings",  # the `Sharding` per target
         "hands_over",  # whether `jax.jit` moves uncommitted and NumPy inputs itself
         "donates",
         "keep",  # `_donate.Donation.keeper`'s, where the entry donates
         "lean",  # nothing placed, nothing donated: `prepare` only packs
+        "typed",  # a `Typed` where calls with uncommitted inputs run it, else `None`
         "jitted",
         "launch",
         "layers",
@@ -101,7 +104,9 @@ def build_entry(
     entry.structure = structure
     entry.static = structure.static_of(leaves)
     entry.targets = targets
-    entry.get_targets = getter(tuple(i for i, _ in targets))
+    # Last first: a batch, uncommitted or NumPy, is usually the last argument, where
+    # `all_placed` then stops at once for `jit_takes`.
+    entry.get_targets = getter(tuple(i for i, _ in reversed(targets)))
     # `jax.jit` moves an uncommitted or NumPy input onto a sharding of this process in
     # the default memory itself (no layout: a `Format` is ours to place).
     entry.hands_over = all(
@@ -110,13 +115,8 @@ def build_entry(
         and (on_abstract_mesh(f) or f.is_fully_addressable)  # abstract: in a trace
         for _, f in formats
     )
-    # What `ready` compares the leaves with: `(True, sharding)` for `all_placed`.
-    shardings = tuple(s for _, s in targets)
-    entry.ready, entry.placed = (
-        (jit_takes, shardings)
-        if entry.hands_over
-        else (all_placed, tuple((True, s) for s in shardings))
-    )
+    entry.shardings = tuple(s for _, s in reversed(targets))
+    entry.placed = tuple((True, s) for s in entry.shardings)
     donation = cache.donation
     n_args = len(args)
     entry.donates = donation.donates(structure.donated, wrapper._dynamic_fun, n_args)
@@ -126,18 +126,31 @@ def build_entry(
             structure.donated, structure.dynamic, n_args, cache.fun_name
         )
     entry.lean = not entry.donates and not targets
+    entry.typed = None
     jitted = entry.jitted = _jit(wrapper, cache, structure, args, leaves, formats)
-    leaves, dynamic = prepare(
+    leaves, dynamic, _ = prepare(
         wrapper._dynamic_fun, cache, entry, structure, args, kwargs, leaves
     )
     guards = None
+    typed = None
+    moved = False  # whether this call hands `jax.jit` inputs that `typed` types
     if not jax.config.jax_disable_jit:  # pyright: ignore
+        casts = _auto_casts(structure, targets) if entry.hands_over else []
+        if casts and auto is None:
+            typed = Typed(entry, casts, donation)
+        # Traced for the types of committed inputs, which those `typed` runs take.
+        at, moved = dynamic, False
+        if typed is not None and not structure.traced:
+            at, moved = typed.types(dynamic)
         with donation.tracing():
             if isinstance(jitted, ResolveRules):
-                jitted = entry.jitted = jitted.trace(*dynamic)
-            traced = jitted.trace(*dynamic)
+                jitted = entry.jitted = jitted.trace(*at)
+            traced = jitted.trace(*at)
             if _callbacks.has_callback(traced.jaxpr.jaxpr):
+                # The guarded program is a `jax.jit` of its own, given the inputs.
                 guards = _callbacks.Guards(jitted, donation.argnums(n_args))
+                typed = None
+    entry.typed = typed
     if auto is not None:
         entry.jitted = AutoLayouts(entry.jitted, auto)
     shardings = [s for _, s in targets]
@@ -151,7 +164,79 @@ def build_entry(
         entry.launch = _launch.launch_for(shardings)
     entry.layers = () if guards is None else (ft.partial(_callbacks.waiting, guards),)
     entry.dispatch = _launch.stack(entry.launch, entry.layers)
-    return entry, leaves, dynamic
+    return entry, leaves, dynamic, typed if moved else entry.jitted
+
+
+def _auto_casts(structure: ArgStructure, targets) -> list[tuple[int, Any]]:
+    """`(k, sharding)` for each traced leaf `k` (in `structure.dynamic`'s order)
+    whose target is a `NamedSharding` on a mesh of Auto axes only: there a committed
+    input's type holds the mesh and an uncommitted or NumPy one's does not, so
+    `jax.jit` traces and compiles the two apart, though they are one program."""
+    position = {i: k for k, i in enumerate(structure.dynamic)}
+    casts = []
+    for i, sharding in targets:
+        if (
+            isinstance(sharding, NamedSharding)
+            and not sharding.mesh.empty
+            and all(t == AxisType.Auto for t in sharding.mesh.axis_types)
+            and i in position
+        ):
+            casts.append((position[i], sharding))
+    return casts
+
+
+class Typed:
+    """The run of an entry's calls that hand `jax.jit` uncommitted or NumPy inputs for
+    targets on Auto axes (`_auto_casts`): the entry's executable for the types those
+    inputs have once committed, called with them as they are, which moves them in its
+    C++ path as `jax.jit` would. So `x = f(x)` from an uncommitted `x`, and fresh
+    uncommitted or NumPy inputs every call, trace and compile once, where `jax.jit`
+    alone traces and compiles each kind apart (RFC §6). Another shape or dtype lowers
+    again, which JAX's caches answer without compiling where it was seen before."""
+
+    __slots__ = ("entry", "casts", "donation", "compiled")
+
+    def __init__(self, entry: Entry, casts: list, donation):
+        self.entry = entry
+        self.casts = casts
+        self.donation = donation
+        self.compiled: Any = None
+
+    def types(self, dynamic: tuple) -> tuple[tuple, bool]:
+        """`dynamic` with each uncommitted or NumPy leaf of `casts` replaced by the
+        `jax.ShapeDtypeStruct` of its committed type, and whether any was."""
+        packing = self.entry.structure.packing
+        fun, kwargs, *args = dynamic
+        leaves = packing.unpack(kwargs, args)
+        moved = False
+        for k, sharding in self.casts:
+            x = leaves[k]
+            if is_value(x) and not is_committed(x):
+                weak = bool(getattr(x, "weak_type", False))
+                leaves[k] = jax.ShapeDtypeStruct(
+                    x.shape, x.dtype, sharding=sharding, weak_type=weak
+                )
+                moved = True
+        args, kwargs = packing.structure.unflatten(leaves)
+        return (fun, kwargs, *args), moved
+
+    def __call__(self, *dynamic):
+        compiled = self.compiled
+        if compiled is not None:
+            try:
+                return compiled(*dynamic)
+            except TypeError as e:  # raised before it runs
+                if any(map(is_tracer, jtu.tree_leaves(dynamic))):
+                    # The function's own arrays, inside an outer trace.
+                    return self.entry.jitted(*dynamic)
+                if "Argument types differ" not in str(e):  # other shapes or dtypes
+                    raise
+        elif any(map(is_tracer, jtu.tree_leaves(dynamic))):
+            return self.entry.jitted(*dynamic)
+        at, _ = self.types(dynamic)
+        with self.donation.tracing():
+            compiled = self.compiled = self.entry.jitted.lower(*at).compile()
+        return compiled(*dynamic)
 
 
 #
@@ -160,18 +245,22 @@ def build_entry(
 
 
 def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple:
-    """Checks and placements before execution: returns the leaves as placed and the
-    dynamic trees to call. `structure` is the one of this call's leaf types, which
-    tests for deleted inputs: an entry is shared by structures that differ in them
-    (arrays, tracers, NumPy); its own packs the leaves as its function unpacks them."""
+    """Checks and placements before execution: returns the leaves as placed, the
+    dynamic trees to call, and what to call them with (the entry's `jax.jit`, or its
+    `Typed` where `jax.jit` moves some inputs). `structure` is the one of this call's
+    leaf types, which tests for deleted inputs and tracers: an entry is shared by
+    structures that differ in them (arrays, tracers, NumPy), which share its packing
+    (`_cache.ArgStructure`)."""
     # XLA crashes on a deleted multi-device input, donated or not.
     if structure.deleted(leaves):
         raise_if_deleted(leaves, structure.dynamic, _where(cache, args, kwargs))
-    structure = entry.structure
     placed = leaves
     if entry.donates:
         placed = entry.keep(leaves, dynamic_fun, _where(cache, args, kwargs))
-    if entry.targets and not entry.ready(entry.get_targets(placed), entry.placed):
+    ready = all_placed(entry.get_targets(placed), entry.placed) if entry.targets else 1
+    if not ready and entry.hands_over:
+        ready = jit_takes(entry.get_targets(placed), entry.shardings)
+    if not ready:
         placed = list(placed)
         where = _where(cache, args, kwargs)
         try:
@@ -183,7 +272,11 @@ def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple
     packing = structure.packing
     if packing.trivial and placed is not leaves:
         args, kwargs = structure.treedef.unflatten(placed)
-    return placed, packing.arguments(dynamic_fun, args, kwargs, placed)
+    dynamic = packing.arguments(dynamic_fun, args, kwargs, placed)
+    # Inside an outer trace (tracers) there is no executable to call.
+    if ready == MOVES and entry.typed is not None and not structure.traced:
+        return placed, dynamic, entry.typed
+    return placed, dynamic, entry.jitted
 
 
 def _where(cache, args, kwargs):

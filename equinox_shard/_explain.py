@@ -299,13 +299,13 @@ def build(cache, structure, args, kwargs, leaves, make: Callable[[], tuple]) -> 
         _miss(cache, structure, args, kwargs, leaves)
         outer, _state.building = getattr(_state, "building", False), True
         try:
-            entry, leaves, trees = make()
+            entry, leaves, trees, run = make()
         finally:
             _state.building = outer
         _seen(cache, entry, args, kwargs, leaves)
     watched = lambda inner: _watched(cache, entry, inner, said)
     entry.dispatch = stack(entry.launch, (*entry.layers, watched))
-    return entry, leaves, trees
+    return entry, leaves, trees, run
 
 
 def _miss(cache, structure, args, kwargs, leaves) -> None:

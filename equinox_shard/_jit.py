@@ -60,7 +60,7 @@ def _call(wrapper, args, kwargs, compiled=None):
         structure = entry.structure
         _check_compiled(entry, treedef, leaves)
     if entry is None:
-        entry, structure, leaves, dynamic = _compile(
+        entry, structure, leaves, dynamic, run = _compile(
             wrapper,
             cache,
             args,
@@ -73,11 +73,13 @@ def _call(wrapper, args, kwargs, compiled=None):
         dynamic = structure.packing.arguments(  # pyright: ignore[reportOptionalMemberAccess]
             fields["_dynamic_fun"], args, kwargs, leaves
         )
+        run = entry.jitted
     else:
-        leaves, dynamic = prepare(
+        leaves, dynamic, run = prepare(
             fields["_dynamic_fun"], cache, entry, structure, args, kwargs, leaves
         )
-    run = entry.jitted if compiled is None else compiled.compiled
+    if compiled is not None:
+        run = compiled.compiled
     dispatch = entry.dispatch
     try:
         if dispatch is None:  # no layer: the launch alone
@@ -136,23 +138,23 @@ def _compile(wrapper, cache, args, kwargs, leaves, structure_key: tuple):
             # where these are NumPy): this structure is kept, so the next call hits.
             if not jax.config.jax_disable_jit:  # pyright: ignore
                 cache.structures[structure_key] = structure
-            leaves, trees = prepare(
+            leaves, trees, run = prepare(
                 wrapper._dynamic_fun, cache, entry, structure, args, kwargs, leaves
             )
-            return entry, structure, leaves, trees
+            return entry, structure, leaves, trees, run
         make = lambda: build_entry(wrapper, cache, structure, args, kwargs, leaves)
         config = jax.config
         if config.jax_explain_cache_misses and not config.jax_disable_jit:  # pyright: ignore
             # JAX's own flag: say why, in the caller's names (`_explain`).
-            entry, leaves, trees = _explain.build(
+            entry, leaves, trees, run = _explain.build(
                 cache, structure, args, kwargs, leaves, make
             )
         else:
-            entry, leaves, trees = make()
+            entry, leaves, trees, run = make()
         if not jax.config.jax_disable_jit:  # pyright: ignore
             structure.entries[key] = entry
             cache.structures[structure_key] = structure
-    return entry, structure, leaves, trees
+    return entry, structure, leaves, trees, run
 
 
 #
@@ -269,7 +271,7 @@ class _JitWrapper(Module):
         args, kwargs = _bind(cache, args, kwargs)
         leaves, treedef = jtu.tree_flatten((args, kwargs))
         key = StructureKey(treedef, tuple(map(type, leaves)), is_array_or_struct)
-        entry, _, leaves, dynamic = _compile(self, cache, args, kwargs, leaves, key)
+        entry, _, leaves, dynamic, _ = _compile(self, cache, args, kwargs, leaves, key)
         try:
             return entry, stage(entry.jitted, dynamic)
         except Exception:

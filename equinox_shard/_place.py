@@ -131,20 +131,26 @@ def all_placed(values, expected: tuple) -> bool:
         return False
 
 
-def jit_takes(values, expected: tuple) -> bool:
+def jit_takes(values, expected: tuple) -> int:
     """Whether `jax.jit` takes every value as it is for its target in `expected`, a
-    `Sharding` in the default memory of devices of this process: each committed
-    `jax.Array` is on its target (one that is not, `jax.jit` refuses), and the rest
-    (uncommitted, NumPy) `jax.jit` moves itself. C-speed: one `committed` lookup per
-    value, and one `sharding` per committed value. `False` means `place` must look."""
+    `Sharding` in the default memory of devices of this process: `PLACED` where each is
+    a committed `jax.Array` on its target, `MOVES` where some are not committed
+    (uncommitted, NumPy: `jax.jit` moves them itself) and the committed ones are on
+    theirs, `0` where one is not (`jax.jit` refuses it: `place` must look). C-speed:
+    one `committed` lookup per value, and one `sharding` per committed value."""
     try:
         committed = list(map(getattr, values, _COMMITTED, _FALSE))
         held = map(_sharding, compress(values, committed))
-        return all(map(_eq, held, compress(expected, committed)))
+        if not all(map(_eq, held, compress(expected, committed))):
+            return 0
+        return PLACED if all(committed) else MOVES
     except Exception:  # a tracer: `place` leaves it to the enclosing call
-        return False
+        return 0
 
 
+# `jit_takes`'s answers (both true).
+PLACED = 1
+MOVES = 2
 _placement = operator.attrgetter("committed", "sharding")
 _sharding = operator.attrgetter("sharding")
 _eq = operator.eq

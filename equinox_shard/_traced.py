@@ -11,11 +11,10 @@ import jax
 import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 from equinox import is_array
-from jax.sharding import AxisType, NamedSharding
 
 from ._arrays import is_tracer
 from ._cache import ArgStructure, Cache
-from ._kinds import is_auto, kind_of, sharding_of
+from ._kinds import is_auto, kind_of
 from ._mirror import mirror, mirror_combine, OutStatic
 from ._place import place
 from ._spec import check, for_jax, leaf_path, resolve, resolve_leaves
@@ -89,55 +88,6 @@ def traced_function(
             )
         )
     fun_wrapped.__signature__ = inspect.Signature(params)  # pyright: ignore
-    casts = _auto_casts(structure, targets)
-    if not casts:
-        return fun_wrapped
-    return _one_body_trace(fun_wrapped, structure, casts)
-
-
-def _auto_casts(structure: ArgStructure, targets) -> list[tuple[int, Any]]:
-    """`(k, sharding)` for each traced leaf `k` (in `structure.dynamic`'s order)
-    whose target is a `NamedSharding` on a mesh of Auto axes only: there an input's
-    type holds the mesh if it is committed and no mesh if it is uncommitted or NumPy,
-    so `jax.jit` traces the two apart, though they are the same program."""
-    position = {i: k for k, i in enumerate(structure.dynamic)}
-    casts = []
-    for i, target in targets:
-        sharding = sharding_of(target)
-        if (
-            isinstance(sharding, NamedSharding)
-            and not sharding.mesh.empty
-            and all(t == AxisType.Auto for t in sharding.mesh.axis_types)
-            and i in position
-        ):
-            casts.append((position[i], sharding))
-    return casts
-
-
-def _one_body_trace(body, structure: ArgStructure, casts: list):
-    """The function `jax.jit` traces where `_auto_casts` found inputs: it gives every
-    such input the committed input's type (a sharding constraint to its own
-    `in_shardings` entry, which moves nothing) and calls `body` through an inner
-    `jax.jit`, whose cache is keyed by those types, so that `x = f(x)` from an
-    uncommitted `x` traces the user's function once (`jax.jit` alone: twice)."""
-    inner = jax.jit(body)
-    packing = structure.packing
-
-    def fun_wrapped(dynamic_fun, dynamic_kwargs, *dynamic_args):
-        if jax.config.jax_disable_jit:  # pyright: ignore
-            return body(dynamic_fun, dynamic_kwargs, *dynamic_args)
-        dynamic = packing.unpack(dynamic_kwargs, dynamic_args)
-        for k, sharding in casts:
-            if jax.typeof(dynamic[k]).sharding.mesh.empty:
-                dynamic[k] = jax.lax.with_sharding_constraint(dynamic[k], sharding)
-        args, kwargs = packing.structure.unflatten(dynamic)
-        return inner(dynamic_fun, kwargs, *args)
-
-    ft.update_wrapper(fun_wrapped, body)
-    del fun_wrapped.__wrapped__  # pyright: ignore
-    if hasattr(body, "__wrapped__"):  # the user's function
-        fun_wrapped.__wrapped__ = body.__wrapped__  # pyright: ignore
-    fun_wrapped.__signature__ = body.__signature__  # pyright: ignore
     return fun_wrapped
 
 

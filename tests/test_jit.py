@@ -948,3 +948,34 @@ def test_transforms_around_filter_jit_with_in_shardings(transform, source, axis_
     got = wrap(ours)(w, x)
     assert np.allclose(np.asarray(got), np.asarray(want))
     assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+@pytest.mark.parametrize("scenario", ["x = f(x)", "fresh", "numpy", "mixed"])
+def test_inputs_as_users_pass_them_compile_once(scenario, devices):
+    # `jax.jit` alone compiles twice where uncommitted (or NumPy) and committed inputs
+    # of one shape meet: the committed one's type holds the mesh.
+    split = NamedSharding(_input_mesh(devices, "Auto"), P("x"))
+
+    @eqxs.filter_jit(in_shardings=split, out_shardings=split)
+    def step_once(x):
+        return x + 1
+
+    host = np.zeros(16, np.float32)
+    fresh = {
+        "fresh": lambda i: jnp.asarray(host + i),
+        "numpy": lambda i: host + i,
+        "mixed": lambda i: (jnp.asarray, np.asarray, jax.device_put)[i % 3](host + i),
+    }
+    with compiled_names() as names:
+        if scenario == "x = f(x)":
+            x = jnp.asarray(host)
+            for _ in range(4):
+                x = step_once(x)
+            assert np.array_equal(np.asarray(x), host + 4)
+        else:
+            make = fresh[scenario]
+            for i in range(6):
+                x = make(i)
+                assert np.array_equal(np.asarray(step_once(x)), host + i + 1)
+    assert names.count("jit(step_once)") == 1, names
