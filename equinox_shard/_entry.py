@@ -68,6 +68,7 @@ class Entry:
         "keep",  # `_donate.Donation.keeper`'s, where the entry donates
         "lean",  # nothing placed, nothing donated: `prepare` only packs
         "typed",  # a `Typed` where calls with uncommitted inputs run it, else `None`
+        "places_values",  # whether uncommitted and NumPy inputs are ours to place
         "jitted",
         "launch",
         "layers",
@@ -127,7 +128,9 @@ def build_entry(
         )
     entry.lean = not entry.donates and not targets
     entry.typed = None
+    entry.places_values = False
     jitted = entry.jitted = _jit(wrapper, cache, structure, args, leaves, formats)
+    given = leaves
     leaves, dynamic, _ = prepare(
         wrapper._dynamic_fun, cache, entry, structure, args, kwargs, leaves
     )
@@ -147,9 +150,25 @@ def build_entry(
                 jitted = entry.jitted = jitted.trace(*at)
             traced = jitted.trace(*at)
             if _callbacks.has_callback(traced.jaxpr.jaxpr):
-                # The guarded program is a `jax.jit` of its own, given the inputs.
                 guards = _callbacks.Guards(jitted, donation.argnums(n_args))
-                typed = None
+                if typed is not None:
+                    # The guarded program, a `jax.jit` of its own, is traced for the
+                    # inputs it is given: they are placed, as the entry was traced
+                    # for committed types (once, as before issue 48).
+                    typed = None
+                    entry.hands_over = False
+                    entry.places_values = True
+                    if moved:
+                        leaves, dynamic, _ = prepare(
+                            wrapper._dynamic_fun,
+                            cache,
+                            entry,
+                            structure,
+                            args,
+                            kwargs,
+                            given,
+                        )
+                        moved = False
     entry.typed = typed
     if auto is not None:
         entry.jitted = AutoLayouts(entry.jitted, auto)
@@ -222,6 +241,9 @@ class Typed:
 
     def __call__(self, *dynamic):
         compiled = self.compiled
+        if jax.config.jax_disable_jit:  # pyright: ignore
+            # The function runs as it is (`jax.jit` runs it); no executable is called.
+            return self.entry.jitted(*dynamic)
         if compiled is not None:
             try:
                 return compiled(*dynamic)
@@ -297,7 +319,7 @@ def _place_inputs(
     if entry.hands_over:
         value = is_committed
     else:
-        value = is_value if multiprocess else is_concrete
+        value = is_value if multiprocess or entry.places_values else is_concrete
     todo = [(i, s) for i, s in targets if value(leaves[i])]
     may_alias = cache.donation.may_alias(leaves, todo, structure.donated)
     place(leaves, todo, where, may_alias=may_alias)

@@ -979,3 +979,31 @@ def test_inputs_as_users_pass_them_compile_once(scenario, devices):
                 x = make(i)
                 assert np.array_equal(np.asarray(step_once(x)), host + i + 1)
     assert names.count("jit(step_once)") == 1, names
+
+
+def test_uncommitted_inputs_of_other_shapes_and_donated(getkey):
+    # Uncommitted inputs of alternating shapes, donated: each shape compiles once, and
+    # every input is freed or kept exactly as `jax.jit` frees or keeps it.
+    replicated = NamedSharding(_input_mesh(8, "Auto"), P())
+    def doubled(model, x):
+        return model * 2, x.sum()
+
+    ours = eqxs.filter_jit(doubled, in_shardings=replicated, donate="all")
+    oracle = jax.jit(
+        lambda m, x: doubled(m, x), in_shardings=replicated, donate_argnums=(0, 1)
+    )
+    with compiled_names() as names:
+        for n in (8, 16, 8, 16, 4):
+            ours_in = (jr.normal(getkey(), (n,)), jr.normal(getkey(), (n,)))
+            oracle_in = tuple(jnp.array(x, copy=True) for x in ours_in)
+            expected = [np.array(x, copy=True) for x in ours_in]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # donated buffers not usable
+                got, want = ours(*ours_in), oracle(*oracle_in)
+            for g, w in zip(got, want):
+                _same_as(g, w)
+            assert np.allclose(np.asarray(got[0]), 2 * expected[0])
+            assert [x.is_deleted() for x in ours_in] == [
+                x.is_deleted() for x in oracle_in
+            ]
+    assert names.count("jit(doubled)") == 3, names  # one per shape
