@@ -31,6 +31,7 @@ import threading
 import equinox as eqx
 import equinox_shard as eqxs
 import jax
+import numpy as np
 from equinox_shard._jit.launch import serialize_dispatch
 
 from . import _harness as h, _trees as t
@@ -157,7 +158,14 @@ def run(cfg: dict) -> dict:
                     "eqxs_shard_over_jit_shard": to_jit_shard[("eqxs+shard", mode)],
                 }
             )
-    return {"variants": list(VARIANTS), "modes": list(MODES), "rows": rows}
+    # Issue 48's cells: N up to 100.
+    inputs = run_inputs({**cfg, "ns": [n for n in cfg["ns"] if n <= 100]})
+    return {
+        "variants": list(VARIANTS),
+        "modes": list(MODES),
+        "rows": rows,
+        "inputs": inputs,
+    }
 
 
 def scaling(result: dict) -> list[dict]:
@@ -278,4 +286,171 @@ def render(result: dict) -> str:
                 f"at N = 1 ({met['floor']}/{cells} cells pass).\n\n"
             )
         parts.append(text + h.table(headers, rows))
+    if "inputs" in result:
+        parts.append(render_inputs(result["inputs"]))
     return "\n\n".join(parts)
+
+
+#
+# Inputs as users pass them (issue 48): the same call with `in_shardings` and
+# `out_shardings` on uncommitted JAX arrays, NumPy arrays and committed arrays, on one
+# device (a one-device mesh, the same `in_shardings` as a many-device program) and on
+# every device, against the flat sketch with the same shardings (which hands inputs to
+# `jax.jit` as they came) and `jax.jit` on the flat leaves.
+#
+
+SOURCES = ("uncommitted", "numpy", "committed")
+INPUT_VARIANTS = ("eqxs+shard", "flat+shard", "jit+shard")
+TARGET_INPUTS = 1.1  # eqxs+shard / flat+shard, asynchronous dispatch, every cell
+
+
+def _input_sharding(devices: int):
+    mesh = jax.make_mesh(
+        (devices,),
+        ("data",),
+        axis_types=(jax.sharding.AxisType.Auto,),
+        devices=jax.devices()[:devices],
+    )
+    return jax.NamedSharding(mesh, jax.P())
+
+
+def _source(tree, source: str, s):
+    if source == "committed":
+        return t.place(tree, s)
+    if source == "numpy":
+        return jax.tree.map(lambda x: np.asarray(x) if eqx.is_array(x) else x, tree)
+    return tree  # `make_tree`'s leaves are uncommitted
+
+
+def _input_variants(tree, s):
+    dynamic, static = eqx.partition(tree, eqx.is_array)
+    leaves = jax.tree.leaves(dynamic)
+    treedef = jax.tree.structure(dynamic)
+
+    def on_leaves(*leaves):
+        tree = eqx.combine(jax.tree.unflatten(treedef, leaves), static)
+        return jax.tree.leaves(eqx.filter(t.add_one(tree), eqx.is_array))
+
+    def add_one_eqxs(tree):
+        return t.add_one(tree)
+
+    def add_one_flat(tree):
+        return t.add_one(tree)
+
+    return {
+        "eqxs+shard": (
+            eqxs.filter_jit(add_one_eqxs, in_shardings=s, out_shardings=s),
+            (tree,),
+        ),
+        "flat+shard": (flat_jit(add_one_flat, sharding=s), (tree,)),
+        "jit+shard": (
+            jax.jit(on_leaves, in_shardings=s, out_shardings=s),
+            tuple(leaves),
+        ),
+    }
+
+
+def run_inputs(cfg: dict) -> dict:
+    cells = {}
+    keep_alive = []
+    for devices in cfg.get("devices", (1, len(jax.devices()))):
+        s = _input_sharding(devices)
+        for source in SOURCES:
+            for kind in t.TREES:
+                for n in cfg["ns"]:
+                    tree = _source(t.make_tree(kind, n), source, s)
+                    variants = _input_variants(tree, s)
+                    keep_alive.append(variants)
+                    samplers = {}
+                    for name, (fn, args) in variants.items():
+                        inner = h.calibrate(fn, args, cfg["sample_s"], cfg["max_inner"])
+                        samplers[(name, "async")] = (
+                            lambda fn=fn, args=args, inner=inner: h.sample_async(
+                                fn, args, inner
+                            )
+                        )
+                    cells[(devices, source, kind, n)] = samplers
+    measured = h.interleaved(
+        cells,
+        reps=cfg["reps"],
+        warmup=cfg["warmup"],
+        progress=h.progress_printer(
+            "dispatch inputs", cfg["warmup"] + cfg["reps"], cfg["verbose"]
+        ),
+    )
+    rows = []
+    for (devices, source, kind, n), (medians, samples) in measured.items():
+        ratios = h.paired_ratios(
+            samples,
+            [("eqxs+shard", "async"), ("jit+shard", "async")],
+            ("flat+shard", "async"),
+        )
+        rows.append(
+            {
+                "devices": devices,
+                "source": source,
+                "tree": kind,
+                "n": n,
+                "seconds": {v: medians[(v, "async")] for v in INPUT_VARIANTS},
+                "eqxs_over_flat": ratios[("eqxs+shard", "async")],
+                "jit_over_flat": ratios[("jit+shard", "async")],
+            }
+        )
+    return {"variants": list(INPUT_VARIANTS), "rows": rows}
+
+
+def render_inputs(result: dict) -> str:
+    headers = [
+        "devices",
+        "inputs",
+        "tree",
+        "N",
+        "eqxs+shard",
+        "flat sketch+shard",
+        "jit+shard",
+        f"eqxs+shard/flat sketch+shard (<= {TARGET_INPUTS}x)",
+    ]
+    rows = []
+    met = 0
+    for r in result["rows"]:
+        ratio = r["eqxs_over_flat"]
+        met += ratio is not None and ratio <= TARGET_INPUTS
+        rows.append(
+            [
+                r["devices"],
+                r["source"],
+                r["tree"],
+                r["n"],
+                *(h.fmt(r["seconds"][v]) for v in INPUT_VARIANTS),
+                _marked(ratio, TARGET_INPUTS),
+            ]
+        )
+    text = (
+        "### Dispatch of inputs as users pass them: calling-thread CPU µs per call, "
+        "asynchronous dispatch\n\n"
+        "All three with `in_shardings` and `out_shardings` replicated on the devices "
+        "given; `jax.jit` on the flat leaves moves a one-device uncommitted input at "
+        f"no cost, so it is not a floor there. Target (issue 48): eqxs/flat sketch <= "
+        f"{TARGET_INPUTS}x in every cell ({met}/{len(rows)} cells pass).\n\n"
+    )
+    return text + h.table(headers, rows)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    jax.config.update("jax_num_cpu_devices", 8)
+
+    parser = argparse.ArgumentParser(description="issue 48's dispatch cells")
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--quick", action="store_true")
+    options = parser.parse_args()
+    config = {
+        "ns": (1, 10) if options.quick else (1, 10, 100),
+        "sample_s": 0.002 if options.quick else 0.02,
+        "max_inner": 50 if options.quick else 2000,
+        "reps": 1 if options.quick else options.reps,
+        "warmup": 1,
+        "verbose": True,
+    }
+    print(render_inputs(run_inputs(config)))

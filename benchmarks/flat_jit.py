@@ -16,10 +16,11 @@ is about the least that any filtered jit does per call, so what ours costs above
 the price of its checks and its layering. It has no checks: a deleted or donated input,
 a stale mesh, an unhashable non-array leaf are left to JAX (or fail).
 
-`flat_jit(fun, lock)` launches each call under `lock`: the sketch with the thread safety
-that `equinox_shard.filter_jit` gives a multi-device call on the CPU (its
-`dispatch_lock`, RFC §6), so that the two can be compared at equal safety. Without a
-lock the call path is unchanged.
+`flat_jit(fun, lock, sharding)` gives `jax.jit` one sharding for every array input
+and output (issue 48's peer for `in_shardings`), and launches each call under `lock`:
+the sketch with the thread safety that `equinox_shard.filter_jit` gives a multi-device
+call on the CPU (its `dispatch_lock`, RFC §6), so that the two can be compared at
+equal safety. Without a lock the call path is unchanged.
 """
 
 import dataclasses
@@ -50,7 +51,12 @@ def _mask(leaves) -> tuple:
     return mask
 
 
-def flat_jit(fun, lock=None):
+def flat_jit(fun, lock=None, sharding=None):
+    # `sharding`: one `in_shardings` and `out_shardings` for every array leaf; inputs
+    # go to `jax.jit` as they came (uncommitted and NumPy ones it moves itself).
+    shardings = {} if sharding is None else dict(in_shardings=sharding)
+    if sharding is not None:
+        shardings["out_shardings"] = sharding
     cache = {}
 
     def build(treedef, mask, static):
@@ -64,7 +70,7 @@ def flat_jit(fun, lock=None):
             out_dynamic = [x for x, m in zip(out_leaves, out_mask) if m]
             return out_dynamic, _Out(out_def, out_mask, out_static)
 
-        jitted = jax.jit(flat)
+        jitted = jax.jit(flat, **shardings)
         if lock is None:
             return jitted
         held = lock

@@ -96,6 +96,22 @@ def _targets(results: dict) -> list[dict]:
             }
         )
 
+    if "dispatch" in results and "inputs" in results["dispatch"]:
+        from .dispatch import TARGET_INPUTS
+
+        cells = results["dispatch"]["inputs"]["rows"]
+        if cells and None not in [r["eqxs_over_flat"] for r in cells]:
+            worst = max(cells, key=lambda r: r["eqxs_over_flat"])
+            add(
+                "dispatch of inputs as users pass them eqxs/flat sketch, worst "
+                "(issue 48)",
+                worst["eqxs_over_flat"],
+                TARGET_INPUTS,
+                at_most=True,
+                detail=f"{worst['devices']} devices, {worst['source']} "
+                f"{worst['tree']} N={worst['n']}",
+                values=[r["eqxs_over_flat"] for r in cells],
+            )
     if "dispatch" in results:
         rows = results["dispatch"]["rows"]
         # Issue 23: eqxs, asynchronous dispatch, against the flat sketch and the floor.
@@ -231,6 +247,19 @@ def _targets(results: dict) -> list[dict]:
             at_most=True,
             detail=f"{results['step']['n_params'] / 1e6:.2f}M parameters",
         )
+        feeds = results["step"].get("feeds", {}).get("rows", [])
+        if feeds and None not in [r["eqxs_over_jit"] for r in feeds]:
+            from .step import TARGET_FEEDS
+
+            worst = max(feeds, key=lambda r: r["eqxs_over_jit"])
+            add(
+                "training step fed a fresh batch eqxs/jit, worst (issue 48)",
+                worst["eqxs_over_jit"],
+                TARGET_FEEDS,
+                at_most=True,
+                detail=f"{worst['devices']} devices, {worst['feed']}",
+                values=[r["eqxs_over_jit"] for r in feeds],
+            )
     if "checkpoint" in results:
         for what in ("save", "restore"):
             add(

@@ -104,8 +104,8 @@ def _batches(cfg, count: int):
     return out
 
 
-def _setup(cfg):
-    mesh = t.mesh()
+def _setup(cfg, devices: int | None = None):
+    mesh = t.mesh() if devices is None else _mesh_of(devices)
     replicated = jax.NamedSharding(mesh, jax.P())
     batch = jax.NamedSharding(mesh, jax.P("data"))
     optim = optax.adam(1e-3)
@@ -232,6 +232,7 @@ def run(cfg: dict) -> dict:
         "peak_rss_step_growth_mib": growth,
         "peak_rss_is_per_variant": resettable,
         "final_loss": losses,
+        "feeds": run_feeds(cfg),
     }
 
 
@@ -261,5 +262,84 @@ def render(result: dict) -> str:
         f"(width {m['width']}, depth {m['depth']}, {m['heads']} heads, vocab "
         f"{m['vocab']}), batch {m['batch']}x{m['length']} tokens, data-parallel on "
         f"{result['devices']} devices"
+    )
+    text = title + "\n\n" + h.table(headers, rows)
+    if "feeds" in result:
+        text += "\n\n" + render_feeds(result["feeds"])
+    return text
+
+
+#
+# Fed as users feed it (issue 48): a fresh batch every step, as NumPy arrays or as
+# `jnp.asarray` of them (uncommitted), which `jax.jit` moves onto `in_shardings` itself;
+# on every device and on one (a one-device mesh, the same program).
+#
+
+FEEDS = ("numpy", "jnp.asarray")
+FEED_VARIANTS = ("eqxs", "jit")
+TARGET_FEEDS = 1.05  # eqxs / jit, every layout and feed
+
+
+def _mesh_of(devices: int):
+    return jax.make_mesh(
+        (devices,),
+        ("data",),
+        axis_types=(jax.sharding.AxisType.Auto,),
+        devices=jax.devices()[:devices],
+    )
+
+
+def run_feeds(cfg: dict) -> dict:
+    """`cfg` as `run`'s, its `step` entries merged."""
+    rng = np.random.default_rng(1)
+    shape = (cfg["batch"], cfg["length"] + 1)
+    rows = []
+    for devices in (jax.device_count(), 1):
+        calls, states, _ = _setup(cfg, devices)
+        for feed in FEEDS:
+            times: dict[str, list[float]] = {v: [] for v in FEED_VARIANTS}
+            for r in range(cfg["warmup"] + cfg["reps"]):
+                shift = r % len(FEED_VARIANTS)
+                for v in FEED_VARIANTS[shift:] + FEED_VARIANTS[:shift]:
+                    data = rng.integers(0, cfg["vocab"], size=shape, dtype=np.int32)
+                    start = time.perf_counter()
+                    tokens, targets = data[:, :-1], data[:, 1:]
+                    if feed == "jnp.asarray":
+                        tokens, targets = jnp.asarray(tokens), jnp.asarray(targets)
+                    states[v], loss = calls[v](states[v], tokens, targets)
+                    jax.block_until_ready((states[v], loss))
+                    stop = time.perf_counter()
+                    if r >= cfg["warmup"]:
+                        times[v].append(stop - start)
+            ratio = h.paired_ratios(times, list(FEED_VARIANTS), "jit")
+            rows.append(
+                {
+                    "devices": devices,
+                    "feed": feed,
+                    "seconds_per_step": {
+                        v: statistics.median(times[v]) for v in FEED_VARIANTS
+                    },
+                    "eqxs_over_jit": ratio["eqxs"],
+                }
+            )
+    return {"rows": rows}
+
+
+def render_feeds(result: dict) -> str:
+    headers = ["devices", "batch fed as", "eqxs ms/step", "jit ms/step", "eqxs / jit"]
+    rows = [
+        [
+            r["devices"],
+            r["feed"],
+            f"{r['seconds_per_step']['eqxs'] * 1e3:.2f}",
+            f"{r['seconds_per_step']['jit'] * 1e3:.2f}",
+            h.fmt(r["eqxs_over_jit"], "x")
+            + (" pass" if r["eqxs_over_jit"] <= TARGET_FEEDS else " FAIL"),
+        ]
+        for r in result["rows"]
+    ]
+    title = (
+        "### Training step fed a fresh batch every step (issue 48; target eqxs/jit "
+        f"<= {TARGET_FEEDS}x)"
     )
     return title + "\n\n" + h.table(headers, rows)

@@ -4,6 +4,7 @@ key, and whether a sharding places it in a device's default memory or is one res
 inside a trace (on an abstract mesh)."""
 
 from collections.abc import Callable
+from itertools import compress, repeat
 from typing import Any
 
 import jax
@@ -46,6 +47,11 @@ def is_concrete(x: Any) -> bool:
     """Whether `x` is a concrete `jax.Array` (with buffers, perhaps deleted), not a
     tracer."""
     return isinstance(x, jax.Array) and not is_tracer(x)
+
+
+def is_committed(x: Any) -> bool:
+    """Whether `x` is a concrete `jax.Array` committed to its sharding."""
+    return is_concrete(x) and x.committed  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def is_value(x: Any) -> bool:
@@ -94,20 +100,22 @@ def raise_if_fun_deleted(fun_name: str, dynamic_fun: Any) -> None:
 def deleted_test(leaves: list, get: Callable[[list], tuple]) -> Callable[[list], bool]:
     """A fast `leaves -> bool`: whether any of `get(leaves)` is deleted. For leaves of
     one array type (as in `leaves` now), that type's own `is_deleted`, mapped at C
-    speed."""
+    speed, past the NumPy leaves (never deleted) while they are still NumPy's."""
 
     def slow(leaves):
         return any(map(is_deleted, get(leaves)))
 
-    kinds = set(map(type, get(leaves)))
+    values = get(leaves)
+    numpy = tuple(isinstance(x, NUMPY) for x in values)
+    kinds = {type(x) for x, n in zip(values, numpy) if not n}
     (kind,) = kinds if len(kinds) == 1 else (None,)
-    if not (
+    if kinds and not (
         kind is not None
         and issubclass(kind, jax.Array)
         and not issubclass(kind, jax.core.Tracer)
     ):
         return slow
-    kind_is_deleted = kind.is_deleted
+    kind_is_deleted: Any = kind.is_deleted if kind is not None else None
 
     def fast(leaves):
         try:
@@ -115,4 +123,23 @@ def deleted_test(leaves: list, get: Callable[[list], tuple]) -> Callable[[list],
         except (TypeError, AttributeError):  # a `Compiled` called with other types
             return slow(leaves)
 
-    return fast
+    if not any(numpy):
+        return fast
+    arrays = tuple(not n for n in numpy)
+
+    def past_numpy(leaves):
+        values = get(leaves)
+        try:
+            if kinds and any(map(kind_is_deleted, compress(values, arrays))):
+                return True
+        except (TypeError, AttributeError):
+            return slow(leaves)
+        # Still NumPy where it was (a `Compiled` may be called with other types).
+        if all(map(isinstance, compress(values, numpy), _NUMPY)):
+            return False
+        return slow(leaves)
+
+    return past_numpy
+
+
+_NUMPY = repeat(NUMPY)

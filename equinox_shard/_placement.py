@@ -4,6 +4,7 @@ source, or free one it was not given, the source is copied first or not donated.
 
 import operator
 from collections.abc import Callable
+from itertools import compress, repeat
 from typing import Any
 
 import jax
@@ -19,7 +20,7 @@ from jax.sharding import (
 from . import _multihost
 from ._arrays import (
     in_default_memory,
-    is_concrete,
+    is_committed,
     is_deleted,
     is_key_array,
     is_tracer,
@@ -119,10 +120,6 @@ def _onto_shardings_first(leaves: list, indices: list, targets: list) -> tuple:
     return [indices[k] for k in keep], [targets[k] for k in keep]
 
 
-def _is_committed_array(x: Any) -> bool:
-    return is_concrete(x) and x.committed  # pyright: ignore[reportAttributeAccessIssue]
-
-
 def all_placed(values, expected: tuple) -> bool:
     """Whether every value is a committed `jax.Array` whose sharding equals its target,
     `expected` holding `(True, sharding)` per value (one C-speed pass). `False` means
@@ -134,7 +131,31 @@ def all_placed(values, expected: tuple) -> bool:
         return False
 
 
+def jit_takes(values, expected: tuple) -> int:
+    """Whether `jax.jit` takes every value as it is for its target in `expected`, a
+    `Sharding` in the default memory of devices of this process: `PLACED` where each is
+    a committed `jax.Array` on its target, `MOVES` where some are not committed
+    (uncommitted, NumPy: `jax.jit` moves them itself) and the committed ones are on
+    theirs, `0` where one is not (`jax.jit` refuses it: `place` must look). C-speed:
+    one `committed` lookup per value, and one `sharding` per committed value."""
+    try:
+        committed = list(map(getattr, values, _COMMITTED, _FALSE))
+        held = map(_sharding, compress(values, committed))
+        if not all(map(_eq, held, compress(expected, committed))):
+            return 0
+        return PLACED if all(committed) else MOVES
+    except Exception:  # a tracer: `place` leaves it to the enclosing call
+        return 0
+
+
+# `jit_takes`'s answers (both true).
+PLACED = 1
+MOVES = 2
 _placement = operator.attrgetter("committed", "sharding")
+_sharding = operator.attrgetter("sharding")
+_eq = operator.eq
+_FALSE = repeat(False)
+_COMMITTED = repeat("committed")
 
 
 # The `(shape, sharding)` pairs that `check` passed (it depends on nothing else),
@@ -224,7 +245,7 @@ def place(
             if kind.target is not None:
                 sharding = kind.target(leaf, sharding, lambda i=i: where(i))
             if not isinstance(sharding, Sharding):
-                if flag is not False and _is_committed_array(leaf):
+                if flag is not False and is_committed(leaf):
                     if is_deleted(leaf):
                         raise_if_deleted(
                             leaves, (i,), where, then=", so it cannot be placed"

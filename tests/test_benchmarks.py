@@ -32,6 +32,8 @@ def test_quick_run(tmp_path):
         "### Scaling",
         "### Compilations",
         "### Training step",
+        "### Training step fed a fresh batch every step",
+        "### Dispatch of inputs as users pass them",
         "### filter_shard_map vs jax.shard_map",
         "### Targets",
     ):
@@ -120,7 +122,23 @@ def test_quick_run(tmp_path):
         assert scenario["eqxs+shard"] == 1
         assert set(scenario) == {"eqxs+shard", "jit+shard", "eqx", "eqxs"}
 
+    # Issue 48's cells: every source, tree and N, on one device and on eight.
+    inputs = results["dispatch"]["inputs"]["rows"]
+    assert {(r["devices"], r["source"], r["tree"], r["n"]) for r in inputs} == {
+        (d, s, k, n)
+        for d in (1, 8)
+        for s in ("uncommitted", "numpy", "committed")
+        for k in ("module", "list")
+        for n in ns
+    }
+    assert all(
+        set(r["seconds"]) == {"eqxs+shard", "flat+shard", "jit+shard"} for r in inputs
+    )
     step = results["step"]
+    feeds = step["feeds"]["rows"]
+    assert {(r["devices"], r["feed"]) for r in feeds} == {
+        (d, f) for d in (8, 1) for f in ("numpy", "jnp.asarray")
+    }
     assert set(step["steps_per_second"]) == {"eqxs", "jit", "eqx tutorial"}
     assert set(step["peak_rss_mib"]) == {"eqxs", "jit", "eqx tutorial"}
     assert step["n_params"] > 0

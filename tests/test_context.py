@@ -546,19 +546,6 @@ def _reference(fn, mesh, context, kind, spec, host) -> Any:
     if cell not in _REFERENCE:
         try:
             arrays = _make(kind, host)  # outside the mesh: uncommitted, as ours
-            if fn == "jit_in" and context in ("eager", "lower", "method_eval_shape"):
-                # `filter_jit` commits an uncommitted JAX array to its `in_shardings`
-                # before the call (its docstring), so that `x = f(x)` compiles once;
-                # on Explicit axes that is also the type the function is traced with.
-                shardings = _resolved(spec, mesh)
-                arrays = {
-                    k: jax.device_put(v, shardings[k])
-                    if isinstance(v, jax.Array)
-                    and not v.committed
-                    and shardings[k] is not None
-                    else v
-                    for k, v in arrays.items()
-                }
             with _mesh_context(mesh):
                 op = _plain_op(fn, spec, mesh, context)
                 _REFERENCE[cell] = ("ok", _summary(_run(context, op, arrays, True)))

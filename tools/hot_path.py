@@ -1,7 +1,8 @@
 """Counts the Python work of one cache-hit call of `equinox_shard.filter_jit`: the
 Python function calls and bytecodes executed per call, with `sys.settrace`, for a
-plain entry, a donating one, one with `in_shardings` (issue 32) and one whose body
-has a callback (`eqx.error_if`, issue 41); and of one `filter_device_put` by layout
+plain entry, a donating one, one with `in_shardings` (issue 32; its inputs placed,
+uncommitted, and a NumPy batch: issue 48) and one whose body has a callback
+(`eqx.error_if`, issue 41); and of one `filter_device_put` by layout
 (replicated, split) and source (uncommitted, placed). Python 3.11: on 3.12 `settrace`
 reports no opcodes for some frames. `tests/test_counts.py` pins these counts.
 
@@ -27,6 +28,7 @@ import equinox as eqx  # noqa: E402
 import equinox_shard as eqxs  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 
 _JAX = tuple(os.path.dirname(str(m.__file__)) + os.sep for m in (jax, jax.lib))
@@ -114,6 +116,11 @@ def _cases():
     sharded = eqxs.filter_jit(loss, in_shardings=(replicated, batch))
     placed = (eqxs.filter_device_put(model, replicated), jax.device_put(x, batch))
     yield "in_shardings", sharded, lambda: placed
+    # As users pass them (issue 48): a model never placed with a fresh batch, and a
+    # placed model with a NumPy batch; `jax.jit` moves both itself.
+    yield "in_shardings uncommitted", sharded, lambda: (model, jnp.ones((16, 4)))
+    host = np.ones((16, 4), np.float32)
+    yield "in_shardings numpy", sharded, lambda: (placed[0], host.copy())
 
     def checked(model, x):
         out, model = loss(model, x)

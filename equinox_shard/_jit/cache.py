@@ -19,7 +19,12 @@ from equinox import Module
 from jax.sharding import Sharding
 from jax.tree_util import PyTreeDef
 
-from .._arrays import deleted_test, raise_if_deleted, raise_if_fun_deleted
+from .._arrays import (
+    deleted_test,
+    is_tracer,
+    raise_if_deleted,
+    raise_if_fun_deleted,
+)
 from .._spec.language import (
     check,
     context_mesh,
@@ -131,6 +136,7 @@ class Cache:
         self.fun_source = fn_source(fun)
         self.structures: dict = {}
         self.entries: dict = {}
+        self.packings: dict = {}
         # The calls that made entries, under `jax_explain_cache_misses`
         # (`explain_misses`).
         self.seen: list = []
@@ -141,6 +147,7 @@ class Cache:
         with self.lock:
             self.structures = {}
             self.entries = {}
+            self.packings = {}
             self.seen = []
 
 
@@ -242,8 +249,13 @@ class ArgStructure:
         self.dynamic = tuple(i for i, m in enumerate(mask) if m)
         self.static = tuple(i for i, m in enumerate(mask) if not m)
         self.static_of = getter(self.static)
-        # How the traced leaves go to `jax.jit`.
-        self.packing = Packing(args, kwargs, mask)
+        # How the traced leaves go to `jax.jit`: one `Packing` per traced leaves, as
+        # the entries, so that any of these structures packs for any of their entries.
+        packing = cache.packings.get((treedef, mask))
+        if packing is None:
+            packing = Packing(args, kwargs, mask)
+            cache.packings[(treedef, mask)] = packing
+        self.packing = packing
         self.donated = cache.donation.leaves(args, self.dynamic)
         self.specs = _in_specs(cache, args, kwargs, leaves, dynamic)
         # What resolving the specs depends on: the leaves that rules see (every
@@ -261,6 +273,8 @@ class ArgStructure:
             else self.entry_key
         )
         self.deleted = deleted_test(leaves, getter(self.dynamic))
+        # Tracers (inside an outer trace): `jax.jit` is called, not an executable.
+        self.traced = any(is_tracer(leaves[i]) for i in self.dynamic)
         # Shared by every argument structure with the same traced leaves (NumPy, JAX,
         # tracers): a `StructureKey` field that changes the program must join this key.
         self.entries = cache.entries.setdefault((treedef, mask), {})

@@ -3,29 +3,35 @@
 the function that `traced_body` builds), what each call's inputs go through before it
 (`prepare`), and the layers of its dispatch.
 
-`in_shardings` is the request to place: an input that is not yet there (uncommitted, or
-committed elsewhere) is moved first, so that `jax.jit` always sees inputs on their
-shardings, `x = f(x)` compiles once, and a committed input is moved where plain
-`jax.jit` would refuse (the same devices, another sharding). A move of an input that
-is not donated may share the caller's buffers, which are never donated. A donated input
-that moves is freed where `jax.jit` frees it: when the move hands back all of its
-buffers (onto its own device, or replicated over devices that include its own),
-donating the moved array deletes the caller's; otherwise it moves a private copy."""
+`in_shardings` goes to `jax.jit`, which moves uncommitted and NumPy inputs onto it
+itself, in its C++ path (RFC §6): those are handed over as they are. We move only what
+`jax.jit` refuses: a committed input on another sharding (and, where `jax.jit` cannot
+move them, inputs for a layout, another memory, or devices of other processes). A move
+of an input that is not donated may share the caller's buffers, which are never
+donated. A donated input that moves is freed where `jax.jit` frees it: when the move
+hands back all of its buffers (onto its own device, or replicated over devices that
+include its own), donating the moved array deletes the caller's; otherwise it moves a
+private copy. On Auto axes, calls that hand `jax.jit` uncommitted inputs run the
+executable of the committed types (`Typed`), so both kinds compile once."""
 
 import functools as ft
+from typing import Any
 
 import jax
 import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
+from jax.sharding import AxisType, NamedSharding, Sharding
 
 from .._arrays import (
+    in_default_memory,
+    is_committed,
     is_concrete,
     is_tracer,
     is_value,
     on_abstract_mesh,
     raise_if_deleted,
 )
-from .._placement import all_placed, place
+from .._placement import all_placed, jit_takes, MOVES, place
 from .._spec.kinds import is_auto, kind_of, sharding_of
 from .._spec.language import (
     check,
@@ -56,9 +62,13 @@ class Entry:
         "targets",
         "get_targets",
         "placed",  # `(True, sharding)` per target: committed there
+        "shardings",  # the `Sharding` per target
+        "hands_over",  # whether `jax.jit` moves uncommitted and NumPy inputs itself
         "donates",
         "keep",  # `donation.Donation.keeper`'s, where the entry donates
         "lean",  # nothing placed, nothing donated: `prepare` only packs
+        "typed",  # a `Typed` where calls with uncommitted inputs run it, else `None`
+        "places_values",  # whether uncommitted and NumPy inputs are ours to place
         "jitted",
         "launch",
         "layers",
@@ -91,6 +101,7 @@ def build_entry(
                 f"{where(i)}: `in_shardings` cannot hold a {kind.name} "
                 f"({sharding}): {kind.jit_in_hint}."
             )
+    _one_device_set(targets, where)
     auto = _auto_layouts(targets, leaves, where)
     # `jax.jit` is given the spec leaves (a `Format`'s layout is its own); inputs are
     # placed on their shardings.
@@ -100,8 +111,19 @@ def build_entry(
     entry.structure = structure
     entry.static = structure.static_of(leaves)
     entry.targets = targets
-    entry.get_targets = getter(tuple(i for i, _ in targets))
-    entry.placed = tuple((True, s) for _, s in targets)
+    # Last first: a batch, uncommitted or NumPy, is usually the last argument, where
+    # `all_placed` then stops at once for `jit_takes`.
+    entry.get_targets = getter(tuple(i for i, _ in reversed(targets)))
+    # `jax.jit` moves an uncommitted or NumPy input onto a sharding of this process in
+    # the default memory itself (no layout: a `Format` is ours to place).
+    entry.hands_over = all(
+        isinstance(f, Sharding)
+        and in_default_memory(f)
+        and (on_abstract_mesh(f) or f.is_fully_addressable)  # abstract: in a trace
+        for _, f in formats
+    )
+    entry.shardings = tuple(s for _, s in reversed(targets))
+    entry.placed = tuple((True, s) for s in entry.shardings)
     donation = cache.donation
     n_args = len(args)
     entry.donates = donation.donates(structure.donated, dynamic_fun, n_args)
@@ -111,18 +133,49 @@ def build_entry(
             structure.donated, structure.dynamic, n_args, cache.fun_name
         )
     entry.lean = not entry.donates and not targets
+    entry.typed = None
+    entry.places_values = False
     jitted = entry.jitted = _jit(static_fun, cache, structure, args, leaves, formats)
-    leaves, dynamic = prepare(
+    given = leaves
+    leaves, dynamic, _ = prepare(
         dynamic_fun, cache, entry, structure, args, kwargs, leaves
     )
     guards = None
+    typed = None
+    moved = False  # whether this call hands `jax.jit` inputs that `typed` types
     if not jax.config.jax_disable_jit:  # pyright: ignore
+        casts = _auto_casts(structure, targets) if entry.hands_over else []
+        if casts and auto is None:
+            typed = Typed(entry, casts, donation)
+        # Traced for the types of committed inputs, which those `typed` runs take.
+        at, moved = dynamic, False
+        if typed is not None and not structure.traced:
+            at, moved = typed.types(dynamic)
         with donation.tracing():
             if isinstance(jitted, ResolveRules):
-                jitted = entry.jitted = jitted.trace(*dynamic)
-            traced = jitted.trace(*dynamic)
+                jitted = entry.jitted = jitted.trace(*at)
+            traced = jitted.trace(*at)
             if callbacks.has_callback(traced.jaxpr.jaxpr):
                 guards = callbacks.Guards(jitted, donation.argnums(n_args))
+                if typed is not None:
+                    # The guarded program, a `jax.jit` of its own, is traced for the
+                    # inputs it is given: they are placed, as the entry was traced
+                    # for committed types (once, as before issue 48).
+                    typed = None
+                    entry.hands_over = False
+                    entry.places_values = True
+                    if moved:
+                        leaves, dynamic, _ = prepare(
+                            dynamic_fun,
+                            cache,
+                            entry,
+                            structure,
+                            args,
+                            kwargs,
+                            given,
+                        )
+                        moved = False
+    entry.typed = typed
     if auto is not None:
         entry.jitted = AutoLayouts(entry.jitted, auto)
     shardings = [s for _, s in targets]
@@ -138,7 +191,82 @@ def build_entry(
     if launch.serialize_dispatch(shardings):
         entry.layers = (launch.paced, *entry.layers)
     entry.dispatch = launch.stack(entry.launch, entry.layers)
-    return entry, leaves, dynamic
+    return entry, leaves, dynamic, typed if moved else entry.jitted
+
+
+def _auto_casts(structure: ArgStructure, targets) -> list[tuple[int, Any]]:
+    """`(k, sharding)` for each traced leaf `k` (in `structure.dynamic`'s order)
+    whose target is a `NamedSharding` on a mesh of Auto axes only: there a committed
+    input's type holds the mesh and an uncommitted or NumPy one's does not, so
+    `jax.jit` traces and compiles the two apart, though they are one program."""
+    position = {i: k for k, i in enumerate(structure.dynamic)}
+    casts = []
+    for i, sharding in targets:
+        if (
+            isinstance(sharding, NamedSharding)
+            and not sharding.mesh.empty
+            and all(t == AxisType.Auto for t in sharding.mesh.axis_types)
+            and i in position
+        ):
+            casts.append((position[i], sharding))
+    return casts
+
+
+class Typed:
+    """The run of an entry's calls that hand `jax.jit` uncommitted or NumPy inputs for
+    targets on Auto axes (`_auto_casts`): the entry's executable for the types those
+    inputs have once committed, called with them as they are, which moves them in its
+    C++ path as `jax.jit` would. So `x = f(x)` from an uncommitted `x`, and fresh
+    uncommitted or NumPy inputs every call, trace and compile once, where `jax.jit`
+    alone traces and compiles each kind apart (RFC §6). Another shape or dtype lowers
+    again, which JAX's caches answer without compiling where it was seen before."""
+
+    __slots__ = ("entry", "casts", "donation", "compiled")
+
+    def __init__(self, entry: Entry, casts: list, donation):
+        self.entry = entry
+        self.casts = casts
+        self.donation = donation
+        self.compiled: Any = None
+
+    def types(self, dynamic: tuple) -> tuple[tuple, bool]:
+        """`dynamic` with each uncommitted or NumPy leaf of `casts` replaced by the
+        `jax.ShapeDtypeStruct` of its committed type, and whether any was."""
+        packing = self.entry.structure.packing
+        fun, kwargs, *args = dynamic
+        leaves = packing.unpack(kwargs, args)
+        moved = False
+        for k, sharding in self.casts:
+            x = leaves[k]
+            if is_value(x) and not is_committed(x):
+                weak = bool(getattr(x, "weak_type", False))
+                leaves[k] = jax.ShapeDtypeStruct(
+                    x.shape, x.dtype, sharding=sharding, weak_type=weak
+                )
+                moved = True
+        args, kwargs = packing.structure.unflatten(leaves)
+        return (fun, kwargs, *args), moved
+
+    def __call__(self, *dynamic):
+        compiled = self.compiled
+        if jax.config.jax_disable_jit:  # pyright: ignore
+            # The function runs as it is (`jax.jit` runs it); no executable is called.
+            return self.entry.jitted(*dynamic)
+        if compiled is not None:
+            try:
+                return compiled(*dynamic)
+            except TypeError as e:  # raised before it runs
+                if any(map(is_tracer, jtu.tree_leaves(dynamic))):
+                    # The function's own arrays, inside an outer trace.
+                    return self.entry.jitted(*dynamic)
+                if "Argument types differ" not in str(e):  # other shapes or dtypes
+                    raise
+        elif any(map(is_tracer, jtu.tree_leaves(dynamic))):
+            return self.entry.jitted(*dynamic)
+        at, _ = self.types(dynamic)
+        with self.donation.tracing():
+            compiled = self.compiled = self.entry.jitted.lower(*at).compile()
+        return compiled(*dynamic)
 
 
 #
@@ -147,22 +275,26 @@ def build_entry(
 
 
 def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple:
-    """Checks and placements before execution: returns the leaves as placed and the
-    dynamic trees to call. `structure` is the one of this call's leaf types, which
-    tests for deleted inputs: an entry is shared by structures that differ in them
-    (arrays, tracers, NumPy); its own packs the leaves as its function unpacks them."""
+    """Checks and placements before execution: returns the leaves as placed, the
+    dynamic trees to call, and what to call them with (the entry's `jax.jit`, or its
+    `Typed` where `jax.jit` moves some inputs). `structure` is the one of this call's
+    leaf types, which tests for deleted inputs and tracers: an entry is shared by
+    structures that differ in them (arrays, tracers, NumPy), which share its packing
+    (`cache.ArgStructure`)."""
     # XLA crashes on a deleted multi-device input, donated or not.
     if structure.deleted(leaves):
         raise_if_deleted(leaves, structure.dynamic, _where(cache, args, kwargs))
-    structure = entry.structure
     placed = leaves
     if entry.donates:
         placed = entry.keep(leaves, dynamic_fun, _where(cache, args, kwargs))
-    if entry.targets and not all_placed(entry.get_targets(placed), entry.placed):
+    ready = all_placed(entry.get_targets(placed), entry.placed) if entry.targets else 1
+    if not ready and entry.hands_over:
+        ready = jit_takes(entry.get_targets(placed), entry.shardings)
+    if not ready:
         placed = list(placed)
         where = _where(cache, args, kwargs)
         try:
-            _place_inputs(placed, entry.targets, where, cache, structure)
+            _place_inputs(placed, entry, where, cache, structure)
         except Exception:
             # The entry was checked for the shapes of the call that made it.
             diagnose(cache, args, kwargs, placed, structure.dynamic, entry.targets)
@@ -170,7 +302,11 @@ def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple
     packing = structure.packing
     if packing.trivial and placed is not leaves:
         args, kwargs = structure.treedef.unflatten(placed)
-    return placed, packing.arguments(dynamic_fun, args, kwargs, placed)
+    dynamic = packing.arguments(dynamic_fun, args, kwargs, placed)
+    # Inside an outer trace (tracers) there is no executable to call.
+    if ready == MOVES and entry.typed is not None and not structure.traced:
+        return placed, dynamic, entry.typed
+    return placed, dynamic, entry.jitted
 
 
 def _where(cache, args, kwargs):
@@ -178,18 +314,44 @@ def _where(cache, args, kwargs):
 
 
 def _place_inputs(
-    leaves: list, targets: list, where, cache: Cache, structure: ArgStructure
+    leaves: list, entry: Entry, where, cache: Cache, structure: ArgStructure
 ) -> None:
-    """`place`s the inputs that are values (not tracers: inside a trace, on the
-    abstract mesh, the enclosing call places; NumPy only across processes, else
-    `jax.jit` transfers it, as it would without us), sharing the caller's buffers
-    where the decoration's donation allows (`donation.Donation.may_alias`)."""
-    targets = [(i, s) for i, s in targets if not on_abstract_mesh(s)]
+    """`place`s the inputs that `jax.jit` would refuse: committed arrays on another
+    sharding where it `hands_over` (it moves uncommitted and NumPy inputs itself,
+    in its C++ path), else every value (not tracers: inside a trace, on the abstract
+    mesh, the enclosing call places; NumPy only across processes). A move shares the
+    caller's buffers where the decoration's donation allows
+    (`donation.Donation.may_alias`)."""
+    targets = [(i, s) for i, s in entry.targets if not on_abstract_mesh(s)]
     multiprocess = any(not s.is_fully_addressable for _, s in targets)
-    value = is_value if multiprocess else is_concrete
+    if entry.hands_over:
+        value = is_committed
+    else:
+        value = is_value if multiprocess or entry.places_values else is_concrete
     todo = [(i, s) for i, s in targets if value(leaves[i])]
     may_alias = cache.donation.may_alias(leaves, todo, structure.donated)
     place(leaves, todo, where, may_alias=may_alias)
+
+
+def _one_device_set(targets, where) -> None:
+    """Raises, naming two leaves, if `in_shardings` puts them on different sets of
+    devices, which one `jax.jit` call refuses: by their names only where the inputs
+    are committed, and it moves uncommitted ones itself."""
+    first = None
+    for i, target in targets:
+        sharding = sharding_of(target)
+        if sharding is None or on_abstract_mesh(sharding):
+            continue
+        devices = sharding.device_set
+        if first is None:
+            first = (i, devices)
+        elif devices != first[1]:
+            ids = lambda d: sorted(x.id for x in d)
+            raise ValueError(
+                f"{where(first[0])} and {where(i)}: `in_shardings` places them on "
+                f"different devices ({ids(first[1])} and {ids(devices)}), but the "
+                "inputs of one call must share one set of devices."
+            )
 
 
 def _auto_layouts(targets, leaves, where) -> str | None:

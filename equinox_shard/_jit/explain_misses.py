@@ -205,7 +205,7 @@ def build(cache, structure, args, kwargs, leaves, make: Callable[[], tuple]) -> 
     with _never_failing():
         new = _describe(cache, structure, leaves)
         _report(cache, new, cache.seen, "a new jax.jit", _key_diff)
-    entry, leaves, trees = make()
+    entry, leaves, trees, run = make()
     with contextlib.suppress(Exception):  # then "not explained" was said
         cache.seen.append(_describe(cache, entry.structure, leaves, entry))
 
@@ -223,7 +223,7 @@ def build(cache, structure, args, kwargs, leaves, make: Callable[[], tuple]) -> 
         return watched
 
     entry.dispatch = stack(entry.launch, (*entry.layers, watched))
-    return entry, leaves, trees
+    return entry, leaves, trees, run
 
 
 def _heard(event: str, duration_secs: float, fun_name: Any = None, **_) -> None:

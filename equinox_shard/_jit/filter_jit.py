@@ -60,7 +60,7 @@ def _call(wrapper, args, kwargs, compiled=None):
         structure = entry.structure
         _check_compiled(entry, treedef, leaves)
     if entry is None:
-        entry, structure, leaves, dynamic = _compile(
+        entry, structure, leaves, dynamic, run = _compile(
             wrapper,
             cache,
             args,
@@ -73,11 +73,13 @@ def _call(wrapper, args, kwargs, compiled=None):
         dynamic = structure.packing.arguments(  # pyright: ignore[reportOptionalMemberAccess]
             fields["_dynamic_fun"], args, kwargs, leaves
         )
+        run = entry.jitted
     else:
-        leaves, dynamic = prepare(
+        leaves, dynamic, run = prepare(
             fields["_dynamic_fun"], cache, entry, structure, args, kwargs, leaves
         )
-    run = entry.jitted if compiled is None else compiled.compiled
+    if compiled is not None:
+        run = compiled.compiled
     dispatch = entry.dispatch
     try:
         if dispatch is None:  # no layer: the launch alone
@@ -131,11 +133,15 @@ def _compile(wrapper, cache, args, kwargs, leaves, structure_key: tuple):
             structure = ArgStructure(cache, args, kwargs, leaves, structure_key)
         key = structure.key(leaves)
         entry = structure.entries.get(key)
-        if entry is not None:  # made by another thread meanwhile
-            leaves, trees = prepare(
+        if entry is not None:
+            # Made by another thread meanwhile, or for other leaf types (JAX arrays
+            # where these are NumPy): this structure is kept, so the next call hits.
+            if not jax.config.jax_disable_jit:  # pyright: ignore
+                cache.structures[structure_key] = structure
+            leaves, trees, run = prepare(
                 wrapper._dynamic_fun, cache, entry, structure, args, kwargs, leaves
             )
-            return entry, structure, leaves, trees
+            return entry, structure, leaves, trees, run
         make = lambda: build_entry(
             wrapper._dynamic_fun,
             wrapper._static_fun,
@@ -148,15 +154,15 @@ def _compile(wrapper, cache, args, kwargs, leaves, structure_key: tuple):
         config = jax.config
         if config.jax_explain_cache_misses and not config.jax_disable_jit:  # pyright: ignore
             # JAX's own flag: say why, in the caller's names (`explain_misses`).
-            entry, leaves, trees = explain_misses.build(
+            entry, leaves, trees, run = explain_misses.build(
                 cache, structure, args, kwargs, leaves, make
             )
         else:
-            entry, leaves, trees = make()
+            entry, leaves, trees, run = make()
         if not jax.config.jax_disable_jit:  # pyright: ignore
             structure.entries[key] = entry
             cache.structures[structure_key] = structure
-    return entry, structure, leaves, trees
+    return entry, structure, leaves, trees, run
 
 
 #
@@ -273,7 +279,7 @@ class _JitWrapper(Module):
         args, kwargs = _bind(cache, args, kwargs)
         leaves, treedef = jtu.tree_flatten((args, kwargs))
         key = StructureKey(treedef, tuple(map(type, leaves)), is_array_or_struct)
-        entry, _, leaves, dynamic = _compile(self, cache, args, kwargs, leaves, key)
+        entry, _, leaves, dynamic, _ = _compile(self, cache, args, kwargs, leaves, key)
         try:
             return entry, stage(entry.jitted, dynamic)
         except Exception:
@@ -359,11 +365,12 @@ def filter_jit(
         the compiler), a callable `leaf -> spec` or an
         [`equinox_shard.PathRules`][]; `None`, and any argument not covered, is
         unspecified. A `jax.memory.Space` is refused here (`jax.jit` takes none for
-        an input): give a sharding with a memory kind. An array not yet on its
-        sharding is moved there first, as a copy that leaves the caller's array
-        alive, unless it is donated: then it is freed wherever `jax.jit` would free
-        it (a move onto its own device, or a replication over devices that include
-        its own).
+        an input): give a sharding with a memory kind. Uncommitted and NumPy arrays
+        go to `jax.jit` as they are, which moves them; a committed array on another
+        sharding (which `jax.jit` refuses) is moved first, as a copy that leaves the
+        caller's array alive, unless it is donated: then it is freed wherever
+        `jax.jit` would free it (a move onto its own device, or a replication over
+        devices that include its own).
     - `out_shardings`: a PyTree prefix of the output, in the same language, given to
         `jax.jit`'s own `out_shardings`; a `jax.memory.Space` is taken here too, and
         applied inside the function. Non-array outputs are returned untouched.
