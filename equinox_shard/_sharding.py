@@ -11,9 +11,7 @@ import jax.lax as lax
 import jax.tree_util as jtu
 from jax.sharding import (
     AxisType,
-    Mesh,
     NamedSharding,
-    PartitionSpec,
     Sharding,
 )
 from jaxtyping import PyTree
@@ -84,22 +82,6 @@ def _in_host_memory(x: Any) -> bool:
     return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
 
 
-def _onto_mesh(leaf: Any, sharding: Any) -> Any:
-    """`leaf` put on the concrete mesh of `sharding`, replicated, if its type is on no
-    mesh: inside `jit`, `reshard` learns the mesh's devices only from an input on it
-    or from `jax.set_mesh`, and `jax.device_put` tells it. Replicated: such a leaf is
-    not split, and `device_put` would apply a spec to a `vmap`'s batched array."""
-    current = getattr(jax.typeof(leaf), "sharding", None)
-    if (
-        isinstance(sharding, NamedSharding)
-        and isinstance(sharding.mesh, Mesh)
-        and current is not None
-        and current.mesh.empty
-    ):
-        return jax.device_put(leaf, NamedSharding(sharding.mesh, PartitionSpec()))
-    return leaf
-
-
 def constrain_leaves(
     value: Any, leaves: list, todo: list[tuple[int, Any]], value_name: str
 ) -> None:
@@ -134,7 +116,6 @@ def constrain_leaves(
         inputs = [leaves[i] for i in indices]
         targets = list(map(for_jax, targets))
         if function == "reshard":
-            inputs = list(map(_onto_mesh, inputs, targets))
             out = jax.sharding.reshard(inputs, targets)
         else:
             out = lax.with_sharding_constraint(inputs, targets)
@@ -296,10 +277,8 @@ def filter_shard(x: PyTree[Any], device_or_shardings: Any) -> PyTree[Any]:
         `jax.eval_shape`, ...), per array leaf:
         `jax.lax.with_sharding_constraint` when the spec uses Auto mesh axes, or
         `jax.sharding.reshard` when it uses Explicit mesh axes (the default of
-        `jax.make_mesh`; an array on no mesh yet is first put on the mesh by
-        `jax.device_put`, so that no `jax.set_mesh` is needed); then, if the
-        sharding has a non-default memory kind such as `"pinned_host"` (which those
-        two ignore), also `jax.device_put`. This also
+        `jax.make_mesh`); then, if the sharding has a non-default memory kind such as
+        `"pinned_host"` (which those two ignore), also `jax.device_put`. This also
         applies to array leaves that are not tracers, such as constants closed over
         by a jitted function. Under `jax.disable_jit()` those are placed instead.
 
