@@ -12,6 +12,7 @@ import jax
 
 
 jax.config.update("jax_num_cpu_devices", 8)
+import jax.core  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import jax.random as jr  # noqa: E402
 import jax.sharding as jshard  # noqa: E402
