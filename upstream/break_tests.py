@@ -1,9 +1,9 @@
 """0001's tests against wrong implementations: each variant below breaks
 `equinox/_sharding.py` of a 0001 checkout in one way; `tests/test_sharding.py` should
-fail on it. For each variant, `repro_0001.py` also gives the largest eager
-"peak/final" (more than 1: an array copied onto more devices on the way, e.g. gathered
-before being split again, which tests of the result cannot see) and how many of its
-cases raise or come out wrong.
+fail on it, or `repro_0001.py` show it. For each variant, `repro_0001.py` gives the
+largest eager "peak/final" (more than 1: an array copied onto more devices on the way,
+e.g. gathered before being split again, which tests of the result cannot see), how
+many of its cases raise or come out wrong, and its `vmap` and `grad` rows.
 
     python upstream/break_tests.py /path/to/equinox   # a git checkout with 0001 applied
 """
@@ -16,47 +16,35 @@ import sys
 import tempfile
 
 
-DEVICE_PUT = "    x = jax.device_put(x, sharding, may_alias=False)\n"
-COND = (
-    "    if _UNCONSTRAINED in names or "
-    "(_AxisType.Auto in types and not names & explicit):\n"
-)
+EAGER = "        return jax.device_put(x, sharding, may_alias=False)\n"
+ONTO = "            x, jshard.NamedSharding(sharding.mesh, jshard.PartitionSpec())\n"
+RESHARD = "    return jshard.reshard(x, sharding)\n"
+NAMES = "        and any(p not in (None, _UNCONSTRAINED) for p in sharding.spec)\n"
 VARIANTS = {
-    # B1: `reshard` (0001 before this revision) needs `jax.set_mesh` inside JIT when
-    # no input is on the mesh yet.
-    "reshard instead of device_put": (
-        DEVICE_PUT,
-        "    x = jshard.reshard(x, sharding)\n",
-    ),
-    # The gather: the `Explicit` dimensions given as `None`, not unconstrained.
-    "None for the Explicit dimensions": (
-        "_UNCONSTRAINED if p and",
-        "None if p and",
-    ),
-    # 0001 before this revision: the array first replicated over the spec's axes.
-    "with_sharding_constraint to no axis before device_put": (
-        DEVICE_PUT,
-        "    none = jshard.PartitionSpec(*[None] * len(sharding.spec))\n"
-        "    x = lax.with_sharding_constraint(\n"
-        "        x, jshard.NamedSharding(sharding.mesh, none)\n"
-        "    )\n" + DEVICE_PUT,
-    ),
-    "no with_sharding_constraint after device_put on mixed meshes": (
-        "    if _AxisType.Auto not in types:\n        return x\n",
-        "    return x\n",
+    # B1: inside JIT `reshard` needs `jax.set_mesh` when no input is on the mesh yet.
+    "no device_put onto the mesh before reshard": (
+        "    if jax.typeof(x).sharding.mesh.empty:\n",
+        "    if False:\n",
     ),
     # Under `vmap` `device_put` puts a spec on the batch dimension first.
-    "device_put also for specs naming no Explicit axis on mixed meshes": (
-        COND,
-        "    if _UNCONSTRAINED in names:\n",
+    "device_put instead of reshard inside a trace": (
+        RESHARD,
+        "    return jax.device_put(x, sharding)\n",
     ),
-    "UNCONSTRAINED not sent to with_sharding_constraint": (
-        COND,
-        "    if _AxisType.Auto in types and not names & explicit:\n",
+    "onto the mesh split, not replicated": (ONTO, "            x, sharding\n"),
+    # The gather: eagerly too, the array replicated onto the mesh before `reshard`.
+    "eager arrays through the traced path": (
+        "    if not isinstance(x, jax.core.Tracer):\n",
+        "    if False:\n",
     ),
-    "Explicit axes not applied": (DEVICE_PUT, ""),
+    # `P()` too (v0.13.8 differentiated it inside JIT; `reshard` needs `set_mesh`).
+    "specs naming no axis through the new path": (NAMES, ""),
+    "Explicit axes not applied": (
+        "        return jtu.tree_map(lambda y: _put(y, sharding), x)\n",
+        "        return x\n",
+    ),
     # Eagerly `device_put` returns an array already in place as it is.
-    "no copy": (DEVICE_PUT, DEVICE_PUT.replace(", may_alias=False", "")),
+    "no copy": (EAGER, EAGER.replace(", may_alias=False", "")),
     "non-arrays not filtered out": (
         "    dynamic, static = partition(x, is_array)",
         "    dynamic, static = x, jtu.tree_map(lambda _: None, x)",
@@ -113,10 +101,13 @@ def main():
             rows = [r for r in rows.splitlines() if " to " in r]
             peaks = [float(p) for p in re.findall(r"peak/final (\d+)", "\n".join(rows))]
             bad = sum(("WRONG" in r or "Error" in r) for r in rows)
+            extra = [r for r in rows if "vmap" in r or "grad" in r]
             print(
                 f"   repro_0001: largest eager peak/final {max(peaks, default=0):.0f}; "
                 f"{bad} of {len(rows)} cases raise or come out wrong"
             )
+            for r in extra:
+                print("  ", r[:150])
 
 
 if __name__ == "__main__":

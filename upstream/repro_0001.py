@@ -2,7 +2,8 @@
 against the Equinox found on `PYTHONPATH` (8 CPU devices): each case's result, eager
 and inside `eqx.filter_jit`, and eagerly how many bytes the largest intermediate
 result held against the final one ("peak/final" > 1: the array was copied onto more
-devices on the way, e.g. gathered before being split again).
+devices on the way, e.g. gathered before being split again); then under `jax.vmap`
+(the spec applies to each example on `Auto` axes) and under `eqx.filter_grad`.
 
     PYTHONPATH=/path/to/equinox/tree python upstream/repro_0001.py
 """
@@ -11,6 +12,7 @@ import jax
 
 
 jax.config.update("jax_num_cpu_devices", 8)
+import jax.core  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import jax.random as jr  # noqa: E402
 import jax.sharding as jshard  # noqa: E402
@@ -93,3 +95,26 @@ for mesh, source, spec, value in cases:
             row += f" peak/final {max(held) / final:.0f}"
         row += ";"
     print(row)
+
+
+# Under `vmap`, eagerly and inside JIT: on `Auto` axes the spec applies to each example.
+auto = jax.make_mesh((2, 4), ("x", "y"), axis_types=(A, A))
+for mesh in (auto, explicit):
+    kinds = "".join(t.name[0] for t in mesh.axis_types)
+    f = jax.vmap(lambda r, m=mesh: eqx.filter_shard(r, NamedSharding(m, P("y"))))
+    row = f"{kinds} vmap over (3, 8) to P('y',):"
+    for name, g in (("eager", f), ("jit", eqx.filter_jit(f))):
+        try:
+            row += f" {name} {g(jnp.zeros((3, 8))).sharding.spec};"
+        except Exception as e:
+            row += f" {name} {type(e).__name__}: {str(e).splitlines()[0][:60]};"
+    print(row)
+# Differentiated inside JIT (JAX asks for `jax.set_mesh` where an `Explicit` axis is
+# named; `P()` worked at v0.13.8).
+for spec in (P(), P("x")):
+    loss = lambda a, s=spec: eqx.filter_shard(a, NamedSharding(explicit, s)).sum()
+    try:
+        out = eqx.filter_jit(eqx.filter_grad(loss))(x).sharding.spec
+    except Exception as e:
+        out = f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
+    print(f"EE grad of x to {spec} inside jit: {out}")
