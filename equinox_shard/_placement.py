@@ -139,6 +139,10 @@ def jit_takes(values, expected: tuple) -> int:
     theirs, `0` where one is not (`jax.jit` refuses it: `place` must look). C-speed:
     one `committed` lookup per value, and one `sharding` per committed value."""
     try:
+        # A weak-typed input is placed by `place`: an executable of a strong type runs
+        # a weak one without complaint (and the other way round), with other dtypes.
+        if any(map(getattr, values, _WEAK, _FALSE)):
+            return 0
         committed = list(map(getattr, values, _COMMITTED, _FALSE))
         held = map(_sharding, compress(values, committed))
         if not all(map(_eq, held, compress(expected, committed))):
@@ -156,6 +160,7 @@ _sharding = operator.attrgetter("sharding")
 _eq = operator.eq
 _FALSE = repeat(False)
 _COMMITTED = repeat("committed")
+_WEAK = repeat("weak_type")
 
 
 # The `(shape, sharding)` pairs that `check` passed (it depends on nothing else),

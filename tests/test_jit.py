@@ -1094,3 +1094,21 @@ def test_uncommitted_inputs_of_other_shapes_and_donated(getkey):
                 x.is_deleted() for x in oracle_in
             ]
     assert names.count("jit(doubled)") == 3, names  # one per shape
+
+
+@pytest.mark.parametrize("first_weak", [True, False])
+def test_weak_and_strong_uncommitted_scalars_type_as_jax_jit(first_weak):
+    # A weak-typed scalar and a strong one of the same dtype: each call's result is
+    # typed as `jax.jit`'s, whichever kind came first (an executable of one kind runs
+    # the other's inputs without complaint, so it must not be reused for them).
+    mesh = auto_mesh((8,), ("d",))
+    rep = NamedSharding(mesh, P())
+    body = lambda a: a * 2
+    ours = eqxs.filter_jit(body, in_shardings=rep, out_shardings=rep)
+    reference = jax.jit(body, in_shardings=rep, out_shardings=rep)
+    scalars = [jnp.asarray(100), jnp.int32(100)]
+    for a in scalars if first_weak else scalars[::-1]:
+        out, expected = ours(a), reference(a)
+        assert jax.typeof(out) == jax.typeof(expected)
+        assert out.weak_type == expected.weak_type == (a is scalars[0])
+        assert int(out) == 200

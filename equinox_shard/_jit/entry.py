@@ -239,10 +239,11 @@ class Typed:
         for k, sharding in self.casts:
             x = leaves[k]
             if is_value(x) and not is_committed(x):
-                weak = bool(getattr(x, "weak_type", False))
-                leaves[k] = jax.ShapeDtypeStruct(
-                    x.shape, x.dtype, sharding=sharding, weak_type=weak
-                )
+                if getattr(x, "weak_type", False):
+                    # An executable of one weak type runs the other's inputs without
+                    # complaint: weak inputs are `jax.jit`'s (see `jit_takes`).
+                    return dynamic, False
+                leaves[k] = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
                 moved = True
         args, kwargs = packing.structure.unflatten(leaves)
         return (fun, kwargs, *args), moved
