@@ -1112,3 +1112,23 @@ def test_weak_and_strong_uncommitted_scalars_type_as_jax_jit(first_weak):
         assert jax.typeof(out) == jax.typeof(expected)
         assert out.weak_type == expected.weak_type == (a is scalars[0])
         assert int(out) == 200
+
+
+def test_lower_then_calls_with_numpy_inputs_trace_once():
+    # A training loop's shape: `.lower(...).compile()` on the first NumPy batch, then
+    # calls fed NumPy batches and their own outputs trace the function once in all.
+    mesh = auto_mesh((8,), ("d",))
+    rep, bat = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
+    traces = []
+
+    def step(w, x):
+        traces.append(None)
+        return w + jnp.sum(x), jnp.sum(x * w)
+
+    f = eqxs.filter_jit(step, in_shardings=(rep, bat), out_shardings=rep)
+    w = jnp.ones((), jnp.float32)
+    f.lower(w, np.ones((16,), np.float32)).compile()
+    for _ in range(3):
+        w, loss = f(w, np.ones((16,), np.float32))
+    assert len(traces) == 1
+    assert float(loss) == 16.0 * 33.0

@@ -273,7 +273,7 @@ class _JitWrapper(Module):
             raise
 
     def _ahead(self, args, kwargs, stage: Callable) -> tuple[Entry, Any]:
-        """`stage(jitted, dynamic)` for `.lower` and `.eval_shape`, whose arguments are
+        """`stage(entry, dynamic)` for `.lower` and `.eval_shape`, whose arguments are
         checked, and errors named, as a call's."""
         cache = self._cache
         args, kwargs = _bind(cache, args, kwargs)
@@ -281,7 +281,7 @@ class _JitWrapper(Module):
         key = StructureKey(treedef, tuple(map(type, leaves)), is_array_or_struct)
         entry, _, leaves, dynamic, _ = _compile(self, cache, args, kwargs, leaves, key)
         try:
-            return entry, stage(entry.jitted, dynamic)
+            return entry, stage(entry, dynamic)
         except Exception:
             # The entry was checked for the shapes of the call that made it.
             diagnose(
@@ -293,9 +293,12 @@ class _JitWrapper(Module):
         """Lowers the function for the given arguments, ahead of time. Arrays may be
         replaced by `jax.ShapeDtypeStruct`s (optionally carrying a `sharding`)."""
 
-        def lower(jitted, dynamic):
+        def lower(entry, dynamic):
+            # Lowered for the types the entry was traced for (`Typed`): one trace.
+            if entry.typed is not None:
+                dynamic, _ = entry.typed.types(dynamic)
             with self._cache.donation.tracing():
-                return jitted.lower(*dynamic)
+                return entry.jitted.lower(*dynamic)
 
         entry, lowered = self._ahead(args, kwargs, lower)
         return Lowered(lowered, self, entry)
@@ -309,7 +312,7 @@ class _JitWrapper(Module):
         are on `mesh` itself, not its abstract mesh, so the result can be passed to
         `equinox_shard.restore` or `equinox_shard.sharding_table` as it is."""
         _, traced = self._ahead(
-            args, kwargs, lambda jitted, dynamic: jitted.trace(*dynamic)
+            args, kwargs, lambda entry, dynamic: entry.jitted.trace(*dynamic)
         )
         dynamic_out, static_out = traced.out_info
         if static_out is None:
