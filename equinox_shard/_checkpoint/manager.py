@@ -10,8 +10,9 @@ format of `save`/`restore` (each step directory is exactly what `equinox_shard.s
 writes, with its record of leaves and checksums) and their `like`/`shardings` language.
 """
 
+import atexit
 import errno
-import json
+import fcntl
 import os
 import pathlib
 import socket
@@ -65,18 +66,8 @@ def _step(step: Any, name: str = "step") -> int:
     return int(step)
 
 
-# The file in a manager's directory naming the process that writes there.
+# The file in a manager's directory that its writer holds locked (`flock`).
 LOCK_FILE = ".eqxs-writer"
-# The managers of this process that hold their directory's lock.
-_HOLDERS: "weakref.WeakValueDictionary[pathlib.Path, CheckpointManager]" = (
-    weakref.WeakValueDictionary()
-)
-
-
-# Managers not closed yet: closed when the program exits, before Python waits for
-# orbax's background threads (a failed save's would otherwise keep it from exiting).
-_OPEN: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
-_AT_EXIT: list[bool] = []
 
 
 def _close_all() -> None:
@@ -87,110 +78,61 @@ def _close_all() -> None:
             logger.exception("closing the CheckpointManager of %s", manager.directory)
 
 
-def _close_at_exit() -> None:
-    if _AT_EXIT:
-        return
-    _AT_EXIT.append(True)
-    # Runs before the interpreter joins non-daemon threads (`atexit` runs after).
-    register = getattr(threading, "_register_atexit", None)
-    try:
-        if register is not None:
-            register(_close_all)
-            return
-    except RuntimeError:  # already shutting down
-        return
-    import atexit
-
-    atexit.register(_close_all)
+# Managers not closed yet, closed before the interpreter joins orbax's non-daemon
+# threads (`atexit` runs after that join, which a failed save's threads would hang).
+_OPEN: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
+getattr(threading, "_register_atexit", atexit.register)(_close_all)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
-def _take_lock(directory: pathlib.Path, manager: "CheckpointManager") -> bool:
-    """Takes the writer's lock of `directory` for `manager` (`False`: not this
-    process's to take), or raises naming the process that holds it. The processes
-    of one `jax.distributed` program share a directory: process 0 takes the lock
-    for all of them."""
+def _take_lock(directory: pathlib.Path) -> int | OSError | None:
+    """Locks `directory` for one writer: the open lock file (the system releases its
+    `flock` when the process ends, however it ends), an `OSError` where the directory
+    cannot be written, or `None` on a process other than the first (process 0 writes
+    for a `jax.distributed` program). Raises naming the process that holds it."""
     if jax.process_index() != 0:
-        return False
+        return None
     lock = directory / LOCK_FILE
-    # One directory by any name (a symbolic link to it, say): one lock.
-    real = directory.resolve()
-    me = {"pid": os.getpid(), "host": socket.gethostname()}
-    for _ in range(3):
+    while True:
         try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
         except OSError as e:
             if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-                manager._read_only = e  # no writer there: `save` raises, naming it
-                return False
-            if not isinstance(e, FileExistsError):
-                raise
-            try:
-                owner = json.loads(lock.read_text())
-                pid, host = int(owner["pid"]), str(owner["host"])
-            except (OSError, ValueError, KeyError, TypeError):
-                pid, host = None, None
-            held = _HOLDERS.get(real)
-            if pid is not None and host == me["host"]:
-                mine = pid == me["pid"]
-                if (mine and (held is None or held._closed)) or (
-                    not mine and not _alive(pid)
-                ):
-                    try:
-                        lock.unlink(missing_ok=True)  # stale: its process is gone
-                    except OSError as e:
-                        if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
-                            raise
-                        manager._read_only = e
-                        return False
-                    continue
-            who = (
-                f"process {pid} on host {host}"
-                if pid is not None
-                else "another process"
-            )
-            if pid == me["pid"] and host == me["host"]:
+                return e  # no writer there: `save` raises, naming it
+            raise
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.read(fd, 256).decode(errors="replace").split()
+            os.close(fd)
+            who = "another process"
+            if len(owner) == 2:
+                who = f"process {owner[0]} on host {owner[1]}"
+            if owner == [str(os.getpid()), socket.gethostname()]:
                 who = "another CheckpointManager of this process (close it first)"
             raise RuntimeError(
                 f"Another CheckpointManager writes to {directory}: {who} holds its "
                 f"lock {lock}. Two writers on one directory overwrite and delete each "
-                "other's steps, so this one is refused. If that process is gone (on "
-                "another host, say), delete the lock file."
-            )
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
-        _HOLDERS[real] = manager
-        return True
-    raise RuntimeError(f"Could not take the writer's lock {lock} of {directory}.")
+                "other's steps, so this one is refused."
+            ) from None
+        # Locked, unless its closing writer unlinked that file meanwhile: lock anew.
+        if os.path.exists(lock) and os.path.samestat(os.fstat(fd), os.stat(lock)):
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()} {socket.gethostname()}".encode())
+            return fd
+        os.close(fd)
 
 
-def _drop_lock(directory: pathlib.Path) -> None:
-    """Releases the lock of `directory` taken by this process; one that cannot be
-    removed (the directory made read-only since) is logged, and left."""
-    _HOLDERS.pop(directory.resolve(), None)
-    lock = directory / LOCK_FILE
-    me = {"pid": os.getpid(), "host": socket.gethostname()}
+def _drop_lock(directory: pathlib.Path, fd: int) -> None:
+    """Releases the lock; a lock file that cannot be removed (the directory made
+    read-only since) is logged and left, unlocked."""
     try:
-        if json.loads(lock.read_text()) == me:
-            lock.unlink(missing_ok=True)
-    except (FileNotFoundError, ValueError):
-        return  # not ours
+        (directory / LOCK_FILE).unlink()
     except OSError as e:
         logger.warning(
-            "could not remove the writer's lock %s of %s (%s: %s); another manager "
-            "of this process may take it, one of another process once this one has "
-            "exited.",
-            lock, directory, type(e).__name__, e,
+            "could not remove the writer's lock %s of %s (%s: %s); it is released.",
+            directory / LOCK_FILE, directory, type(e).__name__, e,
         )  # fmt: skip
+    os.close(fd)
 
 
 class CheckpointManager:
@@ -205,9 +147,9 @@ class CheckpointManager:
     complete (and removes such leftovers when a manager is created).
 
     One manager writes to a directory at a time: it holds the lock file
-    `directory/.eqxs-writer` (its process id and host) until `close()`, and a second
-    manager on the directory (by any path to it, a symbolic link too), in any
-    process, is refused (a lock whose process has died is taken over). The processes
+    `directory/.eqxs-writer` (`flock`, naming its process and host) until `close()`,
+    and a second manager on the directory (by any path to it), in any process, is
+    refused; the system releases the lock of a process that has died. The processes
     of one `jax.distributed` program share the directory: process 0 holds the lock
     for all. A manager left open is closed when the program exits.
 
@@ -251,8 +193,6 @@ class CheckpointManager:
         _positive("keep_last", keep_last, int)
         _positive("keep_every", keep_every, int)
         self._closed = True  # until it holds its directory
-        self._locked = False
-        self._read_only: OSError | None = None
         self._reported: set[str] = set()
         self.directory = absolute_path(directory)
         if os.path.lexists(self.directory) and not self.directory.is_dir():
@@ -284,7 +224,9 @@ class CheckpointManager:
         self._pending: dict[int, tuple[int, float, str]] = {}
         self._pending_lock = threading.Lock()
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._locked = _take_lock(self.directory, self)
+        lock = _take_lock(self.directory)
+        self._lock = lock if isinstance(lock, int) else None
+        self._read_only = lock if isinstance(lock, OSError) else None
         try:
             self._manager = ocp.CheckpointManager(
                 self.directory,
@@ -295,12 +237,11 @@ class CheckpointManager:
                 },
             )
         except BaseException:
-            if self._locked:
-                _drop_lock(self.directory)
+            if self._lock is not None:
+                _drop_lock(self.directory, self._lock)
             raise
         self._closed = False
         _OPEN.add(self)
-        _close_at_exit()
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -533,8 +474,8 @@ class CheckpointManager:
         except Exception as e:
             error = error or e
         finally:
-            if self._locked:
-                _drop_lock(self.directory)
+            if self._lock is not None:
+                _drop_lock(self.directory, self._lock)
         if error is not None and (failed := self._failed(error, None)) is not None:
             raise failed from error
         self._finished()
