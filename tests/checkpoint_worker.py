@@ -131,7 +131,6 @@ def overwrite(directory: pathlib.Path, phase: str) -> None:
     import shutil
 
     import equinox_shard as eqxs
-    import equinox_shard._checkpoint.save_restore as checkpoint
     import orbax.checkpoint as ocp
 
     eqxs.save(directory / "ckpt", overwrite_state("old"))
@@ -142,13 +141,12 @@ def overwrite(directory: pathlib.Path, phase: str) -> None:
 
     if phase == "finalize":  # the new one written, not finalised
         ocp.CompositeCheckpointHandler.finalize = stop  # pyright: ignore
-    elif phase == "exchanged":  # swapped in; the old one not yet removed
+    elif phase == "renamed":  # both renames done; the old one not yet removed
         rmtree = shutil.rmtree
         shutil.rmtree = lambda p, *a, **k: (
             stop() if ".eqxs-" in str(p) else rmtree(p, *a, **k)
         )
-    elif phase == "between":  # no atomic exchange: between the two renames
-        checkpoint._exchange = lambda a, b: False  # pyright: ignore
+    elif phase == "between":  # between the two renames
         rename = os.rename
         os.rename = lambda a, b: (
             stop() if str(a).endswith(".eqxs-overwrite") else rename(a, b)

@@ -147,12 +147,11 @@ def _killed_overwrite(directory: pathlib.Path, phase: str) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "phase, survivor",
-    [("finalize", "old"), ("exchanged", "new"), ("between", "new")],
+    [("finalize", "old"), ("renamed", "new"), ("between", "new")],
 )
 def test_overwrite_killed_at_each_phase(tmp_path, phase, survivor):
-    # finalize: the new one written, not finalised; exchanged: swapped in, the old
-    # one not yet removed; between: where no atomic exchange exists, between the
-    # two renames.
+    # finalize: the new one written, not finalised; renamed: in place, the old one
+    # not yet removed; between: between the two renames.
     line = _killed_overwrite(tmp_path, phase)
     assert line == "WRITTEN\n"
     out = eqxs.restore(tmp_path / "ckpt", worker.overwrite_state("old"))

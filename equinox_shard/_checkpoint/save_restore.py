@@ -9,14 +9,12 @@ the values of Python scalars. The record lets `restore` check `like` against the
 checkpoint before a single array is read.
 """
 
-import ctypes
 import errno
 import json
 import logging
 import os
 import pathlib
 import shutil
-import sys
 import threading
 import time
 from typing import Any
@@ -69,32 +67,9 @@ def _sync(ocp, name: str) -> None:
         ocp.multihost.sync_global_processes(name)
 
 
-def _exchange(a: pathlib.Path, b: pathlib.Path) -> bool:
-    """Swaps two directories in one step (Linux's `renameat2(RENAME_EXCHANGE)`);
-    `False` where the system or file system cannot."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    a_, b_ = os.fsencode(a), os.fsencode(b)
-    if renameat2(at_fdcwd, a_, at_fdcwd, b_, rename_exchange) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
-        return False
-    raise OSError(err, os.strerror(err), os.fspath(a))
-
-
 def _swap_in(new: pathlib.Path, path: pathlib.Path) -> None:
-    """Replaces the checkpoint at `path` by the finished one at `new`: at every moment
-    one complete checkpoint is found at `path` (or, between the two renames where no
-    exchange exists, at `new`, which `restore` and the next `save` look for)."""
-    if _exchange(new, path):
-        shutil.rmtree(new)  # now the old one
-        return
+    """Replaces the checkpoint at `path` by the finished one at `new`. Between the two
+    renames the complete one is at `new`, where `restore` and the next `save` look."""
     old = _sibling(path, _OLD)
     os.rename(path, old)
     os.rename(new, path)
@@ -155,19 +130,18 @@ def damaged(path: pathlib.Path, file: pathlib.Path, why: str) -> ValueError:
     )
 
 
-def check_json(path: pathlib.Path, file: pathlib.Path) -> None:
-    """Raises `ValueError` naming the checkpoint `path` and its metadata `file` if
-    that file is not valid JSON, or not a JSON object (orbax's own errors are a bare
-    `JSONDecodeError`, or an `AttributeError`)."""
+def read_json(path: pathlib.Path, file: pathlib.Path) -> Any:
+    """The JSON object in the metadata `file` of the checkpoint `path`; `ValueError`
+    naming both if it is not one (orbax's own errors are a bare `JSONDecodeError`,
+    or an `AttributeError`)."""
     try:
         value = json.loads(file.read_bytes())
-    except OSError:
-        return  # missing or unreadable: orbax's own error names the file
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise damaged(path, file, f"is not valid JSON ({e})") from None
     if not isinstance(value, dict):
         what = "null" if value is None else f"a JSON {type(value).__name__}"
         raise damaged(path, file, f"holds {what}, not a JSON object")
+    return value
 
 
 def error_number(e: BaseException) -> int | None:
@@ -280,7 +254,7 @@ def save(
     )  # fmt: skip
 
 
-def _read_record(ocp, path: pathlib.Path) -> list[dict]:
+def _read_record(path: pathlib.Path) -> list[dict]:
     if not path.is_dir():
         unfinished = _unfinished(path)
         hint = (
@@ -295,17 +269,9 @@ def _read_record(ocp, path: pathlib.Path) -> list[dict]:
             f"{path} is not a checkpoint written by `equinox_shard.save` (it has no "
             "'leaves' item)."
         )
-    check_json(path, path / "leaves" / "metadata")
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-        out = checkpointer.restore(
-            path,
-            ocp.args.Composite(leaves=ocp.args.JsonRestore()),  # pyright: ignore[reportCallIssue]
-        )
-    record = out["leaves"]
-    if (
-        isinstance(record, dict)
-        and record.get("format", manifest.FORMAT) != manifest.FORMAT
-    ):
+    # The JSON file that orbax's JSON handler writes, read as it is: no orbax call.
+    record = read_json(path, path / "leaves" / "metadata")
+    if record.get("format", manifest.FORMAT) != manifest.FORMAT:
         raise ValueError(f"{path} is not a checkpoint written by `equinox_shard.save`.")
     if (why := manifest.problem(record)) is not None:
         raise damaged(
@@ -425,7 +391,7 @@ def restore_from(
     leaves, treedef = jtu.tree_flatten(like)
     paths = [jtu.keystr(p) for p, _ in jtu.tree_flatten_with_path(like)[0]]
     forms = [manifest.saved_form(x) for x in leaves]
-    entries = _read_record(ocp, path)
+    entries = _read_record(path)
     like_leaves = [(p, k, x) for p, k, x in zip(paths, forms, leaves) if k]
     manifest.match(path, entries, like_leaves)
     saved = {e["path"]: e for e in entries}
@@ -469,7 +435,7 @@ def restore_from(
             )
     read = {}
     if items:
-        check_json(path, path / "arrays" / "_METADATA")
+        read_json(path, path / "arrays" / "_METADATA")
         stored = data_files.check(path, names, "like")
         with (
             progress.Bar(f"restoring {what or path.name}", stored),
