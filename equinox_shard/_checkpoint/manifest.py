@@ -14,6 +14,7 @@ device-to-host copy there). Both give the same sums, so either verifies the othe
 checkpoint; neither depends on the caller's mesh or flags.
 """
 
+import math
 import zlib
 from typing import Any
 
@@ -75,17 +76,26 @@ def entry(form: str, x: Any) -> dict:
 #
 
 
-_CHUNK = 1 << 16  # elements per step: numpy's temporaries stay in the cache
+_CHUNK = 1 << 16  # elements per step on the host: NumPy's temporaries stay in cache
 
 
-def _fmix(h: np.ndarray, scratch: np.ndarray) -> None:
-    # MurmurHash3's 32-bit finaliser, in place: a bijection, so one changed element
-    # always changes the sum.
-    h ^= np.right_shift(h, 16, out=scratch)
-    h *= np.uint32(0x85EBCA6B)
-    h ^= np.right_shift(h, 13, out=scratch)
-    h *= np.uint32(0xC2B2AE35)
-    h ^= np.right_shift(h, 16, out=scratch)
+def _fmix(h):
+    # MurmurHash3's 32-bit finaliser: a bijection, so one changed element always
+    # changes the sum.
+    u = h.dtype.type  # uint32: a Python int this large would not fit JAX's int32
+    h = (h ^ (h >> 16)) * u(0x85EBCA6B)
+    h = (h ^ (h >> 13)) * u(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _mixed_sum(xp, lanes, offset: int, starts, strides, iota):
+    """The sum of `fmix(fmix(0x9E3779B9 + i) ^ lane)` over `lanes` (uint32), each at
+    the flat index `i = offset + sum((starts[a] + iota(a)) * strides[a])`, all modulo
+    2**32: by `xp = numpy` over a piece of a shard, by `jax.numpy` over an array."""
+    index = xp.uint32((0x9E3779B9 + offset) % 2**32)
+    for a, (start, stride) in enumerate(zip(starts, strides)):
+        index = index + (iota(a) + xp.uint32(start % 2**32)) * xp.uint32(stride % 2**32)
+    return xp.sum(_fmix(_fmix(index) ^ lanes), dtype=xp.uint32)
 
 
 def _lanes(x: np.ndarray) -> np.ndarray:
@@ -109,56 +119,33 @@ def _lanes(x: np.ndarray) -> np.ndarray:
     return x.astype(wide).view(np.uint32)
 
 
+def _host_sum(data: np.ndarray, offset: int, starts: list, strides: list) -> int:
+    """`_mixed_sum` over `data` (at `starts`), in pieces of at most `_CHUNK` elements
+    along its leading axes."""
+    if data.size <= _CHUNK:
+        lanes = _lanes(data)
+        shape = lambda a: [-1 if b == a else 1 for b in range(lanes.ndim)]
+        iota = lambda a: np.arange(lanes.shape[a], dtype=np.uint32).reshape(shape(a))
+        return int(_mixed_sum(np, lanes, offset, starts, strides, iota))
+    if data.shape[0] == 1:  # the leading axis is folded into `offset`
+        offset += starts[0] * strides[0]
+        return _host_sum(data[0], offset, starts[1:], strides[1:])
+    rows = max(1, _CHUNK // (data[0].size or 1))
+    return sum(
+        _host_sum(data[r : r + rows], offset, [starts[0] + r, *starts[1:]], strides)
+        for r in range(0, data.shape[0], rows)
+    )
+
+
 def _partial_sum(data: np.ndarray, index: tuple, shape: tuple) -> int:
     """The checksum's sum over one shard (`data`, at `index`: slices of `shape`)."""
-    if data.size == 0:
-        return 0
     if data.ndim == 0:
         data, index, shape = data.reshape(1), (slice(None),), (1,)
-    starts = [s.indices(n)[0] for s, n in zip(index, shape)]
     extra = _lanes(np.zeros(1, data.dtype)).shape[1:]  # lanes per element
-    full, here = tuple(shape) + extra, data.shape + extra
-    strides = [int(np.prod(full[a + 1 :], dtype=np.uint64)) for a in range(len(full))]
-    starts += [0] * len(extra)
-    # Axes from `k` on are whole in this shard (but `k` itself): each run along them
-    # is contiguous in the flat index.
-    k = len(full) - 1
-    while k > 0 and here[k] == full[k]:
-        k -= 1
-    run = int(np.prod(here[k:], dtype=np.uint64))
-    first = np.full((), (starts[k] * strides[k] + 0x9E3779B9) % 2**32, np.uint64)
-    for a in range(k):
-        axis = (np.arange(here[a], dtype=np.uint64) + starts[a]) * strides[a]
-        first = np.add.outer(first, axis)
-    first = (first.reshape(-1) % 2**32).astype(np.uint32)
-    rows = data.reshape(len(first), -1)  # one run of the flat index per row
-    per_element = run // rows.shape[1]  # lanes
-    h, scratch = np.empty(_CHUNK, np.uint32), np.empty(_CHUNK, np.uint32)
-    iota = np.arange(min(run, _CHUNK), dtype=np.uint32)
-    total = 0
-
-    def add(lanes: np.ndarray, a: np.ndarray, b: Any) -> None:
-        nonlocal total
-        m = lanes.size
-        hh, ss = h[:m], scratch[:m]
-        np.add(a, b, out=hh.reshape(np.broadcast_shapes(np.shape(a), np.shape(b))))
-        _fmix(hh, ss)
-        hh ^= lanes.reshape(-1)
-        _fmix(hh, ss)
-        total += int(hh.sum(dtype=np.uint64))
-
-    if run <= _CHUNK:  # whole rows at a time
-        n = _CHUNK // run
-        for r in range(0, len(rows), n):
-            add(_lanes(rows[r : r + n]), first[r : r + n, None], iota[None, :])
-    else:  # each row in pieces
-        n = max(1, _CHUNK // per_element)
-        for r, row in enumerate(rows):
-            for e in range(0, len(row), n):
-                lanes = _lanes(row[e : e + n])
-                offset = np.uint32((int(first[r]) + e * per_element) % 2**32)
-                add(lanes, iota[: lanes.size], offset)
-    return total
+    full = tuple(shape) + extra
+    strides = [math.prod(full[a + 1 :]) for a in range(len(full))]
+    starts = [s.indices(n)[0] for s, n in zip(index, shape)] + [0] * len(extra)
+    return _host_sum(data, 0, starts, strides) if data.size else 0
 
 
 def _bits(dtype) -> int | None:
@@ -198,26 +185,14 @@ def _device_sum(x: jax.Array) -> jax.Array:
     if x.dtype == np.bool_:
         lanes = x.astype(jnp.uint32)
     else:
-        width = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}
-        unsigned = width[_bits(x.dtype) or 32]
+        unsigned = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}[_bits(x.dtype) or 32]
         lanes = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
-    shape = x.shape or (1,)
-    lanes = lanes.reshape(shape)
     sharding = jax.typeof(lanes).sharding
-    index = jnp.uint32(0x9E3779B9)
-    for a in range(len(shape)):
-        stride = int(np.prod(shape[a + 1 :], dtype=np.uint64)) % 2**32
-        iota = jax.lax.broadcasted_iota(jnp.uint32, shape, a, out_sharding=sharding)
-        index = index + iota * jnp.uint32(stride)  # modulo 2**32, as on the host
-
-    def fmix(h):
-        h = h ^ (h >> 16)
-        h = h * jnp.uint32(0x85EBCA6B)
-        h = h ^ (h >> 13)
-        h = h * jnp.uint32(0xC2B2AE35)
-        return h ^ (h >> 16)
-
-    return jnp.sum(fmix(fmix(index) ^ lanes), dtype=jnp.uint32)
+    iota = lambda a: jax.lax.broadcasted_iota(
+        jnp.uint32, lanes.shape, a, out_sharding=sharding
+    )
+    strides = [math.prod(x.shape[a + 1 :]) for a in range(x.ndim)]
+    return _mixed_sum(jnp, lanes, 0, [0] * x.ndim, strides, iota)
 
 
 _device_sums = jax.jit(lambda arrays: [_device_sum(x) for x in arrays])
