@@ -11,7 +11,6 @@ shows only that the restore is running.
 
 import sys
 import threading
-from typing import Any
 
 import jax
 
@@ -38,16 +37,12 @@ class Bar:
     files, or `None` if not known."""
 
     def __init__(self, description: str, total: int | None):
-        self.description = description
-        self.total = total
-        self.progress: Any = None
+        self.description, self.total = description, total
         self.thread: threading.Thread | None = None
         self.done = threading.Event()
-        self.start: int | None = None
 
     def __enter__(self) -> "Bar":
-        stream = sys.stderr
-        isatty = getattr(stream, "isatty", None)
+        isatty = getattr(sys.stderr, "isatty", None)
         if not (isatty is not None and isatty()) or jax.process_index() != 0:
             return self
         try:
@@ -55,45 +50,36 @@ class Bar:
             import rich.progress as rp
         except ImportError:
             return self
-        self.start = _bytes_read()
-        console = rich.console.Console(file=stream, force_terminal=True)
+        self.start = _bytes_read() or 0
+        if not self.start:
+            self.total = None  # not counted: the bar shows only that it runs
+        console = rich.console.Console(file=sys.stderr, force_terminal=True)
         self.progress = rp.Progress(
             rp.TextColumn("{task.description}"),
             rp.BarColumn(bar_width=30),
-            rp.DownloadColumn() if self._counted() else rp.TextColumn(""),
+            rp.DownloadColumn() if self.total is not None else rp.TextColumn(""),
             rp.TimeElapsedColumn(),
             console=console,
             auto_refresh=False,
         )
-        self.task = self.progress.add_task(self.description, total=self._total())
+        self.task = self.progress.add_task(self.description, total=self.total)
         if DELAY_SECONDS <= 0:
-            self._show()
+            self.progress.start()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
         return self
 
-    def _counted(self) -> bool:
-        return self.total is not None and self.start is not None
-
-    def _total(self) -> int | None:
-        return self.total if self._counted() else None
-
-    def _show(self) -> None:
-        if not self.progress.live.is_started:
-            self.progress.start()
-        self._update()
-
     def _update(self, finished: bool = False) -> None:
-        now, start, total = _bytes_read(), self.start, self.total
-        if now is not None and start is not None and total is not None:
-            read = total if finished else min(now - start, total)
+        now = _bytes_read()
+        if self.total is not None and now is not None:
+            read = self.total if finished else min(now - self.start, self.total)
             self.progress.update(self.task, completed=read)
         self.progress.refresh()
 
     def _run(self) -> None:
         if self.done.wait(max(DELAY_SECONDS, 0)):
             return
-        self._show()
+        self.progress.start()
         while not self.done.wait(_REFRESH_SECONDS):
             self._update()
 
