@@ -408,7 +408,7 @@ def _leaf(name):
         (
             "leaves/metadata",
             lambda m: _leaf("['x']")(m, lambda e: e.pop("shape")),
-            r"its leaf entry 1 \(of the leaf \['x'\]\): its 'shape' None is not",
+            r"its leaf entry 1 \(of the leaf \['x'\]\): it has no 'shape'",
         ),
         (
             "leaves/metadata",
@@ -420,12 +420,12 @@ def _leaf(name):
             lambda m: _leaf("['x']")(
                 m, lambda e: e.update(checksum=str(e["checksum"]))
             ),
-            r"\['x'\]\): its 'checksum' '\d+' is not an unsigned 32-bit integer",
+            r"\['x'\]\): its 'checksum' is '\d+', not an unsigned 32-bit integer",
         ),
         (
             "leaves/metadata",
             lambda m: _leaf("['n']")(m, lambda e: e.update(value="3")),
-            r"\['n'\]\): its 'value' '3' is a string, not a Python int",
+            r"\['n'\]\): its 'value' is '3', not a Python int",
         ),
     ],
 )

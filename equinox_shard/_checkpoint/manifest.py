@@ -1,18 +1,7 @@
-"""The record of leaves that a checkpoint carries (see `save_restore.py`): what each
-saved leaf is, under which name its array is stored, and a checksum of its values;
-built by `build` on save, checked against `like` by `match` on restore before anything
-else is read, and its checksums by `verify` once the arrays are read.
-
-A checksum covers the values, not the layout, so a checkpoint restored onto any
-sharding is checked the same way: for a JAX array (a PRNG key array: its key data) it is
-the sum, modulo 2**32, of a 32-bit mix of each element's bits with its flat index; for a
-NumPy array, the CRC-32 of its bytes. Where the bytes are: on a CPU, on the host with
-NumPy from the shards each process holds (nothing compiled, nothing run on a device);
-on an accelerator, on the device, by one function compiled per checkpoint structure,
-only the sums coming back (reading each array back to the host would cost a full
-device-to-host copy there). Both give the same sums, so either verifies the other's
-checkpoint; neither depends on the caller's mesh or flags.
-"""
+"""The record of leaves that a checkpoint carries: what each saved leaf is, under which
+name its array is stored, and a checksum of its values (docs/checkpoints.md,
+"Checksums"); built by `build` on save, checked against `like` by `match` before any
+array is read, and its checksums by `verify` once they are read."""
 
 import math
 import zlib
@@ -312,53 +301,58 @@ def _int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _dtype(x: Any) -> bool:
+    try:
+        return isinstance(x, str) and np.dtype(x) is not None
+    except TypeError:
+        return False
+
+
+_str = lambda x: isinstance(x, str)
+_FITS = {  # a scalar entry's "type" -> whether its "value" is one
+    "bool": lambda v: isinstance(v, bool),
+    "int": _int,
+    "float": lambda v: isinstance(v, float) or _int(v),
+    "complex": lambda v: isinstance(v, list) and len(v) == 2 and all(map(_number, v)),
+}
+
+
 def _entry_problem(e: Any, version: int) -> str | None:
     if not isinstance(e, dict):
         return f"it is {_json(e)}, not an object"
-    if not isinstance(e.get("path"), str):
-        return f"its 'path' is {_json(e.get('path'))}, not a string"
-    k = e.get("kind")
-    if k not in ("array", "key", "numpy", "scalar"):
-        return f"its 'kind' is {k!r}, not one of 'array', 'key', 'numpy', 'scalar'"
+    k, t = e.get("kind"), e.get("type")
+    # (field, whether it must be there, its test, what it must be)
+    fields = [
+        ("path", True, _str, "a string"),
+        ("kind", True, ("array", "key", "numpy", "scalar").__contains__,
+         "one of 'array', 'key', 'numpy', 'scalar'"),
+    ]  # fmt: skip
     if k == "scalar":
-        t, v = e.get("type"), e.get("value")
-        fits = {
-            "bool": isinstance(v, bool),
-            "int": _int(v),
-            "float": isinstance(v, float) or _int(v),
-            "complex": isinstance(v, list)
-            and len(v) == 2
-            and all(isinstance(u, (int, float)) and not isinstance(u, bool) for u in v),
-        }
-        if t not in fits:
-            return f"its 'type' is {t!r}, not one of 'bool', 'int', 'float', 'complex'"
-        if not fits[t]:
-            return f"its 'value' {v!r} is {_json(v)}, not a Python {t}"
-        return None
-    shape = e.get("shape")
-    if not isinstance(shape, list) or not all(_int(n) and n >= 0 for n in shape):
-        return f"its 'shape' {shape!r} is not an array of non-negative integers"
-    dtype = e.get("dtype")
-    if not isinstance(dtype, str):
-        return f"its 'dtype' is {_json(dtype)}, not a string"
-    if k == "key":
-        if not isinstance(e.get("impl"), str):
-            return f"its 'impl' is {_json(e.get('impl'))}, not a string"
+        fits = _FITS.get(t) if isinstance(t, str) else None
+        fields += [
+            ("type", True, lambda t: fits is not None, "one of " + ", ".join(_FITS)),
+            ("value", True, fits or _str, f"a Python {t}"),
+        ]
     else:
-        try:
-            np.dtype(dtype)
-        except TypeError:
-            return f"its 'dtype' {dtype!r} is not a dtype"
-    name = e.get("name")
-    if version >= 2 and "name" not in e:
-        return "it has no 'name'"
-    if name is not None and not isinstance(name, str):
-        return f"its 'name' is {_json(name)}, not a string or null"
-    checksum = e.get("checksum")
-    if version >= 2 and name is not None and "checksum" not in e:
-        return "it has no 'checksum'"
-    if checksum is not None and not (_int(checksum) and 0 <= checksum < 2**32):
-        return f"its 'checksum' {checksum!r} is not an unsigned 32-bit integer"
+        u32 = lambda c: c is None or (_int(c) and 0 <= c < 2**32)
+        shape = lambda s: isinstance(s, list) and all(_int(n) and n >= 0 for n in s)
+        fields += [
+            ("shape", True, shape, "an array of non-negative integers"),
+            ("dtype", True, _str if k == "key" else _dtype, "a dtype"),
+            ("impl", k == "key", _str, "a string"),
+            ("name", version >= 2, lambda n: n is None or _str(n), "a string or null"),
+            ("checksum", version >= 2 and e.get("name") is not None, u32,
+             "an unsigned 32-bit integer"),
+        ]  # fmt: skip
+    for field, required, test, what in fields:
+        if field not in e and required:
+            return f"it has no {field!r}"
+        if field in e and not test(e[field]):
+            return f"its {field!r} is {e[field]!r}, not {what}"
     return None
 
 
@@ -366,8 +360,6 @@ def problem(record: Any) -> str | None:
     """What is wrong with the structure of a record read back from a checkpoint (a
     field that `build` writes missing, or of another type), or `None`. A record of a
     newer format version is not checked here (see `VERSION`)."""
-    if not isinstance(record, dict):
-        return f"it holds {_json(record)}, not an object"
     for field in ("format", "version", "leaves"):
         if field not in record:
             return f"it has no {field!r}"
