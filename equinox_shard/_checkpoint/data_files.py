@@ -1,72 +1,17 @@
 """Checks, before any array of a checkpoint is read, that the data files holding its
-arrays are all there and complete, naming the leaf whose data is missing or truncated.
+arrays are all there and long enough, naming the leaf whose data is not.
 
-orbax stores the arrays in an OCDBT database (tensorstore): a B+tree whose leaf entries
-map each stored key (`<array name>/<chunk>`) to a byte range of a data file. A missing
-or truncated data file otherwise fails deep inside the read, with a TensorStore error
-naming no leaf, while the reads still in flight report to an event loop that orbax has
-already closed (the "Event loop is closed" tracebacks). The index is small: reading it
-costs a few small files, and each data file is looked at once (`os.stat`).
+orbax stores the arrays in an OCDBT database (tensorstore): a B+tree whose entries map
+each stored key (`<array name>/<chunk>`) to a byte range of a data file. A missing or
+truncated file otherwise fails deep inside the read, with a TensorStore error naming no
+leaf, and "Event loop is closed" tracebacks from the reads still in flight. The check
+reads the index (a few small files) and looks at each data file once (`os.stat`).
 """
 
 import os
 import pathlib
 from typing import Any
-
-
-def _parse(reference: str) -> tuple[str, int, int]:
-    """A tensorstore reference `kind:base_path:relative_path:offset:length` (paths
-    percent-encoded) as `(file relative to the database, offset, length)`."""
-    from urllib.parse import unquote
-
-    rest, offset, length = reference.split(":", 1)[1].rsplit(":", 2)
-    base, relative = rest.split(":", 1)
-    return unquote(base) + unquote(relative), int(offset), int(length)
-
-
-class _Index:
-    def __init__(self, ts, base, root: pathlib.Path):
-        self.ts, self.base, self.root = ts, base, root
-        self.sizes: dict[str, int | None] = {}
-        self.total = 0  # bytes of the data files' values: what a restore reads
-
-    def size(self, file: str) -> int | None:
-        if file not in self.sizes:
-            try:
-                self.sizes[file] = os.stat(self.root / file).st_size
-            except FileNotFoundError:
-                self.sizes[file] = None
-        return self.sizes[file]
-
-    def damage(self, reference: str) -> str | None:
-        """How the byte range of `reference` is damaged, or `None`."""
-        file, offset, length = _parse(reference)
-        if reference.startswith("value:"):
-            self.total += length
-        size = self.size(file)
-        if size is None:
-            return f"its data file {self.root / file} is missing"
-        if offset + length > size:
-            return (
-                f"its data file {self.root / file} is truncated ({size} bytes; this "
-                f"leaf's data reaches byte {offset + length})"
-            )
-        return None
-
-    def walk(self, location: str, prefix: bytes, found: dict[bytes, str]) -> None:
-        """Each key under the B+tree node at `location` whose data (or node) is
-        damaged, into `found`."""
-        node = self.ts.ocdbt.dump(self.base, location).result()
-        for e in node["entries"]:
-            key = prefix + bytes(e["key"])
-            if "location" in e:  # an interior node's child
-                if damage := self.damage(e["location"]):
-                    found[key] = damage
-                else:
-                    child = prefix + bytes(e["subtree_common_prefix"])
-                    self.walk(e["location"], child, found)
-            elif "indirect_value" in e and (damage := self.damage(e["indirect_value"])):
-                found[key] = damage
+from urllib.parse import unquote
 
 
 def check(path: pathlib.Path, names: dict[str, str | None], where: str) -> int | None:
@@ -79,41 +24,69 @@ def check(path: pathlib.Path, names: dict[str, str | None], where: str) -> int |
     try:
         import tensorstore as ts
 
-        ts.ocdbt.dump  # noqa: B018 (present since tensorstore 0.1.50)
+        dump: Any = ts.ocdbt.dump  # present since tensorstore 0.1.50
     except (ImportError, AttributeError):
         return None
     base = ts.KvStore.open({"driver": "file", "path": str(root) + "/"}).result()
-    index = _Index(ts, base, root)
+    sizes: dict[pathlib.Path, int | None] = {}
     found: dict[bytes, str] = {}
+    total = 0  # bytes of the values: what a restore reads
+
+    def damage(reference: str) -> str | None:
+        # `kind:base_path:relative_path:offset:length`, the paths percent-encoded.
+        nonlocal total
+        rest, offset, length = reference.split(":", 1)[1].rsplit(":", 2)
+        base_path, relative = rest.split(":", 1)
+        file = root / (unquote(base_path) + unquote(relative))
+        end = int(offset) + int(length)
+        total += int(length) if reference.startswith("value:") else 0
+        if file not in sizes:
+            sizes[file] = os.stat(file).st_size if file.exists() else None
+        if (size := sizes[file]) is None:
+            return f"its data file {file} is missing"
+        if end > size:
+            return (
+                f"its data file {file} is truncated ({size} bytes; this "
+                f"leaf's data reaches byte {end})"
+            )
+        return None
+
+    def walk(location: str, prefix: bytes) -> None:
+        for e in dump(base, location).result()["entries"]:
+            key = prefix + bytes(e["key"])
+            if "location" in e:  # an interior node's child
+                if why := damage(e["location"]):
+                    found[key] = why
+                else:
+                    walk(e["location"], prefix + bytes(e["subtree_common_prefix"]))
+            elif "indirect_value" in e and (why := damage(e["indirect_value"])):
+                found[key] = why
+
     try:
-        manifest: Any = ts.ocdbt.dump(base).result()
-        versions = manifest["versions"]
+        versions = dump(base).result()["versions"]
         location = versions[-1]["root"].get("location") if versions else None
         if location is not None:
-            if damage := index.damage(location):
-                raise ValueError(damage)
-            index.walk(location, b"", found)
+            if why := damage(location):
+                raise ValueError(why)
+            walk(location, b"")
     except ValueError as e:
         raise ValueError(
             f"The checkpoint at {path} is damaged: the index of its arrays cannot be "
             f"read, so no array can be restored ({e})."
         ) from None
-    if not found:
-        return index.total
     damaged: dict[str, str] = {}
-    for key, damage in sorted(found.items()):
-        name = key.split(b"/", 1)[0].decode(errors="replace")
-        damaged.setdefault(name, damage)
+    for key, why in sorted(found.items()):
+        damaged.setdefault(key.split(b"/", 1)[0].decode(errors="replace"), why)
     leaves = [(p, damaged[n]) for p, n in names.items() if n in damaged]
-    if not leaves:  # the damaged node's keys start before any array's name
-        (damage,) = list(damaged.values())[:1]
+    if damaged and not leaves:  # the damaged node's keys start before any array's
         raise ValueError(
             f"The checkpoint at {path} is damaged: part of the index of its arrays "
-            f"cannot be read ({damage})."
+            f"cannot be read ({next(iter(damaged.values()))})."
         )
-    first, damage = leaves[0]
-    others = [where + p for p, _ in leaves[1:]]
-    also = f" The data of {', '.join(others)} is damaged too." if others else ""
-    raise ValueError(
-        f"{where}{first}: the checkpoint at {path} is damaged: {damage}.{also}"
-    )
+    if leaves:
+        (first, why), others = leaves[0], [where + p for p, _ in leaves[1:]]
+        also = f" The data of {', '.join(others)} is damaged too." if others else ""
+        raise ValueError(
+            f"{where}{first}: the checkpoint at {path} is damaged: {why}.{also}"
+        )
+    return total
