@@ -1,25 +1,12 @@
-"""The kinds of spec leaf, in one table (`KINDS`). For each kind it owns: its type and
-the name messages give it; whether a value is valid, and the hint if not; its
-resolution against an array (`Kind.resolve`: a `jax.Device` to a
-`SingleDeviceSharding`, a bare `PartitionSpec` to a `NamedSharding` on the context
-mesh, `Format(None, None)` to `None`) and whether that depends on the context mesh;
-the `Sharding` its placement gives an array (`sharding_of`); its eager placement
-where that is not onto a `Sharding` (`Kind.target`, `Kind.is_placed`,
-`Kind.sharding_first`: a `Format` in its layout, a `jax.memory.Space` in its memory);
-which functions take it; and how it is applied inside a trace and by `filter_jit`'s
-`in_shardings` and `out_shardings`. The modules that treat one kind apart from another
-in these respects read the table (`language`, `leaves`, `_placement`, `_sharding`,
-`_jit.entry`, `_jit.traced_body`) and test no kind's type themselves, but for a
-`Sharding` (which needs neither resolving nor a placement of its own).
+"""The kinds of spec leaf, in one table (`KINDS`): for each, its type and name in
+messages, its validity, its resolution against an array (`Kind.resolve`), the
+`Sharding` its placement gives (`sharding_of`), its eager placement where that is not
+onto a `Sharding` (`Kind.target`), which functions take it, and how it is applied in a
+trace and by `filter_jit`. Every module that treats kinds apart reads this table.
 
-Not in the table: `Layout.AUTO` (`is_auto`), the layout that a compiler chooses for a
-`Format` in `filter_jit`'s `in_shardings`, handled by `_jit.entry._auto_layouts` and
-`_jit.entry.AutoLayouts` (compiled before a call), `_jit.callbacks._own_layouts` (the
-arguments' own layouts for such an executable) and `_jit.traced_body._eager_targets`
-(under `jax.disable_jit`, the sharding alone); eagerly it is an error (`Kind.target`).
-`filter_shard_map`'s specifications are `PartitionSpec`s over its mesh, not these kinds
-(`_manual.shard_map`). A callable rule and a `PathRules` are not kinds: they choose, per
-array, a spec leaf of one of these kinds (`leaves`).
+Not kinds: `Layout.AUTO` (`is_auto`, the compiler's layout, `filter_jit` only), the
+`PartitionSpec`s of `filter_shard_map`, and a callable rule or a `PathRules` (each
+chooses a spec leaf of one of these kinds per array: `leaves`).
 """
 
 import enum

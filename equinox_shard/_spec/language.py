@@ -1,30 +1,12 @@
 """The sharding-specification language shared by every public function.
 
-A *specification* is a PyTree prefix of a value. Each of its leaves ("spec leaves") is
-one of (the kinds of `kinds.KINDS`, then `None`, a callable and a `PathRules`):
-
-- a `jax.sharding.Sharding`;
-- a `jax.Device`, meaning `jax.sharding.SingleDeviceSharding(device)`;
-- a `jax.experimental.layout.Format(layout, sharding)`: a concrete `Sharding` with a
-    memory layout (`Layout.AUTO`: the compiler's choice, `filter_jit` only; RFC §4);
-    `Format(None, None)` means `None`, as it does to `jax.device_put`;
-- a `jax.memory.Space` (`Space.Host`, `Space.Device`): the array's own sharding, in
-    that memory (`filter_device_put`, `filter_shard` and `filter_jit`'s
-    `out_shardings` only);
-- a bare `jax.sharding.PartitionSpec`, resolved against the mesh set by `jax.set_mesh`;
-- `None`, meaning "leave this subtree exactly as it is";
-- a callable (that is not itself a PyTree node) `leaf -> spec leaf`, called on every
-    array leaf beneath it;
-- a `PathRules`: an ordered list of regular expressions, each mapped to one of the
-    spec leaves above, searched in the key path of every array leaf beneath it.
-
-Only array leaves (`equinox.is_array`) are ever placed or constrained; every other leaf
-is returned as the same object, whatever spec sits above it.
-
-This module turns a specification plus a value into one resolved `Sharding | None` per
-array leaf (`resolve_leaves`), and produces the error messages: each names the
-offending leaf by its key path, as `jax.tree_util.keystr` prints it, rooted at the
-user's own argument name.
+A *specification* is a PyTree prefix of a value. Each of its leaves is a spec leaf of
+one of the kinds of `kinds.KINDS` (a `Sharding`, a `jax.Device`, a `Format`, a
+`jax.memory.Space`, a bare `PartitionSpec`), `None` (leave the subtree as it is), a
+callable `leaf -> spec leaf`, or a `PathRules` (`leaves`). Only array leaves are ever
+placed or constrained. This module resolves a specification plus a value to one
+`Sharding | None` per array leaf (`resolve_leaves`), and words the errors: each names
+the leaf by its key path, rooted at the user's own argument name.
 """
 
 import functools as ft
