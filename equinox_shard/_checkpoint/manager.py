@@ -1,14 +1,8 @@
-"""`CheckpointManager`: the checkpoints of a training loop, on orbax's
-`CheckpointManager`.
-
-orbax does the step management: a directory per step (`directory/<step>`), written
-into a temporary directory and renamed when complete (so an interrupted save is never
-listed), the decision to save (`FixedIntervalPolicy`, `ContinuousCheckpointingPolicy`),
-what is kept (`LatestN`, `EveryNSteps`), the writing in the background, and the removal
-of temporary directories that a killed save left. This module gives it the checkpoint
-format of `save`/`restore` (each step directory is exactly what `equinox_shard.save`
-writes, with its record of leaves and checksums) and their `like`/`shardings` language.
-"""
+"""`CheckpointManager`: the checkpoints of a training loop, on orbax's own. orbax
+manages the steps (a directory per step, renamed when complete; when to save; what to
+keep; the writing in the background; the removal of what a killed save left); this
+module gives it the format of `save`/`restore`, their `like`/`shardings` language, one
+writer per directory, and errors that name the step."""
 
 import atexit
 import errno

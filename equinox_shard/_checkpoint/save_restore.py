@@ -1,13 +1,7 @@
-"""`save` and `restore`: checkpoints of PyTrees of arrays and non-arrays with
-orbax-checkpoint, read straight into each array's target sharding.
-
-A checkpoint is one orbax checkpoint directory with two items: `arrays`, the array
-leaves (a typed PRNG key as its key data), written and read by orbax's PyTree handler
-(each process writes and reads only the shards it holds); and `leaves`, a small JSON
-record (by orbax's JSON handler) of every saved leaf's key path, shape and dtype, and
-the values of Python scalars. The record lets `restore` check `like` against the
-checkpoint before a single array is read.
-"""
+"""`save` and `restore`: a checkpoint is one orbax checkpoint directory with two items,
+`arrays` (the array leaves, by orbax's PyTree handler: each process writes and reads
+only the shards it holds) and `leaves` (the JSON record of every saved leaf:
+`manifest`), which lets `restore` check `like` before a single array is read."""
 
 import errno
 import json
