@@ -6,7 +6,6 @@ writer per directory, and errors that name the step."""
 
 import atexit
 import errno
-import fcntl
 import os
 import pathlib
 import socket
@@ -83,6 +82,8 @@ def _take_lock(directory: pathlib.Path) -> int | OSError | None:
     `flock` when the process ends, however it ends), an `OSError` where the directory
     cannot be written, or `None` on a process other than the first (process 0 writes
     for a `jax.distributed` program). Raises naming the process that holds it."""
+    import fcntl  # POSIX only: imported here so that the package imports anywhere
+
     if jax.process_index() != 0:
         return None
     lock = directory / LOCK_FILE
