@@ -196,7 +196,8 @@ def checksums(arrays: list) -> list[int]:
     changes it. The sums of an array split over several processes are gathered from
     each."""
     arrays = [jax.random.key_data(x) if is_key_array(x) else x for x in arrays]
-    # One call per set of devices (in their order): a call over several would move
+    out: list = [None] * len(arrays)  # the sums, `None` until computed
+    # One call per set of devices (in their order): one over several would move
     # arrays between them.
     groups: dict = {}
     for i, x in enumerate(arrays):
@@ -206,26 +207,24 @@ def checksums(arrays: list) -> list[int]:
             if len(x.sharding.device_set) == 1:
                 devices = tuple(x.sharding.device_set)
             groups.setdefault(devices or i, []).append(i)
-    summed = {}
     for group in groups.values():
         # Compiled even under `jax.disable_jit` (op by op it fails on an Explicit mesh).
         with jax.set_mesh(None), jax.disable_jit(False):
-            sums = _device_sums([arrays[i] for i in group])
-        summed.update(zip(group, map(int, jax.device_get(sums))))
-    out, spread = [], []
+            sums = jax.device_get(_device_sums([arrays[i] for i in group]))
+        for i, s in zip(group, sums):
+            out[i] = int(s)
+    spread = []
     for i, x in enumerate(arrays):
-        if i in summed:
-            out.append(summed[i])
+        if out[i] is not None:
             continue
         if isinstance(x, np.ndarray):
-            out.append(_partial_sum(x, (slice(None),) * x.ndim, x.shape))
+            out[i] = _partial_sum(x, (slice(None),) * x.ndim, x.shape)
             continue
-        total = 0
-        for shard in x.addressable_shards:
-            if shard.replica_id == 0:
-                data = jax.device_get(shard.data)  # explicit: allowed by any guard
-                total += _partial_sum(data, shard.index, x.shape)
-        out.append(total)
+        out[i] = sum(  # `jax.device_get`: explicit, so allowed by any transfer guard
+            _partial_sum(jax.device_get(shard.data), shard.index, x.shape)
+            for shard in x.addressable_shards
+            if shard.replica_id == 0
+        )
         if not x.is_fully_addressable:
             spread.append(i)
     if spread:
