@@ -29,11 +29,11 @@ from .orbax import (
 )
 from .save_restore import (
     absolute_path,
-    error_number,
     LOCK,
     logger,
     nbytes,
     restore_from,
+    save_error,
 )
 
 
@@ -286,8 +286,7 @@ class CheckpointManager:
             f"The save of {where} failed{also}: {type(e).__name__}: {e}. The steps "
             f"saved before it are complete and restorable."
         )
-        code = error_number(e)
-        return OSError(code, message) if code is not None else RuntimeError(message)
+        return save_error(e, message)
 
     def should_save(self, step: Any) -> bool:
         """Whether the policies (`every_steps`, `every_minutes`) save `step`: never a

@@ -138,15 +138,13 @@ def read_json(path: pathlib.Path, file: pathlib.Path) -> Any:
     return value
 
 
-def error_number(e: BaseException) -> int | None:
-    """The `errno` of an `OSError`, or of a TensorStore error that says one."""
-    if isinstance(e, OSError) and e.errno is not None:
-        return e.errno
-    text = str(e)
-    for code in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT):
-        if os.strerror(code) in text:
-            return code
-    return None
+def save_error(e: BaseException, message: str) -> Exception:
+    """An `OSError` with the `errno` of `e` (an `OSError`, or a TensorStore error
+    that says one), else a `RuntimeError`, saying `message`."""
+    code = e.errno if isinstance(e, OSError) else None
+    for known in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT):
+        code = code or (known if os.strerror(known) in str(e) else None)
+    return OSError(code, message) if code else RuntimeError(message)
 
 
 def nbytes(arrays: dict) -> int:
@@ -236,8 +234,7 @@ def save(
             if _primary():
                 _tidy(path)  # what the failed save left; an old checkpoint stays
             message = f"The save to {path} failed: {type(e).__name__}: {e}"
-            code = error_number(e)
-            raise (OSError(code, message) if code else RuntimeError(message)) from e
+            raise save_error(e, message) from e
         if target != path:
             if _primary():
                 _swap_in(target, path)
