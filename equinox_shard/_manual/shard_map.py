@@ -41,6 +41,7 @@ _T = TypeVar("_T", bound=Callable)
 def _check_specs(specs: Any, name: str) -> None:
     """`filter_shard_map`'s specs are `PartitionSpec`s over its own mesh: no sharding
     or device leaves."""
+    flatten_specs(specs, name)  # the error for what is no spec leaf at all
     for path, leaf in jtu.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)[0]:
         if isinstance(leaf, PathRules):
             inner = [(f" (its rule {p!r})", spec) for p, spec in leaf.rules]
@@ -80,6 +81,14 @@ def _leaf_specs(
     for i, spec in resolve_each(per_leaf, leaves, indices, where, _resolve):
         out[i] = spec
     return out
+
+
+def _check(mesh, spec: PartitionSpec, shape: tuple, where: Callable[[], str]) -> None:
+    try:
+        sharding = NamedSharding(mesh, spec)
+    except Exception as e:  # an unknown axis, an axis used twice
+        raise ValueError(f"{where()}: {e}") from e
+    check(shape, sharding, where)
 
 
 def _padded(spec: PartitionSpec, ndim: int) -> tuple:
@@ -241,8 +250,6 @@ def filter_shard_map(
     )
     if fun is unset:
         return ft.partial(filter_shard_map, **options)
-    flatten_specs(in_specs, "in_specs")
-    flatten_specs(out_specs, "out_specs")
     _check_specs(in_specs, "in_specs")
     _check_specs(out_specs, "out_specs")
 
@@ -256,11 +263,7 @@ def filter_shard_map(
         indices = [i for i, s in enumerate(specs) if s is not None]
         for i in indices:
             where = lambda i=i: leaf_path(args, i, "args")
-            try:
-                sharding = NamedSharding(mesh_, specs[i])
-            except Exception as e:
-                raise ValueError(f"{where()}: {e}") from e
-            check(jax.numpy.shape(leaves[i]), sharding, where)
+            _check(mesh_, specs[i], jax.numpy.shape(leaves[i]), where)
         manual = frozenset(axis_names) or frozenset(mesh_.axis_names)
         types = dict(zip(mesh_.axis_names, mesh_.axis_types))
         if indices and manual and all(types[a] == AxisType.Explicit for a in manual):
@@ -287,12 +290,8 @@ def filter_shard_map(
                         "every device); got `None`."
                     )
                 where = lambda i=i: leaf_path(out, i, "out")
-                try:
-                    sharding = NamedSharding(mesh_, per_leaf[i])
-                except Exception as e:
-                    raise ValueError(f"{where()}: {e}") from e
                 # The output block must have at least as many dimensions as its spec.
-                check((0,) * jax.numpy.ndim(out_leaves[i]), sharding, where)
+                _check(mesh_, per_leaf[i], (0,) * jax.numpy.ndim(out_leaves[i]), where)
             # `jax.shard_map` reads `out_specs` only after tracing `body`, so this list
             # can be filled here (tests/test_jax_facts.py::
             # test_shard_map_reads_out_specs_after_tracing).
