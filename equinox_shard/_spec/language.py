@@ -1,9 +1,10 @@
 """The sharding-specification language shared by every public function.
 
 A *specification* is a PyTree prefix of a value. Each of its leaves is a spec leaf of
-one of the kinds of `kinds.KINDS` (a `Sharding`, a `jax.Device`, a `Format`, a
-`jax.memory.Space`, a bare `PartitionSpec`), `None` (leave the subtree as it is), a
-callable `leaf -> spec leaf`, or a `PathRules` (`leaves`). Only array leaves are ever
+one of the kinds of `kinds.KINDS` (a `jax.sharding.Sharding`, a `jax.Device`, a
+`jax.experimental.layout.Format`, a `jax.memory.Space`, a bare
+`jax.sharding.PartitionSpec`), `None` (leave the subtree as it is), a callable
+`leaf -> spec leaf`, or a `PathRules` (`leaves`). Only array leaves are ever
 placed or constrained. This module resolves a specification plus a value to one
 `Sharding | None` per array leaf (`resolve_leaves`), and words the errors: each names
 the leaf by its key path, rooted at the user's own argument name.
