@@ -315,12 +315,23 @@ def manager_multiprocess(directory, process_id: int, num: int, coordinator):
     print("manager-multiprocess: ok", flush=True)
 
 
-def multiprocess(directory: pathlib.Path, process_id: int, num: int, coordinator):
+def multiprocess(
+    directory: pathlib.Path, process_id: int, num: int, coordinator, checksums: str
+):
     jax = _distributed(process_id, num, coordinator)
     import equinox as eqx
     import equinox_shard as eqxs
     import numpy as np
+    from equinox_shard._checkpoint import manifest
     from jax.sharding import PartitionSpec as P
+
+    if checksums == "device":  # as on an accelerator: no shard read back to the host
+        manifest.HOST_PLATFORMS = ()
+
+        def on_the_host(*args):
+            raise AssertionError("a checksum was computed on the host")
+
+        manifest._partial_sum = on_the_host
 
     state = reference_state()
     rules = eqxs.PathRules([(r"weight$", P("data"))], default=P())
@@ -441,7 +452,7 @@ def main(argv: list[str]) -> None:
     elif mode == "overwrite":
         overwrite(directory, argv[2])
     elif mode == "multiprocess":
-        multiprocess(directory, int(argv[2]), int(argv[3]), argv[4])
+        multiprocess(directory, int(argv[2]), int(argv[3]), argv[4], argv[5])
     else:
         raise ValueError(mode)
 

@@ -546,14 +546,17 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_processes_then_one(tmp_path):
+@pytest.mark.parametrize("checksums", ["host", "device"])
+def test_two_processes_then_one(tmp_path, checksums):
+    # `device`: the checksums summed on the devices of both processes (as on an
+    # accelerator), then checked on the host by the one process.
     coordinator = f"127.0.0.1:{_free_port()}"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     procs = [
         subprocess.Popen(
             [sys.executable, WORKER, "multiprocess", str(tmp_path), str(p), "2"]
-            + [coordinator],
+            + [coordinator, checksums],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

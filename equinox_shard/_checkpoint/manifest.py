@@ -159,8 +159,8 @@ HOST_PLATFORMS = ("cpu",)
 
 def on_device(x: Any) -> bool:
     """Whether the checksum of `x` is computed on its devices: a JAX array in the
-    device memory of an accelerator, in one process, of a type `_bits` takes."""
-    if not isinstance(x, jax.Array) or jax.process_count() > 1:
+    device memory of an accelerator, of a type `_bits` takes."""
+    if not isinstance(x, jax.Array):
         return False
     if x.sharding.memory_kind not in (None, "device"):
         return False
@@ -190,11 +190,11 @@ _device_sums = jax.jit(lambda arrays: [_device_sum(x) for x in arrays])
 def checksums(arrays: list) -> list[int]:
     """The checksum of each array (a JAX array, its key data for a PRNG key array, or
     a NumPy array). On an accelerator (`on_device`) it is computed on the array's
-    devices, only the sums coming back. Otherwise on the host with NumPy from the
-    shards this process holds (those with `replica_id == 0`): nothing runs on a
-    device, so nothing is compiled. No mesh, default device or flag of the caller
-    changes it. The sums of an array split over several processes are gathered from
-    each."""
+    devices (in every process that holds some), only the sums coming back. Otherwise
+    on the host with NumPy from the shards this process holds (`replica_id == 0`):
+    nothing runs on a device, so nothing is compiled. No mesh, default device or flag
+    of the caller changes it. On the host, the sums of an array split over several
+    processes are gathered from each."""
     arrays = [jax.random.key_data(x) if is_key_array(x) else x for x in arrays]
     out: list = [None] * len(arrays)  # the sums, `None` until computed
     # One call per set of devices (in their order): one over several would move
@@ -210,7 +210,9 @@ def checksums(arrays: list) -> list[int]:
     for group in groups.values():
         # Compiled even under `jax.disable_jit` (op by op it fails on an Explicit mesh).
         with jax.set_mesh(None), jax.disable_jit(False):
-            sums = jax.device_get(_device_sums([arrays[i] for i in group]))
+            sums = _device_sums([arrays[i] for i in group])
+        # Each sum is on every device of the group, in every process: one copy here.
+        sums = jax.device_get([s.addressable_data(0) for s in sums])
         for i, s in zip(group, sums):
             out[i] = int(s)
     spread = []
