@@ -9,6 +9,7 @@ the bytes this process has read from files since the restore began (Linux's
 shows only that the restore is running.
 """
 
+import contextlib
 import sys
 import threading
 
@@ -17,77 +18,60 @@ import jax
 
 # Seconds a restore runs before its bar appears (the tests set 0: at once).
 DELAY_SECONDS = 2.0
-_REFRESH_SECONDS = 0.1
 
 
-def _bytes_read() -> int | None:
+def _bytes_read() -> int:
     try:
         with open("/proc/self/io") as f:
-            for line in f:
-                if line.startswith("rchar:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return None
+            return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+    except (OSError, ValueError, StopIteration):
+        return 0
 
 
-class Bar:
-    """`with Bar(description, total):` around a restore: a bar on stderr, once it has
-    run `DELAY_SECONDS`, if stderr is a terminal. `total`: the bytes it reads from
-    files, or `None` if not known."""
+@contextlib.contextmanager
+def bar(description: str, total: int | None):
+    """Around a restore: a bar on stderr, once it has run `DELAY_SECONDS`, if stderr
+    is a terminal. `total`: the bytes it reads from files, or `None` if not known."""
+    isatty = getattr(sys.stderr, "isatty", None)
+    try:
+        import rich.console
+        import rich.progress as rp
+    except ImportError:  # no bar: as without a terminal
+        isatty = rich = rp = None
+    if rp is None or rich is None or not (isatty and isatty()) or jax.process_index():
+        yield
+        return
+    start = _bytes_read()
+    total = total if start else None  # not counted: the bar shows that it runs
 
-    def __init__(self, description: str, total: int | None):
-        self.description, self.total = description, total
-        self.thread: threading.Thread | None = None
-        self.done = threading.Event()
+    class Progress(rp.Progress):
+        def get_renderables(self):  # rich's refresh thread: the bytes read so far
+            if total is not None and self.task_ids:
+                read = min(_bytes_read() - start, total)
+                self.update(self.task_ids[0], completed=read)
+            yield from super().get_renderables()
 
-    def __enter__(self) -> "Bar":
-        isatty = getattr(sys.stderr, "isatty", None)
-        if not (isatty is not None and isatty()) or jax.process_index() != 0:
-            return self
-        try:
-            import rich.console
-            import rich.progress as rp
-        except ImportError:
-            return self
-        self.start = _bytes_read() or 0
-        if not self.start:
-            self.total = None  # not counted: the bar shows only that it runs
-        console = rich.console.Console(file=sys.stderr, force_terminal=True)
-        self.progress = rp.Progress(
-            rp.TextColumn("{task.description}"),
-            rp.BarColumn(bar_width=30),
-            rp.DownloadColumn() if self.total is not None else rp.TextColumn(""),
-            rp.TimeElapsedColumn(),
-            console=console,
-            auto_refresh=False,
-        )
-        self.task = self.progress.add_task(self.description, total=self.total)
-        if DELAY_SECONDS <= 0:
-            self.progress.start()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        return self
-
-    def _update(self, finished: bool = False) -> None:
-        now = _bytes_read()
-        if self.total is not None and now is not None:
-            read = self.total if finished else min(now - self.start, self.total)
-            self.progress.update(self.task, completed=read)
-        self.progress.refresh()
-
-    def _run(self) -> None:
-        if self.done.wait(max(DELAY_SECONDS, 0)):
-            return
-        self.progress.start()
-        while not self.done.wait(_REFRESH_SECONDS):
-            self._update()
-
-    def __exit__(self, *exc) -> None:
-        if self.thread is None:
-            return
-        self.done.set()
-        self.thread.join()
-        if self.progress.live.is_started:
-            self._update(finished=exc[0] is None)
-            self.progress.stop()
+    console = rich.console.Console(file=sys.stderr, force_terminal=True)
+    progress = Progress(
+        rp.TextColumn("{task.description}"),
+        rp.BarColumn(bar_width=30),
+        rp.DownloadColumn() if total is not None else rp.TextColumn(""),
+        rp.TimeElapsedColumn(),
+        console=console,
+        refresh_per_second=10,
+    )
+    progress.add_task(description, total=total)
+    timer = threading.Timer(DELAY_SECONDS, progress.start)
+    if DELAY_SECONDS > 0:
+        timer.start()
+    else:
+        progress.start()
+    try:
+        yield
+        start = _bytes_read() - (total or 0)  # complete: the bar shows the total
+    finally:
+        timer.cancel()
+        if timer.ident is not None:  # started: wait, should it be starting the bar
+            timer.join()
+        if progress.live.is_started:
+            progress.stop()

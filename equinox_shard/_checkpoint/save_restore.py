@@ -429,7 +429,7 @@ def restore_from(
         read_json(path, path / "arrays" / "_METADATA")
         stored = data_files.check(path, names, "like")
         with (
-            progress.Bar(f"restoring {what or path.name}", stored),
+            progress.bar(f"restoring {what or path.name}", stored),
             ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer,
         ):
             try:
