@@ -9,6 +9,7 @@ report.
 
 import collections as co
 import datetime
+import functools
 import gc
 import importlib.util
 import os
@@ -28,31 +29,24 @@ import jax
 #
 
 
-def sample_async(fn: Callable, args: tuple, inner: int) -> float:
-    """Calling-thread CPU seconds per call, with asynchronous dispatch: `inner` calls
-    are issued back to back, and only the last output is waited for, outside the
-    timed region."""
+def sample_async(
+    fn: Callable, args: tuple, inner: int, clock: Callable[[], float] = time.thread_time
+) -> float:
+    """Seconds of `clock` (by default the calling thread's CPU time) per call, with
+    asynchronous dispatch: `inner` calls are issued back to back, and only the last
+    output is waited for, outside the timed region."""
     out = None
-    start = time.thread_time_ns()
+    start = clock()
     for _ in range(inner):
         out = fn(*args)
-    stop = time.thread_time_ns()
-    jax.block_until_ready(out)
-    return (stop - start) * 1e-9 / inner
-
-
-def sample_async_wall(fn: Callable, args: tuple, inner: int) -> float:
-    """Wall-clock seconds per call, with asynchronous dispatch: `inner` calls are
-    issued back to back, and only the last output is waited for, outside the timed
-    region. For an accelerator's host, whose thread CPU clock advances in steps
-    coarser than a sample (it read 0 for whole samples on a TPU host)."""
-    out = None
-    start = time.perf_counter()
-    for _ in range(inner):
-        out = fn(*args)
-    stop = time.perf_counter()
+    stop = clock()
     jax.block_until_ready(out)
     return (stop - start) / inner
+
+
+# For an accelerator's host, whose thread CPU clock advances in steps coarser than a
+# sample (it read 0 for whole samples on a TPU host).
+sample_async_wall = functools.partial(sample_async, clock=time.perf_counter)
 
 
 def sample_sync(fn: Callable, args: tuple, inner: int) -> float:

@@ -96,130 +96,122 @@ def _targets(results: dict) -> list[dict]:
             }
         )
 
+    def add_worst(name, rows, value, threshold, detail, *, at_most=True):
+        # The worst row against a target: the largest value for a ceiling, the
+        # smallest for a floor; the median over all rows goes with it.
+        values = [value(r) for r in rows]
+        if not rows or None in values:
+            return
+        pick = max if at_most else min
+        k = pick(range(len(rows)), key=values.__getitem__)
+        add(
+            name,
+            values[k],
+            threshold,
+            at_most=at_most,
+            detail=detail(rows[k]),
+            values=values,
+        )
+
+    def cell(r):
+        return f"{r['layout']} {r['tree']} N={r['n']}"
+
     if "dispatch" in results and "inputs" in results["dispatch"]:
         from .dispatch import TARGET_INPUTS
 
-        cells = results["dispatch"]["inputs"]["rows"]
-        if cells and None not in [r["eqxs_over_flat"] for r in cells]:
-            worst = max(cells, key=lambda r: r["eqxs_over_flat"])
-            add(
-                "dispatch of inputs as users pass them eqxs/flat sketch, worst "
-                "(issue 48)",
-                worst["eqxs_over_flat"],
-                TARGET_INPUTS,
-                at_most=True,
-                detail=f"{worst['devices']} devices, {worst['source']} "
-                f"{worst['tree']} N={worst['n']}",
-                values=[r["eqxs_over_flat"] for r in cells],
-            )
+        add_worst(
+            "dispatch of inputs as users pass them eqxs/flat sketch, worst (issue 48)",
+            results["dispatch"]["inputs"]["rows"],
+            lambda r: r["eqxs_over_flat"],
+            TARGET_INPUTS,
+            lambda r: f"{r['devices']} devices, {r['source']} {r['tree']} N={r['n']}",
+        )
     if "dispatch" in results:
         rows = results["dispatch"]["rows"]
         # Issue 23: eqxs, asynchronous dispatch, against the flat sketch and the floor.
         from .dispatch import TARGET_FLAT, TARGET_FLOOR, TARGET_FLOOR_N1
 
         sel = [r for r in rows if r["mode"] == "async"]
-        if sel:
-            worst = max(sel, key=lambda r: r["ratio_to_flat"]["eqxs"])
-            add(
-                "dispatch eqxs/flat sketch (async), worst cell",
-                worst["ratio_to_flat"]["eqxs"],
+        add_worst(
+            "dispatch eqxs/flat sketch (async), worst cell",
+            sel,
+            lambda r: r["ratio_to_flat"]["eqxs"],
+            TARGET_FLAT,
+            cell,
+        )
+        if sel and all(r.get("eqxs_over_flat_lock") for r in sel):
+            add_worst(
+                "dispatch eqxs/flat sketch+lock (async), worst cell",
+                sel,
+                lambda r: r["eqxs_over_flat_lock"],
                 TARGET_FLAT,
-                at_most=True,
-                detail=f"{worst['layout']} {worst['tree']} N={worst['n']}",
-                values=[r["ratio_to_flat"]["eqxs"] for r in sel],
+                cell,
             )
-            if all(r.get("eqxs_over_flat_lock") for r in sel):
-                worst = max(sel, key=lambda r: r["eqxs_over_flat_lock"])
-                add(
-                    "dispatch eqxs/flat sketch+lock (async), worst cell",
-                    worst["eqxs_over_flat_lock"],
-                    TARGET_FLAT,
-                    at_most=True,
-                    detail=f"{worst['layout']} {worst['tree']} N={worst['n']}",
-                    values=[r["eqxs_over_flat_lock"] for r in sel],
-                )
         for label, threshold, cells in (
             ("N = 1", TARGET_FLOOR_N1, [r for r in sel if r["n"] == 1]),
             ("N >= 10", TARGET_FLOOR, [r for r in sel if r["n"] >= 10]),
         ):
-            if cells:
-                worst = max(cells, key=lambda r: r["ratio_to_floor"]["eqxs"])
-                add(
-                    f"dispatch eqxs/floor (async), {label}, worst cell",
-                    worst["ratio_to_floor"]["eqxs"],
-                    threshold,
-                    at_most=True,
-                    detail=f"{worst['layout']} {worst['tree']} N={worst['n']}",
-                    values=[r["ratio_to_floor"]["eqxs"] for r in cells],
-                )
+            add_worst(
+                f"dispatch eqxs/floor (async), {label}, worst cell",
+                cells,
+                lambda r: r["ratio_to_floor"]["eqxs"],
+                threshold,
+                cell,
+            )
         for variant in ("eqxs", "eqxs+shard"):
             for mode in ("async", "sync"):
                 if (variant, mode) == ("eqxs", "async"):
                     continue  # replaced by issue 23's targets above
-                sel = [r for r in rows if r["mode"] == mode]
-                worst = max(sel, key=lambda r: r["ratio_to_floor"][variant])
-                add(
+                add_worst(
                     f"dispatch {variant}/floor ({mode}), worst N",
-                    worst["ratio_to_floor"][variant],
+                    [r for r in rows if r["mode"] == mode],
+                    lambda r, v=variant: r["ratio_to_floor"][v],
                     TARGET_DISPATCH_FLOOR,
-                    at_most=True,
-                    detail=f"{worst['layout']} {worst['tree']} N={worst['n']}",
-                    values=[r["ratio_to_floor"][variant] for r in sel],
+                    cell,
                 )
         for variant, key in (
             ("eqxs", "eqx_over_eqxs"),
             ("eqxs+shard", "eqx_over_eqxs_shard"),
         ):
-            small = [r for r in rows if r["n"] <= 10 and r["mode"] == "async"]
-            if small:
-                worst = min(small, key=lambda r: r[key])
-                add(
-                    f"dispatch eqx/{variant} speed-up (async), N <= 10, worst",
-                    worst[key],
-                    TARGET_DISPATCH_VS_EQX,
-                    at_most=False,
-                    detail=f"{worst['layout']} {worst['tree']} N={worst['n']}",
-                    values=[r[key] for r in small],
-                )
+            add_worst(
+                f"dispatch eqx/{variant} speed-up (async), N <= 10, worst",
+                [r for r in rows if r["n"] <= 10 and r["mode"] == "async"],
+                lambda r, key=key: r[key],
+                TARGET_DISPATCH_VS_EQX,
+                cell,
+                at_most=False,
+            )
     if "callbacks" in results:
         from .callbacks import TARGET as CALLBACKS
 
-        rows = results["callbacks"]["rows"]
-        worst = max(rows, key=lambda r: r["eqxs_over_eqx"])
-        add(
+        add_worst(
             "callbacks eqxs/eqx, worst kind",
-            worst["eqxs_over_eqx"],
+            results["callbacks"]["rows"],
+            lambda r: r["eqxs_over_eqx"],
             CALLBACKS,
-            at_most=True,
-            detail=worst["kind"],
-            values=[r["eqxs_over_eqx"] for r in rows],
+            lambda r: r["kind"],
         )
     if "placement" in results:
         from .placement import HELD, target_ratio, TARGETS as PLACE
 
         rows = results["placement"]["rows"]
 
-        def worst_cell(variant, base, source, sel, ratios, threshold):
-            if not sel or None in ratios:
-                return
-            k = max(range(len(sel)), key=lambda k: ratios[k])
-            add(
-                f"placement {variant}/{base} from {source}, worst cell",
-                ratios[k],
-                threshold,
-                at_most=True,
-                detail=f"{sel[k]['layout']} N={sel[k]['n']}",
-                values=ratios,
-            )
-
         for variant in HELD:
             for source, (base, threshold) in PLACE.items():
                 sel = [r for r in rows if r["source"] == source]
-                ratios = [target_ratio(r, variant)[0] for r in sel]
-                worst_cell(variant, base, source, sel, ratios, threshold)
-                if source == "uncommitted":
-                    owned = [r["ratio_to_owned"].get(variant) for r in sel]
-                    worst_cell(variant, "owned", source, sel, owned, threshold)
+                for against, ratio in (
+                    (base, lambda r, v=variant: target_ratio(r, v)[0]),
+                    ("owned", lambda r, v=variant: r["ratio_to_owned"].get(v)),
+                ):
+                    if against == "owned" and source != "uncommitted":
+                        continue
+                    add_worst(
+                        f"placement {variant}/{against} from {source}, worst cell",
+                        sel,
+                        ratio,
+                        threshold,
+                        lambda r: f"{r['layout']} N={r['n']}",
+                    )
                 if source == "placed":
                     least = min(r["same_object"][variant] for r in sel)
                     add(
@@ -247,19 +239,15 @@ def _targets(results: dict) -> list[dict]:
             at_most=True,
             detail=f"{results['step']['n_params'] / 1e6:.2f}M parameters",
         )
-        feeds = results["step"].get("feeds", {}).get("rows", [])
-        if feeds and None not in [r["eqxs_over_jit"] for r in feeds]:
-            from .step import TARGET_FEEDS
+        from .step import TARGET_FEEDS
 
-            worst = max(feeds, key=lambda r: r["eqxs_over_jit"])
-            add(
-                "training step fed a fresh batch eqxs/jit, worst (issue 48)",
-                worst["eqxs_over_jit"],
-                TARGET_FEEDS,
-                at_most=True,
-                detail=f"{worst['devices']} devices, {worst['feed']}",
-                values=[r["eqxs_over_jit"] for r in feeds],
-            )
+        add_worst(
+            "training step fed a fresh batch eqxs/jit, worst (issue 48)",
+            results["step"].get("feeds", {}).get("rows", []),
+            lambda r: r["eqxs_over_jit"],
+            TARGET_FEEDS,
+            lambda r: f"{r['devices']} devices, {r['feed']}",
+        )
     if "checkpoint" in results:
         for what in ("save", "restore"):
             add(
