@@ -445,6 +445,9 @@ def run(cfg: dict) -> dict:
     }
     rows, seconds, failed = [], {}, []
     for name, section in sections.items():
+        if cfg.get("only") is not None and name not in cfg["only"]:
+            rows += [{"row": r, "na": "not run (--only)"} for r in SECTION_ROWS[name]]
+            continue
         if cfg["verbose"]:
             print(f"running {name} ...", file=sys.stderr, flush=True)
         start = time.perf_counter()

@@ -333,7 +333,15 @@ def _device(args) -> dict:
 
     cfg = dict(device.QUICK if args.quick else device.FULL)
     cfg["verbose"] = not args.quiet
+    names = {
+        "dispatch": "dispatch",
+        "step": "training step",
+        "checkpoint": "checkpoint",
+    }
+    cfg["only"] = None if args.only is None else [names.get(n, n) for n in args.only]
     command = "python -m benchmarks --device" + (" --quick" if args.quick else "")
+    if args.only is not None:
+        command += " --only " + " ".join(args.only)
     start = time.perf_counter()
     results: dict = {"meta": {**h.machine(), "command": command, "quick": args.quick}}
     results["device"] = device.run(cfg)
@@ -363,8 +371,8 @@ def main(argv: list[str] | None = None) -> dict:
         "--only",
         nargs="+",
         choices=SECTIONS + OPTIONAL_SECTIONS,
-        default=list(SECTIONS),
-        help="run only these sections",
+        default=None,
+        help="run only these sections (with --device: dispatch, step, checkpoint)",
     )
     parser.add_argument("--json", type=pathlib.Path, default=None, help="output file")
     parser.add_argument("--reps", type=int, default=None, help="override repetitions")
@@ -380,6 +388,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     if args.device:
         return _device(args)
+    if args.only is None:
+        args.only = list(SECTIONS)
 
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", 8)
