@@ -40,7 +40,7 @@ def serialized(run, dynamic, deleted, leaves, jit_id):
 # the collective queued first lacks a participant, deadlocks, and XLA aborts the
 # process after 40 s (upstream/jax-reports/cpu-inflight-limit-deadlock).
 PACE = 8
-_launches = [0]  # multi-device CPU launches so far (counted under `_count_lock`)
+launches = [0]  # multi-device CPU launches so far (counted under `_count_lock`)
 _count_lock = threading.Lock()
 
 
@@ -53,8 +53,8 @@ def paced(inner: Callable) -> Callable:
     def dispatch(run, dynamic, deleted, leaves, jit_id):
         out = inner(run, dynamic, deleted, leaves, jit_id)
         with _count_lock:
-            _launches[0] += 1
-            wait = _launches[0] % PACE == 0
+            launches[0] += 1
+            wait = launches[0] % PACE == 0
         if wait:
             # Outside the lock: other threads launch meanwhile. Tracers (an outer
             # trace) and arrays another thread has donated since have nothing to wait
