@@ -8,15 +8,13 @@ import inspect
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import equinox._caches
-import jax
 import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 from equinox import Module
-from jax.sharding import Sharding
 from jax.tree_util import PyTreeDef
 
 from .._arrays import (
@@ -25,8 +23,8 @@ from .._arrays import (
     raise_if_deleted,
     raise_if_fun_deleted,
 )
+from .._placement import check_shapes
 from .._spec.language import (
-    check,
     context_mesh,
     flatten_specs,
     needs_leaf,
@@ -49,8 +47,7 @@ traceback_util.register_exclusion(__file__)
 
 class StructureKey(NamedTuple):
     """The key of `Cache.structures`: what a call's arguments must share to share an
-    `ArgStructure`. The cache hit (`filter_jit._call`) builds it in place, as the plain
-    tuple `(treedef, leaf_types, dynamic)`: calling this class would cost it a frame."""
+    `ArgStructure`."""
 
     # The structure of the bound `(args, kwargs)`.
     treedef: PyTreeDef  # pyright: ignore[reportInvalidTypeForm]
@@ -73,7 +70,9 @@ class EntryKey(NamedTuple):
     mesh: Any
 
 
-_entry_key = ft.partial(tuple.__new__, EntryKey)  # no Python frame, unlike `EntryKey()`
+# `StructureKey(*key)` and `EntryKey(*key)` from a tuple, without their Python frame.
+structure_key = ft.partial(tuple.__new__, StructureKey)
+_entry_key = ft.partial(tuple.__new__, EntryKey)
 
 
 class Cache:
@@ -303,19 +302,18 @@ def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, dynamic) ->
                 f"`in_shardings` has {len(specs)} entries but the call has "
                 f"{len(args)} positional arguments."
             )
-    names = cache.names
+    where = ft.partial(arg_path, cache, args, kwargs)
     groups = [
-        (f"in_shardings[{p}]", spec, arg, _positional(names, cache.var_name, p))
+        (f"in_shardings[{p}]", spec, arg, _positional(cache, p))
         for p, (spec, arg) in enumerate(zip(specs, args))
     ]
     groups += [("in_shardings", specs[0], kwargs[k], k) for k in named]
     out = []
     usage = RulesUsage()  # strict rules: checked over all the arguments at once
     for name, spec, arg, arg_name in groups:
-        start = len(out)
-        where = lambda j, s=start: arg_path(names, args, kwargs, s + j, cache.var_name)
+        at = lambda j, s=len(out): where(s + j)  # `j`: a leaf of this argument
         leaves_ = jtu.tree_leaves(arg)
-        out.extend(spread(spec, arg, leaves_, name, arg_name, where, dynamic, usage))
+        out.extend(spread(spec, arg, leaves_, name, arg_name, at, dynamic, usage))
     usage.check()
     return out + [None] * (len(leaves) - len(out))  # keyword arguments
 
@@ -325,50 +323,39 @@ def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, dynamic) ->
 #
 
 
-def _positional(names: Sequence[str], var_name, position: int) -> str:
+def _positional(cache: Cache, position: int) -> str:
     """The name of positional argument `position`: its parameter's, `xs[k]` under a
     `*xs` parameter, else `args[position]`."""
-    if position < len(names):
-        return names[position]
-    if var_name is not None:
-        return f"{var_name}[{position - len(names)}]"
+    if position < len(cache.names):
+        return cache.names[position]
+    if cache.var_name is not None:
+        return f"{cache.var_name}[{position - len(cache.names)}]"
     return f"args[{position}]"
 
 
-def arg_path(
-    names: Sequence[str], args: tuple, kwargs: dict, index: int, var_name=None
-) -> str:
-    """The key path of leaf `index` of `(args, kwargs)`, from the parameter name."""
+def arg_path(cache: Cache, args: tuple, kwargs: dict, index: int) -> str:
+    """The key path of leaf `index` of the bound `(args, kwargs)`, from the parameter
+    name: a call's `where` is `functools.partial(arg_path, cache, args, kwargs)`."""
     path, _ = jtu.tree_flatten_with_path((args, kwargs))[0][index]
-    return path_name(names, path, var_name)
+    return path_name(cache, path)
 
 
-def path_name(names: Sequence[str], path: tuple, var_name=None) -> str:
-    """A key path into the bound `(args, kwargs)`, rooted at the parameter's name
-    (`names`: the positional parameters'; `var_name`: the `*args` parameter's)."""
+def path_name(cache: Cache, path: tuple) -> str:
+    """A key path into the bound `(args, kwargs)`, rooted at the parameter's name."""
     if len(path) < 2:
         return "the arguments"
-    group, key, *rest = path
-    if group.idx == 0:  # pyright: ignore
-        name = _positional(names, var_name, key.idx)  # pyright: ignore
+    _, key, *rest = path  # `args[p]` or `kwargs[k]`
+    if isinstance(key, jtu.SequenceKey):
+        name = _positional(cache, key.idx)
     else:
-        name = str(key.key)  # pyright: ignore
+        name = str(key.key if isinstance(key, jtu.DictKey) else key)
     return name + jtu.keystr(tuple(rest))
 
 
-def diagnose(
-    cache: Any,
-    args,
-    kwargs,
-    leaves: list,
-    dynamic,
-    targets: list[tuple[int, Sharding]],
-    dynamic_fun: Any = None,
-) -> None:
+def diagnose(cache: Cache, args, kwargs, leaves: list, entry: Any, dynamic_fun=None):
     """Called after `jax.jit` raised: raises our own error, naming the key path, if we
     can name the culprit (a deleted input, a bad shape)."""
-    where = lambda i: arg_path(cache.names, args, kwargs, i, cache.var_name)
-    raise_if_deleted(leaves, dynamic, where)
+    where = ft.partial(arg_path, cache, args, kwargs)
+    raise_if_deleted(leaves, entry.structure.dynamic, where)
     raise_if_fun_deleted(cache.fun_name, dynamic_fun)
-    for i, sharding in targets:
-        check(jax.numpy.shape(leaves[i]), sharding, lambda i=i: where(i))
+    check_shapes(leaves, entry.targets, where)

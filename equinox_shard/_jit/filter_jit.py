@@ -16,7 +16,7 @@ from equinox import field, is_array, Module, module_update_wrapper, Partial
 from .._arrays import is_array_or_struct
 from .._spec.leaves import unset
 from . import explain_misses
-from .cache import ArgStructure, Cache, diagnose, get_cache, StructureKey
+from .cache import ArgStructure, Cache, diagnose, get_cache, structure_key
 from .donation import DonateMode
 from .entry import AutoLayouts, build_entry, Entry, prepare
 from .packing import mirror_combine, mirror_partition
@@ -24,18 +24,18 @@ from .packing import mirror_combine, mirror_partition
 
 traceback_util.register_exclusion(__file__)
 
+# JAX's options, which pyright does not see as attributes.
+_config: Any = jax.config
+
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
 #
-# The call path: bind, flatten, look up, prepare, dispatch, postprocess.
+# The call path: `_JitWrapper.__call__ -> _call`, in four steps: look up the call's
+# entry (`_look_up`; on a miss `_build` makes it), prepare its inputs
+# (`entry.prepare`), dispatch (`Entry.dispatch`), combine the output.
 #
-
-
-def _bind(cache: Cache, args, kwargs):
-    bound = cache.signature.bind(*args, **kwargs)
-    return bound.args, bound.kwargs
 
 
 def _call(wrapper, args, kwargs, compiled=None):
@@ -43,67 +43,39 @@ def _call(wrapper, args, kwargs, compiled=None):
     # One attribute lookup, past `Module.__getattribute__` (Python, on every lookup).
     fields = object.__getattribute__(wrapper, "__dict__")
     cache: Cache = fields["_cache"]
+    dynamic_fun = fields["_dynamic_fun"]
     # Read by `eqx.error_if`'s stacks: one per decoration.
     __equinox_jit_id__ = fields["_jit_id"]
     if kwargs or len(args) not in cache.arity:
-        args, kwargs = _bind(cache, args, kwargs)
+        bound = cache.signature.bind(*args, **kwargs)
+        args, kwargs = bound.args, bound.kwargs
     leaves, treedef = jtu.tree_flatten((args, kwargs))
-    if compiled is None:
-        # A `StructureKey`, built in place.
-        key = (treedef, tuple(map(type, leaves)), is_array)
-        structure = cache.structures.get(key)
-        entry = (
-            None if structure is None else structure.entries.get(structure.key(leaves))
+    structure, entry = _look_up(cache, treedef, leaves, compiled)
+    if structure is None or entry is None:
+        structure, entry, leaves, dynamic, run = _build(
+            wrapper, cache, args, kwargs, leaves, treedef, is_array
         )
-    else:
-        entry = compiled._entry
-        structure = entry.structure
-        _check_compiled(entry, treedef, leaves)
-    if entry is None:
-        entry, structure, leaves, dynamic, run = _compile(
-            wrapper,
-            cache,
-            args,
-            kwargs,
-            leaves,
-            key,  # pyright: ignore[reportPossiblyUnboundVariable]
-        )
-    elif entry.lean and not structure.deleted(leaves):  # pyright: ignore[reportOptionalMemberAccess]
+    elif entry.lean and not structure.deleted(leaves):
         # Nothing to place or donate: what `prepare` returns, without its frame.
-        dynamic = structure.packing.arguments(  # pyright: ignore[reportOptionalMemberAccess]
-            fields["_dynamic_fun"], args, kwargs, leaves
-        )
+        dynamic = structure.packing.arguments(dynamic_fun, args, kwargs, leaves)
         run = entry.jitted
     else:
         leaves, dynamic, run = prepare(
-            fields["_dynamic_fun"], cache, entry, structure, args, kwargs, leaves
+            dynamic_fun, cache, entry, structure, args, kwargs, leaves
         )
     if compiled is not None:
         run = compiled.compiled
-    dispatch = entry.dispatch
     try:
-        if dispatch is None:  # no layer: the launch alone
+        if entry.dispatch is None:  # no layer: the launch alone
             out = run(*dynamic)
         else:
-            out = dispatch(
-                run,
-                dynamic,
-                structure.deleted,  # pyright: ignore[reportOptionalMemberAccess]
-                leaves,
-                __equinox_jit_id__,
+            out = entry.dispatch(
+                run, dynamic, structure.deleted, leaves, __equinox_jit_id__
             )
     except eqx.EquinoxRuntimeError:
         raise
     except Exception:
-        diagnose(
-            cache,
-            args,
-            kwargs,
-            leaves,
-            entry.structure.dynamic,
-            entry.targets,
-            fields["_dynamic_fun"],
-        )
+        diagnose(cache, args, kwargs, leaves, entry, dynamic_fun)
         raise
     dynamic_out, static_out = out
     if static_out is None:
@@ -111,58 +83,64 @@ def _call(wrapper, args, kwargs, compiled=None):
     return static_out.combine(dynamic_out)
 
 
-def _check_compiled(entry: Entry, treedef, leaves) -> None:
-    static = entry.structure.static_of(leaves)
-    if treedef != entry.structure.treedef or static != entry.static:
-        raise TypeError(
-            "This function was compiled for arguments of structure "
-            f"{entry.structure.treedef} with static (non-array) leaves {entry.static}, "
-            f"but was called with {treedef} and {static}. Lower and compile it again "
-            "for these arguments."
-        )
+def _look_up(cache: Cache, treedef, leaves: list, compiled) -> tuple:
+    """The call's `ArgStructure` and `Entry` (either `None` on a miss); a `Compiled`'s
+    own, once the call is checked against it."""
+    if compiled is not None:
+        entry = compiled._entry
+        static = entry.structure.static_of(leaves)
+        if treedef != entry.structure.treedef or static != entry.static:
+            raise TypeError(
+                "This function was compiled for arguments of structure "
+                f"{entry.structure.treedef} with static (non-array) leaves "
+                f"{entry.static}, but was called with {treedef} and {static}. Lower "
+                "and compile it again for these arguments."
+            )
+        return entry.structure, entry
+    structure = cache.structures.get(
+        structure_key((treedef, tuple(map(type, leaves)), is_array))
+    )
+    if structure is None:
+        return None, None
+    return structure, structure.entries.get(structure.key(leaves))
 
 
-def _compile(wrapper, cache, args, kwargs, leaves, structure_key: tuple):
-    """The slow path of a call (or of `.lower()`): finds or makes the argument
-    structure (`structure_key`: the call's `StructureKey`, or that tuple) and the
-    entry, under the cache's lock."""
+def _build(wrapper, cache: Cache, args, kwargs, leaves, treedef, dynamic) -> tuple:
+    """A miss (or `.lower()`): finds or makes the argument structure and the entry,
+    under the cache's lock, and prepares this call's inputs. `dynamic`: which leaves
+    are traced (`StructureKey.dynamic`)."""
+    key = structure_key((treedef, tuple(map(type, leaves)), dynamic))
     with cache.lock:
-        structure = cache.structures.get(structure_key)
+        structure = cache.structures.get(key)
         if structure is None:
-            structure_key = StructureKey(*structure_key)
-            structure = ArgStructure(cache, args, kwargs, leaves, structure_key)
-        key = structure.key(leaves)
-        entry = structure.entries.get(key)
+            structure = ArgStructure(cache, args, kwargs, leaves, key)
+        entry_key = structure.key(leaves)
+        entry = structure.entries.get(entry_key)
         if entry is not None:
             # Made by another thread meanwhile, or for other leaf types (JAX arrays
             # where these are NumPy): this structure is kept, so the next call hits.
-            if not jax.config.jax_disable_jit:  # pyright: ignore
-                cache.structures[structure_key] = structure
-            leaves, trees, run = prepare(
+            prepared = prepare(
                 wrapper._dynamic_fun, cache, entry, structure, args, kwargs, leaves
             )
-            return entry, structure, leaves, trees, run
-        make = lambda: build_entry(
-            wrapper._dynamic_fun,
-            wrapper._static_fun,
-            cache,
-            structure,
-            args,
-            kwargs,
-            leaves,
-        )
-        config = jax.config
-        if config.jax_explain_cache_misses and not config.jax_disable_jit:  # pyright: ignore
-            # JAX's own flag: say why, in the caller's names (`explain_misses`).
-            entry, leaves, trees, run = explain_misses.build(
-                cache, structure, args, kwargs, leaves, make
-            )
         else:
-            entry, leaves, trees, run = make()
-        if not jax.config.jax_disable_jit:  # pyright: ignore
-            structure.entries[key] = entry
-            cache.structures[structure_key] = structure
-    return entry, structure, leaves, trees, run
+            watch = None
+            if _config.jax_explain_cache_misses and not _config.jax_disable_jit:
+                # JAX's own flag: say why, in the caller's names (`explain_misses`).
+                watch = explain_misses.miss(cache, structure, leaves)
+            entry, *prepared = build_entry(
+                wrapper._dynamic_fun,
+                wrapper._static_fun,
+                cache,
+                structure,
+                args,
+                kwargs,
+                leaves,
+                watch,
+            )
+        if not _config.jax_disable_jit:  # under it nothing is traced, nothing kept
+            structure.entries[entry_key] = entry
+            cache.structures[key] = structure
+    return structure, entry, *prepared
 
 
 #
@@ -276,17 +254,17 @@ class _JitWrapper(Module):
         """`stage(entry, dynamic)` for `.lower` and `.eval_shape`, whose arguments are
         checked, and errors named, as a call's."""
         cache = self._cache
-        args, kwargs = _bind(cache, args, kwargs)
+        bound = cache.signature.bind(*args, **kwargs)
+        args, kwargs = bound.args, bound.kwargs
         leaves, treedef = jtu.tree_flatten((args, kwargs))
-        key = StructureKey(treedef, tuple(map(type, leaves)), is_array_or_struct)
-        entry, _, leaves, dynamic, _ = _compile(self, cache, args, kwargs, leaves, key)
+        _, entry, leaves, dynamic, _ = _build(
+            self, cache, args, kwargs, leaves, treedef, is_array_or_struct
+        )
         try:
             return entry, stage(entry, dynamic)
         except Exception:
             # The entry was checked for the shapes of the call that made it.
-            diagnose(
-                cache, args, kwargs, leaves, entry.structure.dynamic, entry.targets
-            )
+            diagnose(cache, args, kwargs, leaves, entry)
             raise
 
     def lower(self, /, *args, **kwargs) -> Lowered:

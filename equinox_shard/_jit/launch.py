@@ -1,8 +1,8 @@
 """The launch of a compiled call: its dispatch `dispatch(run, dynamic, deleted, leaves,
-jit_id)`, one per entry, stacked by `stack` from a launch (`plain`, `serialized`, or
-donation's, `donation.Donation.launch`) and the layers that pacing (`paced`), callbacks
-(`callbacks.waiting`) and explanations (`explain_misses.build`) supply; and the lock
-that serialises launches (RFC §6)."""
+jit_id)`, one per entry, stacked by `stack` (in `entry.build_entry` alone) from a
+launch (`plain`, `serialized`, or donation's, `donation.Donation.launch`) and the
+layers that pacing (`paced`), callbacks (`callbacks.waiting`) and explanations
+(`explain_misses.miss`) supply; and the lock that serialises launches (RFC §6)."""
 
 import threading
 from collections.abc import Callable, Sequence
@@ -77,12 +77,6 @@ def serialize_dispatch(shardings: list) -> bool:
         isinstance(s, Sharding) and not on_abstract_mesh(s) and len(s.device_set) > 1
         for s in shardings
     )
-
-
-def launch_for(shardings: list) -> Callable:
-    """The launch of an entry that donates nothing: `serialized` where its shardings
-    need the lock (`serialize_dispatch`), else `plain`."""
-    return serialized if serialize_dispatch(shardings) else plain
 
 
 def stack(launch: Callable, layers: Sequence[Callable]) -> Callable | None:
