@@ -1,10 +1,8 @@
 """Placing the array leaves of a PyTree with `jax.device_put`, keeping every buffer
 that the caller did not donate (RFC §6): `plan` says which leaves move, and onto what
-(raising, naming the leaf, before anything moves), `transfer` moves them (the private
-copies that keep the caller's buffers, donation, the one `jax.device_put`). Where JAX
-would hand back a buffer of the source, or free one it was not given, the source is
-copied first or not donated. Inside a trace, `place` is `jax.device_put` as JAX does
-it there."""
+(raising, naming the leaf, before anything moves), `transfer` moves them (private
+copies where JAX would hand back a buffer of the source, donation, the one
+`jax.device_put`)."""
 
 import functools as ft
 import operator
@@ -81,23 +79,22 @@ def _is_on(x: jax.Array, target: Any) -> bool:
 
 
 def all_placed(values, expected: tuple) -> bool:
-    """Whether every value is a committed `jax.Array` whose sharding equals its target,
-    `expected` holding `(True, sharding)` per value (one C-speed pass). `False` means
+    """Whether every value is a `jax.Array` whose sharding equals its target in
+    `expected` (one C-speed pass, one `sharding` lookup per value): committed there,
+    or uncommitted on that one device, which `jax.jit` takes as it is. `False` means
     `place` must look: `jax.jit` may not be given an array on another sharding
     (upstream/jax-reports/jit-committed-device-order)."""
     try:
-        return all(map(operator.eq, map(_placement, values), expected))
-    except (AttributeError, TypeError):  # NumPy, a tracer, a `ShapeDtypeStruct`
+        return all(map(operator.eq, map(_sharding, values), expected))
+    except Exception:  # NumPy; a tracer without one
         return False
 
 
 def jit_takes(values, expected: tuple) -> int:
-    """Whether `jax.jit` takes every value as it is for its target in `expected`, a
-    `Sharding` in the default memory of devices of this process: `PLACED` where each is
-    a committed `jax.Array` on its target, `MOVES` where some are not committed
-    (uncommitted, NumPy: `jax.jit` moves them itself) and the committed ones are on
-    theirs, `0` where one is not (`jax.jit` refuses it: `place` must look). C-speed:
-    one `committed` lookup per value, and one `sharding` per committed value."""
+    """Whether `jax.jit` takes every value as it is for its target in `expected` (a
+    `Sharding` in the default memory of this process's devices): `PLACED` where each is
+    a committed `jax.Array` on its target, `MOVES` where the others are uncommitted or
+    NumPy (`jax.jit` moves them itself), `0` where `jax.jit` refuses one. C-speed."""
     try:
         # A weak-typed input is placed by `place`: an executable of a strong type runs
         # a weak one without complaint (and the other way round), with other dtypes.
@@ -115,7 +112,6 @@ def jit_takes(values, expected: tuple) -> int:
 # `jit_takes`'s answers (both true).
 PLACED = 1
 MOVES = 2
-_placement = operator.attrgetter("committed", "sharding")
 _sharding = operator.attrgetter("sharding")
 _FALSE = repeat(False)
 _COMMITTED = repeat("committed")
@@ -153,15 +149,11 @@ def place(
     may_alias: list | bool | None = None,
 ) -> None:
     """Places `leaves[i]` on `target` for each `(i, target)` in `todo` (a resolved
-    spec leaf: a `Sharding`, or a value of a kind whose row says how it is placed,
-    `_spec.kinds.Kind.target`), in place: the one placement of `filter_device_put`,
-    `filter_shard`, `filter_jit`'s inputs and process-local data, `plan` then
-    `transfer`. `donate` and `may_alias` are `jax.device_put`'s, per leaf (lists are
-    indexed by leaf index). An array that already carries an equivalent sharding is
-    left as the same object (unless `may_alias=False`). Every other result owns its
-    buffers, unless donated or `may_alias=True`: donating it later never deletes the
-    input. Inside a trace (tracers in `todo`), `jax.device_put` as JAX does it there.
-    `where(i)` names leaf `i` in errors."""
+    spec leaf), in place: `plan` then `transfer`, the one placement of every function
+    of the package; inside a trace (tracers in `todo`) `jax.device_put` as JAX does it
+    there. `donate` and `may_alias` are `jax.device_put`'s, per leaf (lists indexed by
+    leaf). Every result owns its buffers unless donated or `may_alias=True`, so
+    donating it later never deletes the input. `where(i)` names leaf `i` in errors."""
     if donate is not False and may_alias:
         for i, _ in todo:
             if _flag(donate, i) and _flag(may_alias, i):

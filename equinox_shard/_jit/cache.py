@@ -39,10 +39,8 @@ from .packing import getter, Packing
 traceback_util.register_exclusion(__file__)
 
 
-#
-# The two keys of a call. Explanations of a cache miss (`explain_misses`) name the
-# fields that differ by these names, so a new field is explained without changing them.
-#
+# The two keys of a call. Explanations of a miss (`explain_misses`) name the fields that
+# differ by these names: a new field is explained without changing them.
 
 
 class StructureKey(NamedTuple):
@@ -100,7 +98,7 @@ class Cache:
             sys.maxsize if var else len(positional) + 1,
         )
         self.in_shardings = in_shardings
-        self.in_leaves = None
+        self.in_leaves: list = []
         if in_shardings is not unset:
             self.in_leaves, treedef = flatten_specs(in_shardings, "in_shardings")
             if treedef.num_nodes == 1 and treedef.num_leaves == 1:
@@ -150,8 +148,8 @@ class Cache:
             self.seen = []
 
 
-# Every live `Cache`, so that `eqx.clear_caches()` clears them. Equinox has no public
-# way to register a cache with `clear_caches`; its own caches append to this list.
+# Every live `Cache`, which `eqx.clear_caches()` clears: it has no public registration
+# hook, and `cache_clears` is how Equinox's own modules register theirs (our only use).
 _live_caches: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -162,8 +160,6 @@ def _clear_caches() -> None:
         cache.clear()
 
 
-# `eqx.clear_caches()` has no public registration hook; this list is how Equinox's own
-# modules register theirs. The package's only use of it.
 equinox._caches.cache_clears.append(_clear_caches)
 
 
@@ -290,7 +286,7 @@ def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, dynamic) ->
     if cache.in_shardings is unset:
         return [None] * len(leaves)
     if cache.in_kind == "broadcast":
-        (spec,) = cache.in_leaves  # pyright: ignore
+        (spec,) = cache.in_leaves
         if not isinstance(spec, PathRules):
             return [spec] * len(leaves)
         # Path rules match paths within each argument, as under the tuple form.

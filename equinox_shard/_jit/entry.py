@@ -44,9 +44,6 @@ from .traced_body import in_body, ResolveRules, static_out_shardings, traced_fun
 
 traceback_util.register_exclusion(__file__)
 
-# JAX's options, which pyright does not see as attributes.
-_config: Any = jax.config
-
 
 class Entry:
     """One compiled function: a `jax.jit` for one static part of the arguments, and
@@ -59,7 +56,6 @@ class Entry:
         "static",
         "targets",
         "get_targets",
-        "placed",  # `(True, sharding)` per target: committed there
         "shardings",  # the `Sharding` per target
         "hands_over",  # whether `jax.jit` moves uncommitted and NumPy inputs itself
         "donates",
@@ -109,7 +105,6 @@ def build_entry(
         for _, f in formats
     )
     entry.shardings = tuple(s for _, s in reversed(targets))
-    entry.placed = tuple((True, s) for s in entry.shardings)
     donation = cache.donation
     entry.donates = donation.donates(structure.donated, dynamic_fun, len(args))
     entry.keep = entry.donates and donation.keeper(
@@ -123,7 +118,7 @@ def build_entry(
         dynamic_fun, cache, entry, structure, args, kwargs, leaves
     )
     run = guards = None
-    if not _config.jax_disable_jit:
+    if not jax.config.jax_disable_jit:
         run, guards, again = _trace(entry, auto is None, dynamic, len(args), donation)
         if again:  # placed after all (see `_trace`)
             placed, dynamic, _ = prepare(
@@ -230,12 +225,10 @@ def _auto_casts(structure: ArgStructure, targets) -> list[tuple[int, Any]]:
 
 class Typed:
     """The run of an entry's calls that hand `jax.jit` uncommitted or NumPy inputs for
-    targets on Auto axes (`_auto_casts`): the entry's executable for the types those
-    inputs have once committed, called with them as they are, which moves them in its
-    C++ path as `jax.jit` would. So `x = f(x)` from an uncommitted `x`, and fresh
-    uncommitted or NumPy inputs every call, trace and compile once, where `jax.jit`
-    alone traces and compiles each kind apart (RFC §6). Another shape or dtype lowers
-    again, which JAX's caches answer without compiling where it was seen before."""
+    targets on Auto axes (`_auto_casts`): the executable of the types those inputs
+    have once committed, called with them as they are (it moves them in its C++ path).
+    So `x = f(x)` from an uncommitted `x` traces and compiles once, where `jax.jit`
+    alone does so for each kind (RFC §6). Another shape or dtype lowers again."""
 
     __slots__ = ("entry", "casts", "donation", "compiled")
 
@@ -266,7 +259,7 @@ class Typed:
 
     def __call__(self, *dynamic):
         compiled = self.compiled
-        if _config.jax_disable_jit:
+        if jax.config.jax_disable_jit:
             # The function runs as it is (`jax.jit` runs it); no executable is called.
             return self.entry.jitted(*dynamic)
         if compiled is not None:
@@ -292,12 +285,10 @@ class Typed:
 
 
 def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple:
-    """Checks and placements before execution: returns the leaves as placed, the
+    """A call's checks and placements before `jax.jit`: the leaves as placed, the
     dynamic trees to call, and what to call them with (the entry's `jax.jit`, or its
-    `Typed` where `jax.jit` moves some inputs). `structure` is the one of this call's
-    leaf types, which tests for deleted inputs and tracers: an entry is shared by
-    structures that differ in them (arrays, tracers, NumPy), which share its packing
-    (`cache.ArgStructure`)."""
+    `Typed` where `jax.jit` moves some inputs). `structure` is the call's own (its
+    leaf types: arrays, tracers, NumPy), one of those that share the entry."""
     where = ft.partial(arg_path, cache, args, kwargs)
     # XLA crashes on a deleted multi-device input, donated or not.
     if structure.deleted(leaves):
@@ -305,7 +296,9 @@ def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple
     placed = leaves
     if entry.donates:
         placed = entry.keep(leaves, dynamic_fun, where)
-    ready = all_placed(entry.get_targets(placed), entry.placed) if entry.targets else 1
+    ready = (
+        all_placed(entry.get_targets(placed), entry.shardings) if entry.targets else 1
+    )
     if not ready and entry.hands_over:
         ready = jit_takes(entry.get_targets(placed), entry.shardings)
     if not ready:
@@ -330,11 +323,9 @@ def _place_inputs(
     leaves: list, entry: Entry, where, cache: Cache, structure: ArgStructure
 ) -> None:
     """`place`s the inputs that `jax.jit` would refuse: committed arrays on another
-    sharding where it `hands_over` (it moves uncommitted and NumPy inputs itself,
-    in its C++ path), else every value (not tracers: inside a trace, on the abstract
-    mesh, the enclosing call places; NumPy only across processes). A move shares the
-    caller's buffers where the decoration's donation allows
-    (`donation.Donation.may_alias`)."""
+    sharding where it `hands_over`, else every value (not tracers: the enclosing call
+    places them; NumPy only across processes), sharing the caller's buffers where the
+    donation allows (`donation.Donation.may_alias`)."""
     targets = [(i, s) for i, s in entry.targets if not on_abstract_mesh(s)]
     multiprocess = any(not s.is_fully_addressable for _, s in targets)
     if entry.hands_over:
@@ -379,12 +370,7 @@ class AutoLayouts:
         self.jitted = jitted
         self.message = message
         self.compiled = None
-
-    def trace(self, *args):
-        return self.jitted.trace(*args)
-
-    def lower(self, *args):
-        return self.jitted.lower(*args)
+        self.trace, self.lower = jitted.trace, jitted.lower
 
     def __call__(self, *args):
         if any(map(is_tracer, jtu.tree_leaves(args))):

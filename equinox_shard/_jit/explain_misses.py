@@ -198,10 +198,9 @@ def _never_failing():
 
 
 def miss(cache, structure, leaves: list) -> Callable:
-    """Under the flag, a miss of our cache (a new `jax.jit`): explains it, and returns
-    `watch(entry, leaves)` for `entry.build_entry`, which records the call (its leaves
-    as placed) and gives the entry's dispatch a layer that names each call to
-    `_heard` (in a thread-local) while the flag is on (not for an AOT `Compiled`)."""
+    """Explains a miss of our cache (a new `jax.jit`), and returns `watch(entry,
+    leaves)` for `entry.build_entry`: it records the call (its leaves as placed) and
+    returns the entry's dispatch layer, `_watched`."""
     with _never_failing():
         new = _describe(cache, structure, leaves)
         _report(cache, new, cache.seen, "a new jax.jit", _key_diff)
@@ -209,24 +208,22 @@ def miss(cache, structure, leaves: list) -> Callable:
     def watch(entry, leaves: list) -> Callable:
         with contextlib.suppress(Exception):  # then "not explained" was said
             cache.seen.append(_describe(cache, entry.structure, leaves, entry))
-
-        def layer(dispatch: Callable) -> Callable:
-            def watched(run, dynamic, deleted, leaves, jit_id):
-                __tracebackhide__ = True
-                if not jax.config.jax_explain_cache_misses or run is not entry.jitted:
-                    return dispatch(run, dynamic, deleted, leaves, jit_id)
-                outer = getattr(_state, "call", None)
-                _state.call = [cache, entry, leaves]
-                try:
-                    return dispatch(run, dynamic, deleted, leaves, jit_id)
-                finally:
-                    _state.call = outer
-
-            return watched
-
-        return layer
+        return ft.partial(_watched, cache, entry)
 
     return watch
+
+
+def _watched(cache, entry, inner, run, dynamic, deleted, leaves, jit_id):
+    """A dispatch layer (`launch.stack`): names the call to `_heard` (in a
+    thread-local) while the flag is on (not for an AOT `Compiled`)."""
+    __tracebackhide__ = True
+    if not jax.config.jax_explain_cache_misses or run is not entry.jitted:
+        return inner(run, dynamic, deleted, leaves, jit_id)
+    outer, _state.call = getattr(_state, "call", None), [cache, entry, leaves]
+    try:
+        return inner(run, dynamic, deleted, leaves, jit_id)
+    finally:
+        _state.call = outer
 
 
 def _heard(event: str, duration_secs: float, fun_name: Any = None, **_) -> None:

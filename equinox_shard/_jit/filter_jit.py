@@ -1,5 +1,5 @@
-"""`filter_jit`: the public wrapper, its ahead-of-time objects, and the one call path
-from a call to `jax.jit` (bind, flatten, look up, prepare, dispatch, postprocess)."""
+"""`filter_jit`: the one call path from a call to `jax.jit` (look up, prepare,
+dispatch, combine), its ahead-of-time objects and the public wrapper."""
 
 import functools as ft
 import os
@@ -24,21 +24,19 @@ from .packing import mirror_combine, mirror_partition
 
 traceback_util.register_exclusion(__file__)
 
-# JAX's options, which pyright does not see as attributes.
-_config: Any = jax.config
-
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
 #
-# The call path: `_JitWrapper.__call__ -> _call`, in four steps: look up the call's
-# entry (`_look_up`; on a miss `_build` makes it), prepare its inputs
-# (`entry.prepare`), dispatch (`Entry.dispatch`), combine the output.
+# The call path: `_JitWrapper.__call__ -> _call`.
 #
 
 
 def _call(wrapper, args, kwargs, compiled=None):
+    """A call in four steps: look up its entry (`_look_up`; on a miss `_build` makes
+    it), prepare its inputs (`entry.prepare`), dispatch (`entry.Entry.dispatch`) and
+    combine the output (`_combine`)."""
     __tracebackhide__ = True
     # One attribute lookup, past `Module.__getattribute__` (Python, on every lookup).
     fields = object.__getattribute__(wrapper, "__dict__")
@@ -50,7 +48,9 @@ def _call(wrapper, args, kwargs, compiled=None):
         bound = cache.signature.bind(*args, **kwargs)
         args, kwargs = bound.args, bound.kwargs
     leaves, treedef = jtu.tree_flatten((args, kwargs))
+    # Look up.
     structure, entry = _look_up(cache, treedef, leaves, compiled)
+    # Prepare.
     if structure is None or entry is None:
         structure, entry, leaves, dynamic, run = _build(
             wrapper, cache, args, kwargs, leaves, treedef, is_array
@@ -65,6 +65,7 @@ def _call(wrapper, args, kwargs, compiled=None):
         )
     if compiled is not None:
         run = compiled.compiled
+    # Dispatch.
     try:
         if entry.dispatch is None:  # no layer: the launch alone
             out = run(*dynamic)
@@ -77,10 +78,7 @@ def _call(wrapper, args, kwargs, compiled=None):
     except Exception:
         diagnose(cache, args, kwargs, leaves, entry, dynamic_fun)
         raise
-    dynamic_out, static_out = out
-    if static_out is None:
-        return dynamic_out
-    return static_out.combine(dynamic_out)
+    return _combine(out)
 
 
 def _look_up(cache: Cache, treedef, leaves: list, compiled) -> tuple:
@@ -105,6 +103,13 @@ def _look_up(cache: Cache, treedef, leaves: list, compiled) -> tuple:
     return structure, structure.entries.get(structure.key(leaves))
 
 
+def _combine(out: tuple) -> Any:
+    """The output, from what the traced function returns: its arrays, and its static
+    part (`packing.OutStatic`, `None` where the output is its arrays)."""
+    dynamic, static = out
+    return dynamic if static is None else static.combine(dynamic)
+
+
 def _build(wrapper, cache: Cache, args, kwargs, leaves, treedef, dynamic) -> tuple:
     """A miss (or `.lower()`): finds or makes the argument structure and the entry,
     under the cache's lock, and prepares this call's inputs. `dynamic`: which leaves
@@ -124,7 +129,7 @@ def _build(wrapper, cache: Cache, args, kwargs, leaves, treedef, dynamic) -> tup
             )
         else:
             watch = None
-            if _config.jax_explain_cache_misses and not _config.jax_disable_jit:
+            if jax.config.jax_explain_cache_misses and not jax.config.jax_disable_jit:
                 # JAX's own flag: say why, in the caller's names (`explain_misses`).
                 watch = explain_misses.miss(cache, structure, leaves)
             entry, *prepared = build_entry(
@@ -137,7 +142,7 @@ def _build(wrapper, cache: Cache, args, kwargs, leaves, treedef, dynamic) -> tup
                 leaves,
                 watch,
             )
-        if not _config.jax_disable_jit:  # under it nothing is traced, nothing kept
+        if not jax.config.jax_disable_jit:  # under it nothing is traced, nothing kept
             structure.entries[entry_key] = entry
             cache.structures[key] = structure
     return structure, entry, *prepared
@@ -183,27 +188,26 @@ class Compiled(Module):
         (_, kwargs, *args), _ = per_input
         structure = self._entry.structure
         leaves: list = [None] * structure.treedef.num_leaves
-        for i, x in zip(structure.static, self._entry.static):
+        pairs = zip(structure.static, self._entry.static)
+        pairs = (
+            *pairs,
+            *zip(structure.dynamic, structure.packing.unpack(kwargs, args)),
+        )
+        for i, x in pairs:
             leaves[i] = x
-        for i, sharding in zip(
-            structure.dynamic, structure.packing.unpack(kwargs, args)
-        ):
-            leaves[i] = sharding
         return structure.treedef.unflatten(leaves)
 
     @property
     def output_shardings(self) -> Any:
         """The shardings of the array outputs, in the structure of the output; non-array
         outputs appear as themselves."""
-        dynamic, static = self.compiled.output_shardings
-        return dynamic if static is None else static.combine(dynamic)
+        return _combine(self.compiled.output_shardings)
 
     @property
     def output_formats(self) -> Any:
         """The formats (layout and sharding) of the array outputs, in the structure of
         the output; non-array outputs appear as themselves."""
-        dynamic, static = self.compiled.output_formats
-        return dynamic if static is None else static.combine(dynamic)
+        return _combine(self.compiled.output_formats)
 
 
 class Lowered(Module):
@@ -292,10 +296,7 @@ class _JitWrapper(Module):
         _, traced = self._ahead(
             args, kwargs, lambda entry, dynamic: entry.jitted.trace(*dynamic)
         )
-        dynamic_out, static_out = traced.out_info
-        if static_out is None:
-            return dynamic_out
-        return static_out.combine(dynamic_out)
+        return _combine(traced.out_info)
 
     def __get__(self, instance, owner):
         del owner

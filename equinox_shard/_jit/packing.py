@@ -188,7 +188,7 @@ def mirror(tree: Any, is_leaf=None) -> Any:
     mirrored = [mirror(x, is_leaf) for _, x in children]
     keys = tuple(path[0] for path, _ in children)
     if keys and all(isinstance(k, jtu.GetAttrKey) for k in keys):
-        names = tuple(k.name for k in keys)  # pyright: ignore[reportAttributeAccessIssue]
+        names = tuple(k.name for k in keys if isinstance(k, jtu.GetAttrKey))
         return _namedtuple(node_type, names)(*mirrored)
     return _Node(tuple(mirrored), (node_type, keys))
 
