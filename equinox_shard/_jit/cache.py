@@ -243,7 +243,7 @@ class ArgStructure:
         self.treedef = treedef
         self.dynamic = tuple(i for i, m in enumerate(mask) if m)
         self.static = tuple(i for i, m in enumerate(mask) if not m)
-        self.static_of = getter(self.static)
+        self.static_of = getter(self.static, key=True)
         # How the traced leaves go to `jax.jit`: one `Packing` per traced leaves, as
         # the entries, so that any of these structures packs for any of their entries.
         packing = cache.packings.get((treedef, mask))
@@ -346,6 +346,21 @@ def path_name(cache: Cache, path: tuple) -> str:
     else:
         name = str(key.key if isinstance(key, jtu.DictKey) else key)
     return name + jtu.keystr(tuple(rest))
+
+
+def raise_if_unhashable(cache: Cache, args, kwargs, leaves: list, static) -> None:
+    """Raises a `ValueError` naming the first of the `static` leaves that cannot be
+    hashed: static leaves key the cache, as in `equinox.filter_jit`."""
+    for i in static:
+        try:
+            hash(leaves[i])
+        except TypeError as e:
+            raise ValueError(
+                f"{arg_path(cache, args, kwargs, i)}: a static (non-array) argument "
+                f"that is not hashable ({e}); static arguments key the cache of "
+                "compiled functions, as in `equinox.filter_jit`, so each must be "
+                "hashable."
+            ) from None
 
 
 def diagnose(cache: Cache, args, kwargs, leaves: list, entry: Any, dynamic_fun=None):

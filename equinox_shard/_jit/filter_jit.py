@@ -16,7 +16,14 @@ from equinox import field, is_array, Module, module_update_wrapper, Partial
 from .._arrays import is_array_or_struct
 from .._spec.leaves import unset
 from . import explain_misses
-from .cache import ArgStructure, Cache, diagnose, get_cache, structure_key
+from .cache import (
+    ArgStructure,
+    Cache,
+    diagnose,
+    get_cache,
+    raise_if_unhashable,
+    structure_key,
+)
 from .donation import DonateMode
 from .entry import AutoLayouts, build_entry, Entry, prepare
 from .packing import mirror_combine, mirror_partition
@@ -100,7 +107,10 @@ def _look_up(cache: Cache, treedef, leaves: list, compiled) -> tuple:
     )
     if structure is None:
         return None, None
-    return structure, structure.entries.get(structure.key(leaves))
+    try:
+        return structure, structure.entries.get(structure.key(leaves))
+    except TypeError:  # an unhashable static leaf, which `_build` names
+        return structure, None
 
 
 def _combine(out: tuple) -> Any:
@@ -120,7 +130,11 @@ def _build(wrapper, cache: Cache, args, kwargs, leaves, treedef, dynamic) -> tup
         if structure is None:
             structure = ArgStructure(cache, args, kwargs, leaves, key)
         entry_key = structure.key(leaves)
-        entry = structure.entries.get(entry_key)
+        try:
+            entry = structure.entries.get(entry_key)
+        except TypeError:
+            raise_if_unhashable(cache, args, kwargs, leaves, structure.static)
+            raise
         if entry is not None:
             # Made by another thread meanwhile, or for other leaf types (JAX arrays
             # where these are NumPy): this structure is kept, so the next call hits.

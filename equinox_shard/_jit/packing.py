@@ -63,14 +63,16 @@ jtu.register_pytree_with_keys(
 )
 
 
-def getter(indices: tuple[int, ...]) -> Callable[[Any], tuple]:
-    # `operator.itemgetter` gathers at C speed; it returns a bare item for one index.
-    if len(indices) == 0:
-        return lambda leaves: ()
-    if len(indices) == 1:
-        (i,) = indices
-        return lambda leaves: (leaves[i],)
-    return operator.itemgetter(*indices)
+def getter(indices: tuple[int, ...], key: bool = False) -> Callable[[Any], Any]:
+    """`leaves -> the items at indices`, gathered at C speed (`operator.itemgetter`,
+    which gives a bare item for one index: then a slice), as a tuple where `key`."""
+    if len(indices) > 1:
+        return operator.itemgetter(*indices)
+    if not key:
+        return operator.itemgetter(
+            slice(*indices[:1], indices[0] + 1 if indices else 0)
+        )
+    return (lambda leaves: (leaves[indices[0]],)) if indices else (lambda leaves: ())
 
 
 def _is_builtin(treedef: Any) -> bool:
