@@ -24,16 +24,16 @@ from tools import hot_path
 
 # case: (Python calls, bytecodes, passes over the leaves through JAX's tree functions).
 _WORK = {
-    "plain": (18, 958, 2),
-    "donating": (41, 1529, 3),
-    "in_shardings": (36, 1084, 2),
-    "in_shardings uncommitted": (41, 1173, 1),
-    "in_shardings numpy": (43, 1207, 1),
-    "callback": (30, 1108, 4),
-    "filter_device_put replicated uncommitted": (121, 2521, 2),
-    "filter_device_put replicated placed": (40, 908, 2),
-    "filter_device_put split uncommitted": (44, 1377, 2),
-    "filter_device_put split placed": (40, 908, 2),
+    "plain": (20, 977, 2),
+    "donating": (42, 1546, 3),
+    "in_shardings": (31, 1092, 2),
+    "in_shardings uncommitted": (43, 1182, 1),
+    "in_shardings numpy": (45, 1214, 1),
+    "callback": (32, 1127, 4),
+    "filter_device_put replicated uncommitted": (112, 2604, 2),
+    "filter_device_put replicated placed": (41, 932, 2),
+    "filter_device_put split uncommitted": (47, 1440, 2),
+    "filter_device_put split placed": (41, 932, 2),
 }
 
 # (`jax.device_put` calls, arrays put) per case. Replicated from uncommitted arrays: a
