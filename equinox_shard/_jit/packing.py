@@ -68,11 +68,10 @@ def getter(indices: tuple[int, ...], key: bool = False) -> Callable[[Any], Any]:
     which gives a bare item for one index: then a slice), as a tuple where `key`."""
     if len(indices) > 1:
         return operator.itemgetter(*indices)
+    start = indices[0] if indices else 0
     if not key:
-        return operator.itemgetter(
-            slice(*indices[:1], indices[0] + 1 if indices else 0)
-        )
-    return (lambda leaves: (leaves[indices[0]],)) if indices else (lambda leaves: ())
+        return operator.itemgetter(slice(start, start + len(indices)))
+    return (lambda leaves: (leaves[start],)) if indices else (lambda leaves: ())
 
 
 def _is_builtin(treedef: Any) -> bool:
