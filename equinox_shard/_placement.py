@@ -128,16 +128,18 @@ def check_shapes(leaves: list, todo, where: Callable[[int], str]) -> None:
     pairs, cannot hold `leaves[i]`'s shape (`_spec.language.check`): the one shape
     check of placement and of `filter_jit`'s inputs and outputs."""
     for i, target in todo:
-        key = (getattr(leaves[i], "shape", ()), target)
+        shape = getattr(leaves[i], "shape", ())
         try:
-            if key in _fits:
+            if (shape, target) in _fits:
                 continue
+            hashable = True
         except TypeError:  # an unhashable target: checked every time
-            pass
-        check(key[0], target, ft.partial(where, i))
-        if len(_fits) >= 4096:
-            _fits.clear()
-        _fits.add(key)
+            hashable = False
+        check(shape, target, ft.partial(where, i))
+        if hashable:
+            if len(_fits) >= 4096:
+                _fits.clear()
+            _fits.add((shape, target))
 
 
 def place(
