@@ -2,10 +2,13 @@
 process: the other commit's `equinox_shard/` is exported with `git archive` and imported
 under another name.
 
-    python -m benchmarks.against REF [--reps 11] [--quick]
+    python -m benchmarks.against REF [--reps 11] [--quick] [--inputs]
 
 Prints one row per cell (layout, tree, N, mode): each variant over the `jax.jit` floor,
-and this checkout over `REF`, without and with `in_shardings`/`out_shardings`.
+and this checkout over `REF`, without and with `in_shardings`/`out_shardings`. With
+`--inputs`, issue 48's cells instead (`benchmarks.dispatch.run_inputs`: uncommitted,
+NumPy and committed inputs, one device and all, with shardings), asynchronous
+dispatch: this and `REF` over the flat sketch, and this over `REF`.
 """
 
 import argparse
@@ -36,6 +39,7 @@ def main() -> None:
     parser.add_argument("ref", help="the git commit to compare against")
     parser.add_argument("--reps", type=int, default=11)
     parser.add_argument("--quick", action="store_true", help="a few cells, 3 rounds")
+    parser.add_argument("--inputs", action="store_true", help="issue 48's cells")
     args = parser.parse_args()
 
     import jax
@@ -49,6 +53,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         old = importlib.import_module(_export(args.ref, pathlib.Path(tmp)))
+        if args.inputs:
+            return _inputs(old, new, h, t, args)
         ns = [1, 10] if args.quick else [1, 10, 100, 1000]
         layouts = ["batch"] if args.quick else ["replicated", "batch", "single"]
         reps = 3 if args.quick else args.reps
@@ -114,6 +120,55 @@ def main() -> None:
             f"{v} / {base}: median {median:.2f}, worst {max(values):.2f}, "
             f"best {min(values):.2f} over {len(values)} cells"
         )
+
+
+def _inputs(old, new, h, t, args) -> None:
+    import jax
+
+    from .dispatch import _input_sharding, _source, SOURCES
+    from .flat_jit import flat_jit
+
+    ns = [1, 10] if args.quick else [1, 10, 100]
+    reps = 3 if args.quick else args.reps
+    cells, keep = {}, []
+    for devices in (1, len(jax.devices())):
+        s = _input_sharding(devices)
+        for source in SOURCES:
+            for kind in t.TREES:
+                for n in ns:
+                    tree = _source(t.make_tree(kind, n), source, s)
+                    variants = {
+                        "flat": (flat_jit(lambda x: t.add_one(x), sharding=s), (tree,))
+                    }
+                    for label, pkg in (("ref", old), ("this", new)):
+                        fn = pkg.filter_jit(
+                            lambda x: t.add_one(x), in_shardings=s, out_shardings=s
+                        )
+                        variants[label] = (fn, (tree,))
+                    keep.append(variants)
+                    samplers = {}
+                    for name, (fn, fargs) in variants.items():
+                        inner = h.calibrate(fn, fargs, 0.003, 200)
+                        samplers[name] = lambda fn=fn, fargs=fargs, inner=inner: (
+                            h.sample_async(fn, fargs, inner)
+                        )
+                    cells[(devices, source, kind, n)] = samplers
+    measured = h.interleaved(cells, reps=reps, warmup=2, progress=lambda r: None)
+    headers = ["devices", "inputs", "tree", "N", "flat µs", "ref/flat", "this/flat"]
+    headers.append("this/ref")
+    rows, ratios = [], []
+    for (devices, source, kind, n), (medians, samples) in measured.items():
+        to_flat = h.paired_ratios(samples, ["ref", "this"], "flat")
+        this_ref = h.paired_ratios(samples, ["this"], "ref")["this"]
+        ratios.append(this_ref)
+        row = [str(devices), source, kind, str(n), f"{medians['flat'] * 1e6:.1f}"]
+        row += [f"{to_flat['ref']:.2f}", f"{to_flat['this']:.2f}", f"{this_ref:.2f}"]
+        rows.append(row)
+    print(h.table(headers, rows))
+    print(
+        f"this / ref: median {statistics.median(ratios):.2f}, worst {max(ratios):.2f}, "
+        f"best {min(ratios):.2f} over {len(ratios)} cells"
+    )
 
 
 if __name__ == "__main__":

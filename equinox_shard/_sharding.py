@@ -127,10 +127,6 @@ def constrain_leaves(
             leaves[i] = leaf
 
 
-def _is_traced(leaves: list, todo: list[tuple[int, Any]]) -> bool:
-    return any(is_tracer(leaves[i]) for i, _ in todo)
-
-
 def filter_device_put(
     x: PyTree[Any],
     device_or_shardings: Any,
@@ -227,39 +223,14 @@ def filter_device_put(
     )
     if not todo:
         return x
-    if traced and _is_traced(leaves, todo):
-        for i, sharding in todo:
-            check(
-                jax.numpy.shape(leaves[i]),
-                sharding,
-                lambda i=i: leaf_path(x, i, "x"),
-            )
-        indices = [i for i, _ in todo]
-        out = jax.device_put(
-            [leaves[i] for i in indices],
-            [for_jax(s) for _, s in todo],
-            donate=_select(_broadcast_flags(donate, x, leaves, "donate"), indices),
-            may_alias=_select(
-                _broadcast_flags(may_alias, x, leaves, "may_alias"), indices
-            ),
-        )
-        for i, leaf in zip(indices, out):
-            leaves[i] = leaf
-    else:
-        place(
-            leaves,
-            todo,
-            lambda i: leaf_path(x, i, "x"),
-            donate=_broadcast_flags(donate, x, leaves, "donate"),
-            may_alias=_broadcast_flags(may_alias, x, leaves, "may_alias"),
-        )
+    place(
+        leaves,
+        todo,
+        lambda i: leaf_path(x, i, "x"),
+        donate=_broadcast_flags(donate, x, leaves, "donate"),
+        may_alias=_broadcast_flags(may_alias, x, leaves, "may_alias"),
+    )
     return jtu.tree_unflatten(treedef, leaves)
-
-
-def _select(flags: list | bool | None, indices: list) -> list | bool | None:
-    if isinstance(flags, list):
-        return [flags[i] for i in indices]
-    return flags
 
 
 def filter_shard(x: PyTree[Any], device_or_shardings: Any) -> PyTree[Any]:

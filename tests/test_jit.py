@@ -1134,3 +1134,31 @@ def test_lower_then_calls_with_numpy_inputs_trace_once():
         losses.append(float(loss))
     assert len(traces) == 1
     assert losses == [16.0, 16.0 * 17.0, 16.0 * 33.0]
+
+
+class _Unhashable:
+    __hash__ = None  # pyright: ignore[reportAssignmentType]
+
+    def __eq__(self, other):
+        return isinstance(other, _Unhashable)
+
+
+@pytest.mark.parametrize("in_shardings", [None, P()])
+def test_an_unhashable_static_leaf_is_named(in_shardings):
+    # `eqx.filter_jit` raises "Non-hashable static arguments are not supported" without
+    # saying which; ours names the leaf, before anything is traced.
+    traces = []
+
+    def f(x, cfg):
+        traces.append(None)
+        return x + 1
+
+    kwargs = {} if in_shardings is None else {"in_shardings": in_shardings}
+    jitted = eqxs.filter_jit(f, **kwargs)
+    cfg = {"lr": 0.1, "opt": _Unhashable()}
+    with jax.set_mesh(jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])):
+        for _ in range(2):  # the first call (a miss) and a later one (a look-up)
+            with pytest.raises(ValueError, match=r"^cfg\['opt'\]: .*not hashable"):
+                jitted(jnp.ones(2), cfg)
+        assert traces == []
+        assert jnp.array_equal(jitted(jnp.ones(2), {"lr": 0.1}), jnp.full(2, 2.0))

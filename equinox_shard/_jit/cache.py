@@ -8,15 +8,13 @@ import inspect
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import equinox._caches
-import jax
 import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 from equinox import Module
-from jax.sharding import Sharding
 from jax.tree_util import PyTreeDef
 
 from .._arrays import (
@@ -25,8 +23,8 @@ from .._arrays import (
     raise_if_deleted,
     raise_if_fun_deleted,
 )
+from .._placement import check_shapes
 from .._spec.language import (
-    check,
     context_mesh,
     flatten_specs,
     needs_leaf,
@@ -41,16 +39,13 @@ from .packing import getter, Packing
 traceback_util.register_exclusion(__file__)
 
 
-#
-# The two keys of a call. Explanations of a cache miss (`explain_misses`) name the
-# fields that differ by these names, so a new field is explained without changing them.
-#
+# The two keys of a call. Explanations of a miss (`explain_misses`) name the fields that
+# differ by these names: a new field is explained without changing them.
 
 
 class StructureKey(NamedTuple):
     """The key of `Cache.structures`: what a call's arguments must share to share an
-    `ArgStructure`. The cache hit (`filter_jit._call`) builds it in place, as the plain
-    tuple `(treedef, leaf_types, dynamic)`: calling this class would cost it a frame."""
+    `ArgStructure`."""
 
     # The structure of the bound `(args, kwargs)`.
     treedef: PyTreeDef  # pyright: ignore[reportInvalidTypeForm]
@@ -73,7 +68,9 @@ class EntryKey(NamedTuple):
     mesh: Any
 
 
-_entry_key = ft.partial(tuple.__new__, EntryKey)  # no Python frame, unlike `EntryKey()`
+# `StructureKey(*key)` and `EntryKey(*key)` from a tuple, without their Python frame.
+structure_key = ft.partial(tuple.__new__, StructureKey)
+_entry_key = ft.partial(tuple.__new__, EntryKey)
 
 
 class Cache:
@@ -101,7 +98,7 @@ class Cache:
             sys.maxsize if var else len(positional) + 1,
         )
         self.in_shardings = in_shardings
-        self.in_leaves = None
+        self.in_leaves: list = []
         if in_shardings is not unset:
             self.in_leaves, treedef = flatten_specs(in_shardings, "in_shardings")
             if treedef.num_nodes == 1 and treedef.num_leaves == 1:
@@ -151,8 +148,8 @@ class Cache:
             self.seen = []
 
 
-# Every live `Cache`, so that `eqx.clear_caches()` clears them. Equinox has no public
-# way to register a cache with `clear_caches`; its own caches append to this list.
+# Every live `Cache`, which `eqx.clear_caches()` clears: it has no public registration
+# hook, and `cache_clears` is how Equinox's own modules register theirs (our only use).
 _live_caches: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -163,8 +160,6 @@ def _clear_caches() -> None:
         cache.clear()
 
 
-# `eqx.clear_caches()` has no public registration hook; this list is how Equinox's own
-# modules register theirs. The package's only use of it.
 equinox._caches.cache_clears.append(_clear_caches)
 
 
@@ -248,7 +243,7 @@ class ArgStructure:
         self.treedef = treedef
         self.dynamic = tuple(i for i, m in enumerate(mask) if m)
         self.static = tuple(i for i, m in enumerate(mask) if not m)
-        self.static_of = getter(self.static)
+        self.static_of = getter(self.static, key=True)
         # How the traced leaves go to `jax.jit`: one `Packing` per traced leaves, as
         # the entries, so that any of these structures packs for any of their entries.
         packing = cache.packings.get((treedef, mask))
@@ -291,7 +286,7 @@ def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, dynamic) ->
     if cache.in_shardings is unset:
         return [None] * len(leaves)
     if cache.in_kind == "broadcast":
-        (spec,) = cache.in_leaves  # pyright: ignore
+        (spec,) = cache.in_leaves
         if not isinstance(spec, PathRules):
             return [spec] * len(leaves)
         # Path rules match paths within each argument, as under the tuple form.
@@ -303,19 +298,18 @@ def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, dynamic) ->
                 f"`in_shardings` has {len(specs)} entries but the call has "
                 f"{len(args)} positional arguments."
             )
-    names = cache.names
+    where = ft.partial(arg_path, cache, args, kwargs)
     groups = [
-        (f"in_shardings[{p}]", spec, arg, _positional(names, cache.var_name, p))
+        (f"in_shardings[{p}]", spec, arg, _positional(cache, p))
         for p, (spec, arg) in enumerate(zip(specs, args))
     ]
     groups += [("in_shardings", specs[0], kwargs[k], k) for k in named]
     out = []
     usage = RulesUsage()  # strict rules: checked over all the arguments at once
     for name, spec, arg, arg_name in groups:
-        start = len(out)
-        where = lambda j, s=start: arg_path(names, args, kwargs, s + j, cache.var_name)
+        at = lambda j, s=len(out): where(s + j)  # `j`: a leaf of this argument
         leaves_ = jtu.tree_leaves(arg)
-        out.extend(spread(spec, arg, leaves_, name, arg_name, where, dynamic, usage))
+        out.extend(spread(spec, arg, leaves_, name, arg_name, at, dynamic, usage))
     usage.check()
     return out + [None] * (len(leaves) - len(out))  # keyword arguments
 
@@ -325,50 +319,54 @@ def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, dynamic) ->
 #
 
 
-def _positional(names: Sequence[str], var_name, position: int) -> str:
+def _positional(cache: Cache, position: int) -> str:
     """The name of positional argument `position`: its parameter's, `xs[k]` under a
     `*xs` parameter, else `args[position]`."""
-    if position < len(names):
-        return names[position]
-    if var_name is not None:
-        return f"{var_name}[{position - len(names)}]"
+    if position < len(cache.names):
+        return cache.names[position]
+    if cache.var_name is not None:
+        return f"{cache.var_name}[{position - len(cache.names)}]"
     return f"args[{position}]"
 
 
-def arg_path(
-    names: Sequence[str], args: tuple, kwargs: dict, index: int, var_name=None
-) -> str:
-    """The key path of leaf `index` of `(args, kwargs)`, from the parameter name."""
+def arg_path(cache: Cache, args: tuple, kwargs: dict, index: int) -> str:
+    """The key path of leaf `index` of the bound `(args, kwargs)`, from the parameter
+    name: a call's `where` is `functools.partial(arg_path, cache, args, kwargs)`."""
     path, _ = jtu.tree_flatten_with_path((args, kwargs))[0][index]
-    return path_name(names, path, var_name)
+    return path_name(cache, path)
 
 
-def path_name(names: Sequence[str], path: tuple, var_name=None) -> str:
-    """A key path into the bound `(args, kwargs)`, rooted at the parameter's name
-    (`names`: the positional parameters'; `var_name`: the `*args` parameter's)."""
+def path_name(cache: Cache, path: tuple) -> str:
+    """A key path into the bound `(args, kwargs)`, rooted at the parameter's name."""
     if len(path) < 2:
         return "the arguments"
-    group, key, *rest = path
-    if group.idx == 0:  # pyright: ignore
-        name = _positional(names, var_name, key.idx)  # pyright: ignore
+    _, key, *rest = path  # `args[p]` or `kwargs[k]`
+    if isinstance(key, jtu.SequenceKey):
+        name = _positional(cache, key.idx)
     else:
-        name = str(key.key)  # pyright: ignore
+        name = str(key.key if isinstance(key, jtu.DictKey) else key)
     return name + jtu.keystr(tuple(rest))
 
 
-def diagnose(
-    cache: Any,
-    args,
-    kwargs,
-    leaves: list,
-    dynamic,
-    targets: list[tuple[int, Sharding]],
-    dynamic_fun: Any = None,
-) -> None:
+def raise_if_unhashable(cache: Cache, args, kwargs, leaves: list, static) -> None:
+    """Raises a `ValueError` naming the first of the `static` leaves that cannot be
+    hashed: static leaves key the cache, as in `equinox.filter_jit`."""
+    for i in static:
+        try:
+            hash(leaves[i])
+        except TypeError as e:
+            raise ValueError(
+                f"{arg_path(cache, args, kwargs, i)}: a static (non-array) argument "
+                f"that is not hashable ({e}); static arguments key the cache of "
+                "compiled functions, as in `equinox.filter_jit`, so each must be "
+                "hashable."
+            ) from None
+
+
+def diagnose(cache: Cache, args, kwargs, leaves: list, entry: Any, dynamic_fun=None):
     """Called after `jax.jit` raised: raises our own error, naming the key path, if we
     can name the culprit (a deleted input, a bad shape)."""
-    where = lambda i: arg_path(cache.names, args, kwargs, i, cache.var_name)
-    raise_if_deleted(leaves, dynamic, where)
+    where = ft.partial(arg_path, cache, args, kwargs)
+    raise_if_deleted(leaves, entry.structure.dynamic, where)
     raise_if_fun_deleted(cache.fun_name, dynamic_fun)
-    for i, sharding in targets:
-        check(jax.numpy.shape(leaves[i]), sharding, lambda i=i: where(i))
+    check_shapes(leaves, entry.targets, where)

@@ -1,18 +1,11 @@
-"""Host callbacks in `filter_jit`: waiting for them, and Equinox's runtime errors
-(`eqx.error_if`) in computations that span several devices.
-
-JAX dispatches asynchronously: a call returns before its computation has run. Only a
-function that contains a callback is waited for (`waiting`, a layer over the entry's
-own dispatch), so that everything else keeps asynchronous dispatch.
-
-Equinox raises its runtime errors from a `jax.pure_callback`. Under SPMD the callback
-runs on one device; when it raises, that partition's execution fails and the other
-partitions wait forever in a collective for its result, until XLA aborts the process
-(its rendezvous timeout, ~40 s). So a `filter_jit` entry that contains callbacks runs
-from a rewritten jaxpr in which each callback records its exception and returns zeros
-instead of raising: every partition finishes, and the first recorded exception is
-raised after the execution. The rewritten program is itself jitted (`Guards`): a call
-with new shapes or dtypes never runs one traced for others.
+"""Host callbacks in `filter_jit`: waiting for them (`waiting`, a dispatch layer: only
+a function that contains one is waited for), and Equinox's runtime errors
+(`eqx.error_if`) in computations that span several devices. Equinox raises from a
+`jax.pure_callback`; under SPMD, when it raises, the other partitions wait forever in
+a collective until XLA aborts the process. So an entry with callbacks runs a rewritten
+jaxpr in which each callback records its exception and returns zeros: every partition
+finishes, and the first exception is raised after. The rewritten program is itself
+jitted (`Guards`): a call with new shapes or dtypes never runs one traced for others.
 """
 
 import logging
@@ -126,7 +119,7 @@ def _rewrite_param(value, record: _Record):
 def _runs_now() -> bool:
     """Whether a call made here executes now: not staged into an outer `jax.jit`, not
     transformed (`vmap`, `grad`), not under `jax.disable_jit`."""
-    if jax.config.jax_disable_jit:  # pyright: ignore
+    if jax.config.jax_disable_jit:
         return False
     # The only trace that executes is JAX's top-level one. Its class is private, so it
     # is named here (and only here); both JAX versions we support call it this.
@@ -190,8 +183,8 @@ class Guards:
         return out, None, None
 
 
-class _FilterCallback(logging.Filterer):
-    def filter(self, record: logging.LogRecord):  # pyright: ignore
+class _FilterCallback(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
         return not (
             record.name == "jax._src.callback"
             and record.getMessage() == "jax.pure_callback failed"
@@ -221,28 +214,24 @@ def _equinox_runtime_error(
     )
 
 
-def waiting(guards: Guards, inner: Callable) -> Callable:
+def waiting(guards: Guards, inner: Callable, run, dynamic, deleted, leaves, jit_id):
     """The dispatch layer (see `launch.stack`) of an entry that contains callbacks:
     `inner`, the entry's launch (its lock, its re-check of donated inputs, its warning
     filter), launches the guarded program; this waits for it and raises what its
     callbacks raised (an Equinox runtime error as `eqx.EquinoxRuntimeError`)."""
-
-    def dispatch(run, dynamic, deleted, leaves, jit_id):
-        __tracebackhide__ = True
-        if not _usable(dynamic):
-            return _traced(inner, run, dynamic, deleted, leaves, jit_id)
-        run_inner = lambda launch: inner(launch, dynamic, deleted, leaves, jit_id)
-        out, error, info = guards(run_inner)
-        if error is None:
-            return out
-        equinox_error = _equinox_runtime_error(error, jit_id, info)
-        if equinox_error is not None:
-            raise equinox_error from None
-        raise _JaxRuntimeError(
-            f"A callback raised {type(error).__name__}: {error}"
-        ) from error
-
-    return dispatch
+    __tracebackhide__ = True
+    if not _usable(dynamic):
+        return _traced(inner, run, dynamic, deleted, leaves, jit_id)
+    run_inner = lambda launch: inner(launch, dynamic, deleted, leaves, jit_id)
+    out, error, info = guards(run_inner)
+    if error is None:
+        return out
+    equinox_error = _equinox_runtime_error(error, jit_id, info)
+    if equinox_error is not None:
+        raise equinox_error from None
+    raise _JaxRuntimeError(
+        f"A callback raised {type(error).__name__}: {error}"
+    ) from error
 
 
 def _usable(dynamic) -> bool:

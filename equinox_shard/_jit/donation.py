@@ -1,12 +1,9 @@
-"""Donation (RFC §6): what a `filter_jit` decoration donates and what its calls do with
-the inputs they donate, owned by one value per decoration, `Donation`, that the cache
-and its entries ask when they are built. It decides which arguments and leaves are
-donated (`jax.jit`'s `donate_argnums` included), which donated arrays are replaced by
-private copies so that no array the caller keeps is donated, whether a donated input
-that moves may share the caller's buffers, and how a donating call launches, JAX's
-warning of unusable donations included. Which buffers a transfer shares, and the
-private copy that avoids it, are `_buffers`'; whether an array is deleted, and the one
-message for it, `_arrays`'; the lock, `launch`'s."""
+"""Donation (RFC §6), owned by one value per decoration, `Donation`, asked when the
+cache and its entries are built: which arguments and leaves are donated (`jax.jit`'s
+`donate_argnums`), which donated arrays are replaced by private copies so that no
+array the caller keeps is donated, whether a donated input that moves may share the
+caller's buffers, and how a donating call launches (JAX's warning of unusable
+donations included)."""
 
 import collections as co
 import contextlib
@@ -35,27 +32,15 @@ traceback_util.register_exclusion(__file__)
 DonateMode = Literal["all", "all-except-first", "warn", "warn-except-first", "none"]
 
 
-def _every(position: int | None, n_args: int) -> bool:
-    return True
-
-
-def _not_first(position: int | None, n_args: int) -> bool:
-    return position != 0
-
-
-def _nothing(position: int | None, n_args: int) -> bool:
-    return False
-
-
 # mode -> (whether the argument at `position` of `n_args` positional arguments is
 # donated, `position=None` standing for the keyword arguments and the function's own
 # arrays; whether JAX's warning of donated buffers that no output reuses is ignored).
 MODES: dict[str, tuple[Callable[[int | None, int], bool], bool]] = {
-    "all": (_every, True),
-    "all-except-first": (_not_first, True),
-    "warn": (_every, False),
-    "warn-except-first": (_not_first, False),
-    "none": (_nothing, False),
+    "all": (lambda position, n_args: True, True),
+    "all-except-first": (lambda position, n_args: position != 0, True),
+    "warn": (lambda position, n_args: True, False),
+    "warn-except-first": (lambda position, n_args: position != 0, False),
+    "none": (lambda position, n_args: False, False),
 }
 
 

@@ -1,20 +1,16 @@
-"""An `Entry` of `filter_jit`'s cache, built, traced and frozen in one place: its
-`in_shardings` resolved and checked against the call that makes it, its `jax.jit` (of
-the function that `traced_body` builds), what each call's inputs go through before it
-(`prepare`), and the layers of its dispatch.
+"""An `Entry` of `filter_jit`'s cache, built, traced and frozen in one place
+(`build_entry`), and what each call's inputs go through before it (`prepare`).
 
-`in_shardings` goes to `jax.jit`, which moves uncommitted and NumPy inputs onto it
-itself, in its C++ path (RFC §6): those are handed over as they are. We move only what
-`jax.jit` refuses: a committed input on another sharding (and, where `jax.jit` cannot
-move them, inputs for a layout, another memory, or devices of other processes). A move
-of an input that is not donated may share the caller's buffers, which are never
-donated. A donated input that moves is freed where `jax.jit` frees it: when the move
-hands back all of its buffers (onto its own device, or replicated over devices that
-include its own), donating the moved array deletes the caller's; otherwise it moves a
-private copy. On Auto axes, calls that hand `jax.jit` uncommitted inputs run the
-executable of the committed types (`Typed`), so both kinds compile once."""
+`in_shardings` goes to `jax.jit`, which moves uncommitted and NumPy inputs itself, in
+its C++ path (RFC §6). We move only what `jax.jit` refuses: a committed input on
+another sharding (and inputs for a layout, another memory, or devices of other
+processes). A donated input that moves is freed where `jax.jit` frees it (its buffers
+all handed back: onto its own device, or replicated over devices including its own),
+else it moves a private copy. On Auto axes, calls that hand `jax.jit` uncommitted
+inputs run the executable of the committed types (`Typed`): both kinds compile once."""
 
 import functools as ft
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -31,10 +27,9 @@ from .._arrays import (
     on_abstract_mesh,
     raise_if_deleted,
 )
-from .._placement import all_placed, jit_takes, MOVES, place
+from .._placement import all_placed, check_shapes, jit_takes, MOVES, place
 from .._spec.kinds import is_auto, kind_of, sharding_of
 from .._spec.language import (
-    check,
     context_mesh,
     for_jax,
     resolve,
@@ -52,16 +47,15 @@ traceback_util.register_exclusion(__file__)
 
 class Entry:
     """One compiled function: a `jax.jit` for one static part of the arguments, and
-    `dispatch(run, dynamic, deleted, leaves, jit_id)`, which calls it: `launch` with
-    `layers` over it, stacked by `launch.stack`, or `None` where no layer is needed:
-    the call launches `run(*dynamic)` itself."""
+    `dispatch(run, dynamic, deleted, leaves, jit_id)`, which calls it: a launch with
+    layers over it (`launch.stack`), or `None` where no layer is needed: the call
+    launches `run(*dynamic)` itself."""
 
     __slots__ = (
         "structure",
         "static",
         "targets",
         "get_targets",
-        "placed",  # `(True, sharding)` per target: committed there
         "shardings",  # the `Sharding` per target
         "hands_over",  # whether `jax.jit` moves uncommitted and NumPy inputs itself
         "donates",
@@ -70,8 +64,6 @@ class Entry:
         "typed",  # a `Typed` where calls with uncommitted inputs run it, else `None`
         "places_values",  # whether uncommitted and NumPy inputs are ours to place
         "jitted",
-        "launch",
-        "layers",
         "dispatch",
     )
 
@@ -84,29 +76,19 @@ def build_entry(
     args,
     kwargs,
     leaves,
+    watch: Callable | None = None,
 ) -> tuple:
-    """Resolves `in_shardings` for this call and checks each input against them
-    (before anything runs), builds the `jax.jit`, places this call's inputs and
-    traces it (not under `jax.disable_jit`): the entry, and this call's leaves and
-    dynamic trees, as `prepare` returns them."""
-    where = lambda i: arg_path(cache.names, args, kwargs, i, cache.var_name)
-    resolver = ft.partial(resolve, abstract_ok=True)
-    targets = resolve_each(structure.specs, leaves, structure.dynamic, where, resolver)
-    for i, sharding in targets:
-        check(jax.numpy.shape(leaves[i]), sharding, lambda i=i: where(i))
-    for i, sharding in targets:
-        kind = kind_of(sharding)
-        if kind is not None and kind.jit_in_refused:
-            raise TypeError(
-                f"{where(i)}: `in_shardings` cannot hold a {kind.name} "
-                f"({sharding}): {kind.jit_in_hint}."
-            )
-    _one_device_set(targets, where)
-    auto = _auto_layouts(targets, leaves, where)
+    """The entry for this call, in four steps: its `in_shardings` resolved and checked
+    against the inputs (before anything runs), its `jax.jit`, traced for this call's
+    inputs as `prepare` places them (not under `jax.disable_jit`), and its dispatch
+    (with `watch(entry, leaves)`'s layer, `explain_misses.miss`'s, if given). Returns
+    the entry and what `prepare` returns for this call."""
+    where = ft.partial(arg_path, cache, args, kwargs)
+    formats = _targets(structure, leaves, where)
+    auto = _auto_layouts(formats, leaves, where)
     # `jax.jit` is given the spec leaves (a `Format`'s layout is its own); inputs are
     # placed on their shardings.
-    formats = targets
-    targets = [(i, sharding_of(s)) for i, s in targets]
+    targets = [(i, sharding_of(s)) for i, s in formats]
     entry = Entry()
     entry.structure = structure
     entry.static = structure.static_of(leaves)
@@ -123,75 +105,104 @@ def build_entry(
         for _, f in formats
     )
     entry.shardings = tuple(s for _, s in reversed(targets))
-    entry.placed = tuple((True, s) for s in entry.shardings)
     donation = cache.donation
-    n_args = len(args)
-    entry.donates = donation.donates(structure.donated, dynamic_fun, n_args)
-    entry.keep = None
-    if entry.donates:
-        entry.keep = donation.keeper(
-            structure.donated, structure.dynamic, n_args, cache.fun_name
-        )
+    entry.donates = donation.donates(structure.donated, dynamic_fun, len(args))
+    entry.keep = entry.donates and donation.keeper(
+        structure.donated, structure.dynamic, len(args), cache.fun_name
+    )
     entry.lean = not entry.donates and not targets
     entry.typed = None
     entry.places_values = False
-    jitted = entry.jitted = _jit(static_fun, cache, structure, args, leaves, formats)
-    given = leaves
-    leaves, dynamic, _ = prepare(
+    entry.jitted = _jit(static_fun, cache, structure, args, leaves, formats)
+    placed, dynamic, _ = prepare(
         dynamic_fun, cache, entry, structure, args, kwargs, leaves
     )
-    guards = None
-    typed = None
-    moved = False  # whether this call hands `jax.jit` inputs that `typed` types
-    if not jax.config.jax_disable_jit:  # pyright: ignore
-        casts = _auto_casts(structure, targets) if entry.hands_over else []
-        if casts and auto is None:
-            typed = Typed(entry, casts, donation)
-        # Traced for the types of committed inputs, which those `typed` runs take.
-        at, moved = dynamic, False
-        if typed is not None and not structure.traced:
-            at, moved = typed.types(dynamic)
-        with donation.tracing():
-            if isinstance(jitted, ResolveRules):
-                jitted = entry.jitted = jitted.trace(*at)
-            traced = jitted.trace(*at)
-            if callbacks.has_callback(traced.jaxpr.jaxpr):
-                guards = callbacks.Guards(jitted, donation.argnums(n_args))
-                if typed is not None:
-                    # The guarded program, a `jax.jit` of its own, is traced for the
-                    # inputs it is given: they are placed, as the entry was traced
-                    # for committed types (once, as before issue 48).
-                    typed = None
-                    entry.hands_over = False
-                    entry.places_values = True
-                    if moved:
-                        leaves, dynamic, _ = prepare(
-                            dynamic_fun,
-                            cache,
-                            entry,
-                            structure,
-                            args,
-                            kwargs,
-                            given,
-                        )
-                        moved = False
-    entry.typed = typed
+    run = guards = None
+    if not jax.config.jax_disable_jit:
+        run, guards, again = _trace(entry, auto is None, dynamic, len(args), donation)
+        if again:  # placed after all (see `_trace`)
+            placed, dynamic, _ = prepare(
+                dynamic_fun, cache, entry, structure, args, kwargs, leaves
+            )
     if auto is not None:
         entry.jitted = AutoLayouts(entry.jitted, auto)
-    shardings = [s for _, s in targets]
-    shardings += [getattr(leaves[i], "sharding", None) for i in structure.dynamic]
     # The dispatch: the launch (under the lock where the entry donates, with its
     # inputs checked again, or runs on several CPU devices), its pacing (on several
-    # CPU devices), then the wait for callbacks.
+    # CPU devices), the wait for callbacks, and the explanations' layer.
+    shardings = [s for _, s in targets]
+    shardings += [getattr(placed[i], "sharding", None) for i in structure.dynamic]
+    serialized = launch.serialize_dispatch(shardings)
+    layers = [launch.paced] if serialized else []
+    if guards is not None:
+        layers.append(ft.partial(callbacks.waiting, guards))
+    if watch is not None:
+        layers.append(watch(entry, placed))
     if entry.donates:
-        entry.launch = donation.launch(dynamic_fun)
+        first = donation.launch(dynamic_fun)
     else:
-        entry.launch = launch.launch_for(shardings)
-    entry.layers = () if guards is None else (ft.partial(callbacks.waiting, guards),)
-    if launch.serialize_dispatch(shardings):
-        entry.layers = (launch.paced, *entry.layers)
-    entry.dispatch = launch.stack(entry.launch, entry.layers)
-    return entry, leaves, dynamic, typed if moved else entry.jitted
+        first = launch.serialized if serialized else launch.plain
+    entry.dispatch = launch.stack(first, layers)
+    return entry, placed, dynamic, entry.jitted if run is None else run
+
+
+def _targets(structure: ArgStructure, leaves: list, where) -> list[tuple[int, Any]]:
+    """`(i, spec leaf)` for each traced leaf that `in_shardings` places, resolved and
+    checked against the call's inputs."""
+    resolver = ft.partial(resolve, abstract_ok=True)
+    targets = resolve_each(structure.specs, leaves, structure.dynamic, where, resolver)
+    check_shapes(leaves, targets, where)
+    for i, sharding in targets:
+        kind = kind_of(sharding)
+        if kind is not None and kind.jit_in_refused:
+            raise TypeError(
+                f"{where(i)}: `in_shardings` cannot hold a {kind.name} "
+                f"({sharding}): {kind.jit_in_hint}."
+            )
+    # One `jax.jit` call takes inputs on one set of devices: said by their names.
+    first = None
+    for i, target in targets:
+        sharding = sharding_of(target)
+        if sharding is None or on_abstract_mesh(sharding):
+            continue
+        if first is None:
+            first = (i, sharding.device_set)
+        elif sharding.device_set != first[1]:
+            ids = lambda d: sorted(x.id for x in d)
+            raise ValueError(
+                f"{where(first[0])} and {where(i)}: `in_shardings` places them on "
+                f"different devices ({ids(first[1])} and {ids(sharding.device_set)}), "
+                "but the inputs of one call must share one set of devices."
+            )
+    return targets
+
+
+def _trace(entry: Entry, typed: bool, dynamic: tuple, n_args: int, donation):
+    """Traces the entry's `jax.jit` for the call's inputs (`dynamic`, as `prepare`
+    placed them), for the types they have once committed where a `Typed` runs the
+    calls that hand over uncommitted ones (made if `typed`). Returns what this call
+    runs (`None`: the entry's `jitted`), the entry's `callbacks.Guards` (`None`
+    without callbacks), and whether the call's inputs must be placed again."""
+    structure = entry.structure
+    jitted = entry.jitted
+    casts = _auto_casts(structure, entry.targets) if entry.hands_over else []
+    if casts and typed:
+        entry.typed = Typed(entry, casts, donation)
+    # Traced for the types of committed inputs, which those `typed` runs take.
+    at, moved = dynamic, False
+    if entry.typed is not None and not structure.traced:
+        at, moved = entry.typed.types(dynamic)
+    with donation.tracing():
+        if isinstance(jitted, ResolveRules):
+            jitted = entry.jitted = jitted.trace(*at)
+        if not callbacks.has_callback(jitted.trace(*at).jaxpr.jaxpr):
+            return (entry.typed if moved else None), None, False
+    if entry.typed is not None:
+        # The guarded program, a `jax.jit` of its own, is traced for the inputs it is
+        # given: they are placed, as the entry was traced for committed types.
+        entry.typed = None
+        entry.hands_over = False
+        entry.places_values = True
+    return None, callbacks.Guards(jitted, donation.argnums(n_args)), moved
 
 
 def _auto_casts(structure: ArgStructure, targets) -> list[tuple[int, Any]]:
@@ -214,12 +225,10 @@ def _auto_casts(structure: ArgStructure, targets) -> list[tuple[int, Any]]:
 
 class Typed:
     """The run of an entry's calls that hand `jax.jit` uncommitted or NumPy inputs for
-    targets on Auto axes (`_auto_casts`): the entry's executable for the types those
-    inputs have once committed, called with them as they are, which moves them in its
-    C++ path as `jax.jit` would. So `x = f(x)` from an uncommitted `x`, and fresh
-    uncommitted or NumPy inputs every call, trace and compile once, where `jax.jit`
-    alone traces and compiles each kind apart (RFC §6). Another shape or dtype lowers
-    again, which JAX's caches answer without compiling where it was seen before."""
+    targets on Auto axes (`_auto_casts`): the executable of the types those inputs
+    have once committed, called with them as they are (it moves them in its C++ path).
+    So `x = f(x)` from an uncommitted `x` traces and compiles once, where `jax.jit`
+    alone does so for each kind (RFC §6). Another shape or dtype lowers again."""
 
     __slots__ = ("entry", "casts", "donation", "compiled")
 
@@ -250,7 +259,7 @@ class Typed:
 
     def __call__(self, *dynamic):
         compiled = self.compiled
-        if jax.config.jax_disable_jit:  # pyright: ignore
+        if jax.config.jax_disable_jit:
             # The function runs as it is (`jax.jit` runs it); no executable is called.
             return self.entry.jitted(*dynamic)
         if compiled is not None:
@@ -276,29 +285,29 @@ class Typed:
 
 
 def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple:
-    """Checks and placements before execution: returns the leaves as placed, the
+    """A call's checks and placements before `jax.jit`: the leaves as placed, the
     dynamic trees to call, and what to call them with (the entry's `jax.jit`, or its
-    `Typed` where `jax.jit` moves some inputs). `structure` is the one of this call's
-    leaf types, which tests for deleted inputs and tracers: an entry is shared by
-    structures that differ in them (arrays, tracers, NumPy), which share its packing
-    (`cache.ArgStructure`)."""
+    `Typed` where `jax.jit` moves some inputs). `structure` is the call's own (its
+    leaf types: arrays, tracers, NumPy), one of those that share the entry."""
+    where = ft.partial(arg_path, cache, args, kwargs)
     # XLA crashes on a deleted multi-device input, donated or not.
     if structure.deleted(leaves):
-        raise_if_deleted(leaves, structure.dynamic, _where(cache, args, kwargs))
+        raise_if_deleted(leaves, structure.dynamic, where)
     placed = leaves
     if entry.donates:
-        placed = entry.keep(leaves, dynamic_fun, _where(cache, args, kwargs))
-    ready = all_placed(entry.get_targets(placed), entry.placed) if entry.targets else 1
+        placed = entry.keep(leaves, dynamic_fun, where)
+    ready = (
+        all_placed(entry.get_targets(placed), entry.shardings) if entry.targets else 1
+    )
     if not ready and entry.hands_over:
         ready = jit_takes(entry.get_targets(placed), entry.shardings)
     if not ready:
         placed = list(placed)
-        where = _where(cache, args, kwargs)
         try:
             _place_inputs(placed, entry, where, cache, structure)
         except Exception:
             # The entry was checked for the shapes of the call that made it.
-            diagnose(cache, args, kwargs, placed, structure.dynamic, entry.targets)
+            diagnose(cache, args, kwargs, placed, entry)
             raise
     packing = structure.packing
     if packing.trivial and placed is not leaves:
@@ -310,19 +319,13 @@ def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple
     return placed, dynamic, entry.jitted
 
 
-def _where(cache, args, kwargs):
-    return lambda i: arg_path(cache.names, args, kwargs, i, cache.var_name)
-
-
 def _place_inputs(
     leaves: list, entry: Entry, where, cache: Cache, structure: ArgStructure
 ) -> None:
     """`place`s the inputs that `jax.jit` would refuse: committed arrays on another
-    sharding where it `hands_over` (it moves uncommitted and NumPy inputs itself,
-    in its C++ path), else every value (not tracers: inside a trace, on the abstract
-    mesh, the enclosing call places; NumPy only across processes). A move shares the
-    caller's buffers where the decoration's donation allows
-    (`donation.Donation.may_alias`)."""
+    sharding where it `hands_over`, else every value (not tracers: the enclosing call
+    places them; NumPy only across processes), sharing the caller's buffers where the
+    donation allows (`donation.Donation.may_alias`)."""
     targets = [(i, s) for i, s in entry.targets if not on_abstract_mesh(s)]
     multiprocess = any(not s.is_fully_addressable for _, s in targets)
     if entry.hands_over:
@@ -332,27 +335,6 @@ def _place_inputs(
     todo = [(i, s) for i, s in targets if value(leaves[i])]
     may_alias = cache.donation.may_alias(leaves, todo, structure.donated)
     place(leaves, todo, where, may_alias=may_alias)
-
-
-def _one_device_set(targets, where) -> None:
-    """Raises, naming two leaves, if `in_shardings` puts them on different sets of
-    devices, which one `jax.jit` call refuses: by their names only where the inputs
-    are committed, and it moves uncommitted ones itself."""
-    first = None
-    for i, target in targets:
-        sharding = sharding_of(target)
-        if sharding is None or on_abstract_mesh(sharding):
-            continue
-        devices = sharding.device_set
-        if first is None:
-            first = (i, devices)
-        elif devices != first[1]:
-            ids = lambda d: sorted(x.id for x in d)
-            raise ValueError(
-                f"{where(first[0])} and {where(i)}: `in_shardings` places them on "
-                f"different devices ({ids(first[1])} and {ids(devices)}), but the "
-                "inputs of one call must share one set of devices."
-            )
 
 
 def _auto_layouts(targets, leaves, where) -> str | None:
@@ -388,12 +370,7 @@ class AutoLayouts:
         self.jitted = jitted
         self.message = message
         self.compiled = None
-
-    def trace(self, *args):
-        return self.jitted.trace(*args)
-
-    def lower(self, *args):
-        return self.jitted.lower(*args)
+        self.trace, self.lower = jitted.trace, jitted.lower
 
     def __call__(self, *args):
         if any(map(is_tracer, jtu.tree_leaves(args))):

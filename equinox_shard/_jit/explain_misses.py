@@ -20,7 +20,6 @@ import jax.tree_util as jtu
 
 from .._arrays import is_concrete
 from .cache import path_name
-from .launch import stack
 
 
 traceback_util.register_exclusion(__file__)
@@ -34,7 +33,7 @@ _NOT_USER = tuple(
 # `jax.monitoring` events of a `jax.jit`, the same in JAX 0.10.2 and 0.12 (`_heard`).
 _TRACE = "/jax/core/compile/jaxpr_trace_duration"
 _COMPILE = "/jax/core/compile/backend_compile_duration"
-_state = threading.local()  # `.call`: the call `build`'s layer dispatches
+_state = threading.local()  # `.call`: the call `miss`'s layer dispatches
 
 
 def _user_callsite() -> str:
@@ -82,7 +81,7 @@ def _describe(cache, structure, leaves: list, entry=None) -> dict:
     `cache.EntryKey`) by field, the caller's leaf names, and `_array` of each traced."""
     tree = structure.treedef.unflatten([None] * len(leaves))
     paths = jtu.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
-    names = [path_name(cache.names, path, cache.var_name) for path, _ in paths]
+    names = [path_name(cache, path) for path, _ in paths]
     key = structure.structure_key._asdict() | structure.entry_key(leaves)._asdict()
     arrays = {names[i]: _array(leaves[i]) for i in structure.dynamic}
     return dict(
@@ -106,7 +105,7 @@ def _structure(cache, new: Any, old: Any, path: tuple | None = None):
         for (key, a), (_, b) in zip(kids, old_kids):
             yield from _structure(cache, a, b, path + key)
         return
-    where = path_name(cache.names, path, cache.var_name)
+    where = path_name(cache, path)
     name = lambda k: getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
     keys = [{name(k) for (k,), _ in c} for c in (kids, old_kids)]
     if type(new) is type(old) and keys[0] == keys[1] and dataclasses.is_dataclass(new):
@@ -198,37 +197,38 @@ def _never_failing():
         logger.warning(f"FILTER_JIT CACHE MISS, not explained: {e!r}")
 
 
-def build(cache, structure, args, kwargs, leaves, make: Callable[[], tuple]) -> tuple:
-    """`make()` (`entry.build_entry`) under the flag: explains the miss, records the
-    call, and adds a layer that names each call to `_heard` (in a thread-local) while
-    the flag is on (not for an AOT `Compiled`)."""
+def miss(cache, structure, leaves: list) -> Callable:
+    """Explains a miss of our cache (a new `jax.jit`), and returns `watch(entry,
+    leaves)` for `entry.build_entry`: it records the call (its leaves as placed) and
+    returns the entry's dispatch layer, `_watched`."""
     with _never_failing():
         new = _describe(cache, structure, leaves)
         _report(cache, new, cache.seen, "a new jax.jit", _key_diff)
-    entry, leaves, trees, run = make()
-    with contextlib.suppress(Exception):  # then "not explained" was said
-        cache.seen.append(_describe(cache, entry.structure, leaves, entry))
 
-    def watched(dispatch: Callable) -> Callable:
-        def watched(run, dynamic, deleted, leaves, jit_id):
-            __tracebackhide__ = True
-            if not jax.config.jax_explain_cache_misses or run is not entry.jitted:
-                return dispatch(run, dynamic, deleted, leaves, jit_id)
-            outer, _state.call = getattr(_state, "call", None), [cache, entry, leaves]
-            try:
-                return dispatch(run, dynamic, deleted, leaves, jit_id)
-            finally:
-                _state.call = outer
+    def watch(entry, leaves: list) -> Callable:
+        with contextlib.suppress(Exception):  # then "not explained" was said
+            cache.seen.append(_describe(cache, entry.structure, leaves, entry))
+        return ft.partial(_watched, cache, entry)
 
-        return watched
+    return watch
 
-    entry.dispatch = stack(entry.launch, (*entry.layers, watched))
-    return entry, leaves, trees, run
+
+def _watched(cache, entry, inner, run, dynamic, deleted, leaves, jit_id):
+    """A dispatch layer (`launch.stack`): names the call to `_heard` (in a
+    thread-local) while the flag is on (not for an AOT `Compiled`)."""
+    __tracebackhide__ = True
+    if not jax.config.jax_explain_cache_misses or run is not entry.jitted:
+        return inner(run, dynamic, deleted, leaves, jit_id)
+    outer, _state.call = getattr(_state, "call", None), [cache, entry, leaves]
+    try:
+        return inner(run, dynamic, deleted, leaves, jit_id)
+    finally:
+        _state.call = outer
 
 
 def _heard(event: str, duration_secs: float, fun_name: Any = None, **_) -> None:
     """A `jax.monitoring` listener: explains a compile without a trace (JAX explains
-    those) of `jit(<name>)`, the `jax.jit` of the call that `build`'s layer names."""
+    those) of `jit(<name>)`, the `jax.jit` of the call that `miss`'s layer names."""
     call = getattr(_state, "call", None)
     name = call and call[0].fun_names[0]
     if call and event == _TRACE and fun_name == name:
@@ -246,5 +246,5 @@ def _heard(event: str, duration_secs: float, fun_name: Any = None, **_) -> None:
             cache.seen.append(new)
 
 
-# One listener for the process: it does nothing outside a call that `build` names.
+# One listener for the process: it does nothing outside a call that `miss` names.
 jax.monitoring.register_event_duration_secs_listener(_heard)

@@ -1,5 +1,5 @@
-"""`filter_jit`: the public wrapper, its ahead-of-time objects, and the one call path
-from a call to `jax.jit` (bind, flatten, look up, prepare, dispatch, postprocess)."""
+"""`filter_jit`: the one call path from a call to `jax.jit` (look up, prepare,
+dispatch, combine), its ahead-of-time objects and the public wrapper."""
 
 import functools as ft
 import os
@@ -16,7 +16,14 @@ from equinox import field, is_array, Module, module_update_wrapper, Partial
 from .._arrays import is_array_or_struct
 from .._spec.leaves import unset
 from . import explain_misses
-from .cache import ArgStructure, Cache, diagnose, get_cache, StructureKey
+from .cache import (
+    ArgStructure,
+    Cache,
+    diagnose,
+    get_cache,
+    raise_if_unhashable,
+    structure_key,
+)
 from .donation import DonateMode
 from .entry import AutoLayouts, build_entry, Entry, prepare
 from .packing import mirror_combine, mirror_partition
@@ -29,140 +36,130 @@ _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
 #
-# The call path: bind, flatten, look up, prepare, dispatch, postprocess.
+# The call path: `_JitWrapper.__call__ -> _call`.
 #
 
 
-def _bind(cache: Cache, args, kwargs):
-    bound = cache.signature.bind(*args, **kwargs)
-    return bound.args, bound.kwargs
-
-
 def _call(wrapper, args, kwargs, compiled=None):
+    """A call in four steps: look up its entry (`_look_up`; on a miss `_build` makes
+    it), prepare its inputs (`entry.prepare`), dispatch (`entry.Entry.dispatch`) and
+    combine the output (`_combine`)."""
     __tracebackhide__ = True
     # One attribute lookup, past `Module.__getattribute__` (Python, on every lookup).
     fields = object.__getattribute__(wrapper, "__dict__")
     cache: Cache = fields["_cache"]
+    dynamic_fun = fields["_dynamic_fun"]
     # Read by `eqx.error_if`'s stacks: one per decoration.
     __equinox_jit_id__ = fields["_jit_id"]
     if kwargs or len(args) not in cache.arity:
-        args, kwargs = _bind(cache, args, kwargs)
+        bound = cache.signature.bind(*args, **kwargs)
+        args, kwargs = bound.args, bound.kwargs
     leaves, treedef = jtu.tree_flatten((args, kwargs))
-    if compiled is None:
-        # A `StructureKey`, built in place.
-        key = (treedef, tuple(map(type, leaves)), is_array)
-        structure = cache.structures.get(key)
-        entry = (
-            None if structure is None else structure.entries.get(structure.key(leaves))
+    # Look up.
+    structure, entry = _look_up(cache, treedef, leaves, compiled)
+    # Prepare.
+    if structure is None or entry is None:
+        structure, entry, leaves, dynamic, run = _build(
+            wrapper, cache, args, kwargs, leaves, treedef, is_array
         )
-    else:
-        entry = compiled._entry
-        structure = entry.structure
-        _check_compiled(entry, treedef, leaves)
-    if entry is None:
-        entry, structure, leaves, dynamic, run = _compile(
-            wrapper,
-            cache,
-            args,
-            kwargs,
-            leaves,
-            key,  # pyright: ignore[reportPossiblyUnboundVariable]
-        )
-    elif entry.lean and not structure.deleted(leaves):  # pyright: ignore[reportOptionalMemberAccess]
+    elif entry.lean and not structure.deleted(leaves):
         # Nothing to place or donate: what `prepare` returns, without its frame.
-        dynamic = structure.packing.arguments(  # pyright: ignore[reportOptionalMemberAccess]
-            fields["_dynamic_fun"], args, kwargs, leaves
-        )
+        dynamic = structure.packing.arguments(dynamic_fun, args, kwargs, leaves)
         run = entry.jitted
     else:
         leaves, dynamic, run = prepare(
-            fields["_dynamic_fun"], cache, entry, structure, args, kwargs, leaves
+            dynamic_fun, cache, entry, structure, args, kwargs, leaves
         )
     if compiled is not None:
         run = compiled.compiled
-    dispatch = entry.dispatch
+    # Dispatch.
     try:
-        if dispatch is None:  # no layer: the launch alone
+        if entry.dispatch is None:  # no layer: the launch alone
             out = run(*dynamic)
         else:
-            out = dispatch(
-                run,
-                dynamic,
-                structure.deleted,  # pyright: ignore[reportOptionalMemberAccess]
-                leaves,
-                __equinox_jit_id__,
+            out = entry.dispatch(
+                run, dynamic, structure.deleted, leaves, __equinox_jit_id__
             )
     except eqx.EquinoxRuntimeError:
         raise
     except Exception:
-        diagnose(
-            cache,
-            args,
-            kwargs,
-            leaves,
-            entry.structure.dynamic,
-            entry.targets,
-            fields["_dynamic_fun"],
-        )
+        diagnose(cache, args, kwargs, leaves, entry, dynamic_fun)
         raise
-    dynamic_out, static_out = out
-    if static_out is None:
-        return dynamic_out
-    return static_out.combine(dynamic_out)
+    return _combine(out)
 
 
-def _check_compiled(entry: Entry, treedef, leaves) -> None:
-    static = entry.structure.static_of(leaves)
-    if treedef != entry.structure.treedef or static != entry.static:
-        raise TypeError(
-            "This function was compiled for arguments of structure "
-            f"{entry.structure.treedef} with static (non-array) leaves {entry.static}, "
-            f"but was called with {treedef} and {static}. Lower and compile it again "
-            "for these arguments."
-        )
+def _look_up(cache: Cache, treedef, leaves: list, compiled) -> tuple:
+    """The call's `ArgStructure` and `Entry` (either `None` on a miss); a `Compiled`'s
+    own, once the call is checked against it."""
+    if compiled is not None:
+        entry = compiled._entry
+        static = entry.structure.static_of(leaves)
+        if treedef != entry.structure.treedef or static != entry.static:
+            raise TypeError(
+                "This function was compiled for arguments of structure "
+                f"{entry.structure.treedef} with static (non-array) leaves "
+                f"{entry.static}, but was called with {treedef} and {static}. Lower "
+                "and compile it again for these arguments."
+            )
+        return entry.structure, entry
+    structure = cache.structures.get(
+        structure_key((treedef, tuple(map(type, leaves)), is_array))
+    )
+    if structure is None:
+        return None, None
+    try:
+        return structure, structure.entries.get(structure.key(leaves))
+    except TypeError:  # an unhashable static leaf, which `_build` names
+        return structure, None
 
 
-def _compile(wrapper, cache, args, kwargs, leaves, structure_key: tuple):
-    """The slow path of a call (or of `.lower()`): finds or makes the argument
-    structure (`structure_key`: the call's `StructureKey`, or that tuple) and the
-    entry, under the cache's lock."""
+def _combine(out: tuple) -> Any:
+    """The output, from what the traced function returns: its arrays, and its static
+    part (`packing.OutStatic`, `None` where the output is its arrays)."""
+    dynamic, static = out
+    return dynamic if static is None else static.combine(dynamic)
+
+
+def _build(wrapper, cache: Cache, args, kwargs, leaves, treedef, dynamic) -> tuple:
+    """A miss (or `.lower()`): finds or makes the argument structure and the entry,
+    under the cache's lock, and prepares this call's inputs. `dynamic`: which leaves
+    are traced (`StructureKey.dynamic`)."""
+    key = structure_key((treedef, tuple(map(type, leaves)), dynamic))
     with cache.lock:
-        structure = cache.structures.get(structure_key)
+        structure = cache.structures.get(key)
         if structure is None:
-            structure_key = StructureKey(*structure_key)
-            structure = ArgStructure(cache, args, kwargs, leaves, structure_key)
-        key = structure.key(leaves)
-        entry = structure.entries.get(key)
+            structure = ArgStructure(cache, args, kwargs, leaves, key)
+        entry_key = structure.key(leaves)
+        try:
+            entry = structure.entries.get(entry_key)
+        except TypeError:
+            raise_if_unhashable(cache, args, kwargs, leaves, structure.static)
+            raise
         if entry is not None:
             # Made by another thread meanwhile, or for other leaf types (JAX arrays
             # where these are NumPy): this structure is kept, so the next call hits.
-            if not jax.config.jax_disable_jit:  # pyright: ignore
-                cache.structures[structure_key] = structure
-            leaves, trees, run = prepare(
+            prepared = prepare(
                 wrapper._dynamic_fun, cache, entry, structure, args, kwargs, leaves
             )
-            return entry, structure, leaves, trees, run
-        make = lambda: build_entry(
-            wrapper._dynamic_fun,
-            wrapper._static_fun,
-            cache,
-            structure,
-            args,
-            kwargs,
-            leaves,
-        )
-        config = jax.config
-        if config.jax_explain_cache_misses and not config.jax_disable_jit:  # pyright: ignore
-            # JAX's own flag: say why, in the caller's names (`explain_misses`).
-            entry, leaves, trees, run = explain_misses.build(
-                cache, structure, args, kwargs, leaves, make
-            )
         else:
-            entry, leaves, trees, run = make()
-        if not jax.config.jax_disable_jit:  # pyright: ignore
-            structure.entries[key] = entry
-            cache.structures[structure_key] = structure
-    return entry, structure, leaves, trees, run
+            watch = None
+            if jax.config.jax_explain_cache_misses and not jax.config.jax_disable_jit:
+                # JAX's own flag: say why, in the caller's names (`explain_misses`).
+                watch = explain_misses.miss(cache, structure, leaves)
+            entry, *prepared = build_entry(
+                wrapper._dynamic_fun,
+                wrapper._static_fun,
+                cache,
+                structure,
+                args,
+                kwargs,
+                leaves,
+                watch,
+            )
+        if not jax.config.jax_disable_jit:  # under it nothing is traced, nothing kept
+            structure.entries[entry_key] = entry
+            cache.structures[key] = structure
+    return structure, entry, *prepared
 
 
 #
@@ -205,27 +202,26 @@ class Compiled(Module):
         (_, kwargs, *args), _ = per_input
         structure = self._entry.structure
         leaves: list = [None] * structure.treedef.num_leaves
-        for i, x in zip(structure.static, self._entry.static):
+        pairs = zip(structure.static, self._entry.static)
+        pairs = (
+            *pairs,
+            *zip(structure.dynamic, structure.packing.unpack(kwargs, args)),
+        )
+        for i, x in pairs:
             leaves[i] = x
-        for i, sharding in zip(
-            structure.dynamic, structure.packing.unpack(kwargs, args)
-        ):
-            leaves[i] = sharding
         return structure.treedef.unflatten(leaves)
 
     @property
     def output_shardings(self) -> Any:
         """The shardings of the array outputs, in the structure of the output; non-array
         outputs appear as themselves."""
-        dynamic, static = self.compiled.output_shardings
-        return dynamic if static is None else static.combine(dynamic)
+        return _combine(self.compiled.output_shardings)
 
     @property
     def output_formats(self) -> Any:
         """The formats (layout and sharding) of the array outputs, in the structure of
         the output; non-array outputs appear as themselves."""
-        dynamic, static = self.compiled.output_formats
-        return dynamic if static is None else static.combine(dynamic)
+        return _combine(self.compiled.output_formats)
 
 
 class Lowered(Module):
@@ -276,17 +272,17 @@ class _JitWrapper(Module):
         """`stage(entry, dynamic)` for `.lower` and `.eval_shape`, whose arguments are
         checked, and errors named, as a call's."""
         cache = self._cache
-        args, kwargs = _bind(cache, args, kwargs)
+        bound = cache.signature.bind(*args, **kwargs)
+        args, kwargs = bound.args, bound.kwargs
         leaves, treedef = jtu.tree_flatten((args, kwargs))
-        key = StructureKey(treedef, tuple(map(type, leaves)), is_array_or_struct)
-        entry, _, leaves, dynamic, _ = _compile(self, cache, args, kwargs, leaves, key)
+        _, entry, leaves, dynamic, _ = _build(
+            self, cache, args, kwargs, leaves, treedef, is_array_or_struct
+        )
         try:
             return entry, stage(entry, dynamic)
         except Exception:
             # The entry was checked for the shapes of the call that made it.
-            diagnose(
-                cache, args, kwargs, leaves, entry.structure.dynamic, entry.targets
-            )
+            diagnose(cache, args, kwargs, leaves, entry)
             raise
 
     def lower(self, /, *args, **kwargs) -> Lowered:
@@ -314,10 +310,7 @@ class _JitWrapper(Module):
         _, traced = self._ahead(
             args, kwargs, lambda entry, dynamic: entry.jitted.trace(*dynamic)
         )
-        dynamic_out, static_out = traced.out_info
-        if static_out is None:
-            return dynamic_out
-        return static_out.combine(dynamic_out)
+        return _combine(traced.out_info)
 
     def __get__(self, instance, owner):
         del owner

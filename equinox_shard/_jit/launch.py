@@ -1,9 +1,11 @@
 """The launch of a compiled call: its dispatch `dispatch(run, dynamic, deleted, leaves,
-jit_id)`, one per entry, stacked by `stack` from a launch (`plain`, `serialized`, or
-donation's, `donation.Donation.launch`) and the layers that pacing (`paced`), callbacks
-(`callbacks.waiting`) and explanations (`explain_misses.build`) supply; and the lock
-that serialises launches (RFC §6)."""
+jit_id)`, one per entry, stacked by `stack` (in `entry.build_entry` alone) from a
+launch (`plain`, `serialized`, or donation's, `donation.Donation.launch`) and the
+layers that pacing (`paced`), callbacks (`callbacks.waiting`) and explanations
+(`explain_misses.miss`) supply; and the lock that serialises launches (RFC §6)."""
 
+import functools as ft
+import itertools
 import threading
 from collections.abc import Callable, Sequence
 
@@ -40,34 +42,26 @@ def serialized(run, dynamic, deleted, leaves, jit_id):
 # the collective queued first lacks a participant, deadlocks, and XLA aborts the
 # process after 40 s (upstream/jax-reports/cpu-inflight-limit-deadlock).
 PACE = 8
-_launches = [0]  # multi-device CPU launches so far (counted under `_count_lock`)
-_count_lock = threading.Lock()
+# Multi-device CPU launches, numbered from 1: `next` on it is atomic (it holds the GIL).
+launches = itertools.count(1)
 
 
-def paced(inner: Callable) -> Callable:
+def paced(inner: Callable, run, dynamic, deleted, leaves, jit_id):
     """The dispatch layer (see `stack`) of an entry that launches on several CPU
     devices: `inner`, then, every `PACE`-th launch, a wait for its outputs. The CPU
     client runs multi-device programs one at a time in launch order, so this waits
     for every earlier one too."""
-
-    def dispatch(run, dynamic, deleted, leaves, jit_id):
-        out = inner(run, dynamic, deleted, leaves, jit_id)
-        with _count_lock:
-            _launches[0] += 1
-            wait = _launches[0] % PACE == 0
-        if wait:
-            # Outside the lock: other threads launch meanwhile. Tracers (an outer
-            # trace) and arrays another thread has donated since have nothing to wait
-            # for.
-            arrays = [
-                x
-                for x in jax.tree_util.tree_leaves(out)
-                if isinstance(x, jax.Array) and not is_tracer(x) and not x.is_deleted()
-            ]
-            jax.block_until_ready(arrays)
-        return out
-
-    return dispatch
+    out = inner(run, dynamic, deleted, leaves, jit_id)
+    if next(launches) % PACE == 0:
+        # Outside the lock: other threads launch meanwhile. Tracers (an outer trace)
+        # and arrays another thread has donated since have nothing to wait for.
+        arrays = [
+            x
+            for x in jax.tree_util.tree_leaves(out)
+            if isinstance(x, jax.Array) and not is_tracer(x) and not x.is_deleted()
+        ]
+        jax.block_until_ready(arrays)
+    return out
 
 
 def serialize_dispatch(shardings: list) -> bool:
@@ -79,17 +73,11 @@ def serialize_dispatch(shardings: list) -> bool:
     )
 
 
-def launch_for(shardings: list) -> Callable:
-    """The launch of an entry that donates nothing: `serialized` where its shardings
-    need the lock (`serialize_dispatch`), else `plain`."""
-    return serialized if serialize_dispatch(shardings) else plain
-
-
 def stack(launch: Callable, layers: Sequence[Callable]) -> Callable | None:
-    """The dispatch of an entry: `launch`, wrapped by each of `layers`
-    (`inner -> dispatch`), innermost first. `None` for `plain` alone: the call then
-    launches `run(*dynamic)` itself, without a frame."""
+    """The dispatch of an entry: `launch`, wrapped by each of `layers`, innermost
+    first (`layer(inner, run, dynamic, deleted, leaves, jit_id)`). `None` for `plain`
+    alone: the call then launches `run(*dynamic)` itself, without a frame."""
     dispatch = launch
     for layer in layers:
-        dispatch = layer(dispatch)
+        dispatch = ft.partial(layer, dispatch)
     return None if dispatch is plain else dispatch

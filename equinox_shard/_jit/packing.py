@@ -63,14 +63,15 @@ jtu.register_pytree_with_keys(
 )
 
 
-def getter(indices: tuple[int, ...]) -> Callable[[Any], tuple]:
-    # `operator.itemgetter` gathers at C speed; it returns a bare item for one index.
-    if len(indices) == 0:
-        return lambda leaves: ()
-    if len(indices) == 1:
-        (i,) = indices
-        return lambda leaves: (leaves[i],)
-    return operator.itemgetter(*indices)
+def getter(indices: tuple[int, ...], key: bool = False) -> Callable[[Any], Any]:
+    """`leaves -> the items at indices`, gathered at C speed (`operator.itemgetter`,
+    which gives a bare item for one index: then a slice), as a tuple where `key`."""
+    if len(indices) > 1:
+        return operator.itemgetter(*indices)
+    start = indices[0] if indices else 0
+    if not key:
+        return operator.itemgetter(slice(start, start + len(indices)))
+    return (lambda leaves: (leaves[start],)) if indices else (lambda leaves: ())
 
 
 def _is_builtin(treedef: Any) -> bool:
@@ -188,7 +189,7 @@ def mirror(tree: Any, is_leaf=None) -> Any:
     mirrored = [mirror(x, is_leaf) for _, x in children]
     keys = tuple(path[0] for path, _ in children)
     if keys and all(isinstance(k, jtu.GetAttrKey) for k in keys):
-        names = tuple(k.name for k in keys)  # pyright: ignore[reportAttributeAccessIssue]
+        names = tuple(k.name for k in keys if isinstance(k, jtu.GetAttrKey))
         return _namedtuple(node_type, names)(*mirrored)
     return _Node(tuple(mirrored), (node_type, keys))
 

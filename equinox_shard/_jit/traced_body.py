@@ -13,9 +13,9 @@ import jax.tree_util as jtu
 from equinox import is_array
 
 from .._arrays import is_tracer
-from .._placement import place
+from .._placement import check_shapes, place
 from .._spec.kinds import is_auto, kind_of
-from .._spec.language import check, for_jax, leaf_path, resolve, resolve_leaves
+from .._spec.language import for_jax, leaf_path, resolve, resolve_leaves
 from .._spec.leaves import is_rule, is_spec_leaf, PathRules, unset
 from .cache import ArgStructure, Cache
 from .packing import mirror, mirror_combine, OutStatic
@@ -46,7 +46,7 @@ def traced_function(
         dynamic = structure.packing.unpack(dynamic_kwargs, dynamic_args)
         for i, x in zip(structure.dynamic, dynamic):
             flat[i] = x
-        if targets and jax.config.jax_disable_jit:  # pyright: ignore
+        if targets and jax.config.jax_disable_jit:
             # `jax.jit` ignores `in_shardings` under `disable_jit`; we place anyway.
             tree = treedef.unflatten(flat)
             where = lambda i: leaf_path(tree, i, "args")
@@ -73,7 +73,7 @@ def traced_function(
     fun_wrapped.__name__, fun_wrapped.__qualname__ = cache.fun_names
     if cache.fun_source is not None:
         # JAX's messages point at this function's source: the user's, not ours.
-        fun_wrapped.__wrapped__ = cache.fun_source  # pyright: ignore
+        ft.update_wrapper(fun_wrapped, cache.fun_source, assigned=(), updated=())
     # JAX names arguments by this signature in its errors: `model.layers[0].weight`.
     n_args = len(treedef.children()[0].children()) if treedef.children() else 0
     positional = inspect.Parameter.POSITIONAL_ONLY
@@ -111,15 +111,11 @@ def _out_shardings(out, out_specs, found: list | None, structured: bool, mesh):
         mesh=mesh,
         formats=True,
     )
-    for i, sharding in todo:
-        check(
-            jax.numpy.shape(out_leaves[i]),
-            sharding,
-            lambda i=i: f"out{jtu.keystr(jtu.tree_flatten_with_path(out)[0][i][0])}",
-        )
+    where = lambda i: leaf_path(out, i, "out")
+    check_shapes(out_leaves, todo, where)
     # The kinds that `jax.jit` refuses in `out_shardings` apply here, as in a trace.
     body = [(i, s) for i, s in todo if in_body(s)]
-    if body and not jax.config.jax_disable_jit:  # pyright: ignore
+    if body and not jax.config.jax_disable_jit:
         moved = jax.device_put([out_leaves[i] for i, _ in body], [s for _, s in body])
         for (i, _), x in zip(body, moved):
             out_leaves[i] = x
@@ -132,8 +128,7 @@ def _out_shardings(out, out_specs, found: list | None, structured: bool, mesh):
             found.append(jtu.tree_structure(mirror(out)).unflatten(shardings))
         else:
             found.append(tuple(s for s, x in zip(shardings, out_leaves) if is_array(x)))
-    if jax.config.jax_disable_jit and todo:  # pyright: ignore
-        where = lambda i: leaf_path(out, i, "out")
+    if jax.config.jax_disable_jit and todo:
         place(out_leaves, _eager_targets(out_leaves, todo), where)
         return out_def.unflatten(out_leaves)
     return out
@@ -195,7 +190,8 @@ class ResolveRules:
 
         ft.update_wrapper(outer, fun_wrapped)
         del outer.__wrapped__
-        if hasattr(fun_wrapped, "__wrapped__"):  # the user's function
-            outer.__wrapped__ = fun_wrapped.__wrapped__  # pyright: ignore
+        source = getattr(fun_wrapped, "__wrapped__", None)  # the user's function
+        if source is not None:
+            ft.update_wrapper(outer, source, assigned=(), updated=())
         out_shardings = (jtu.tree_map(for_jax, found[0]), None)
         return jax.jit(outer, **self.jit_kwargs, out_shardings=out_shardings)
