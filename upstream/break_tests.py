@@ -32,7 +32,8 @@ VARIANTS = {
         "    return jax.device_put(x, sharding)\n",
     ),
     "onto the mesh split, not replicated": (ONTO, "            x, sharding\n"),
-    # The gather: eagerly too, the array replicated onto the mesh before `reshard`.
+    # No eager `device_put`: the array is replicated onto the mesh before `reshard`
+    # (the gather), and one on other devices cannot move.
     "eager arrays through the traced path": (
         "    if not isinstance(x, jax.core.Tracer):\n",
         "    if False:\n",
@@ -43,7 +44,7 @@ VARIANTS = {
         "        return jtu.tree_map(lambda y: _put(y, sharding), x)\n",
         "        return x\n",
     ),
-    # Eagerly `device_put` returns an array already in place as it is.
+    # Eagerly `device_put` returns an array already in place as it is, not a copy.
     "no copy": (EAGER, EAGER.replace(", may_alias=False", "")),
     "non-arrays not filtered out": (
         "    dynamic, static = partition(x, is_array)",
