@@ -19,11 +19,11 @@ import tempfile
 EAGER = "        return jax.device_put(x, sharding, may_alias=False)\n"
 ONTO = "            x, jshard.NamedSharding(sharding.mesh, jshard.PartitionSpec())\n"
 RESHARD = "    return jshard.reshard(x, sharding)\n"
-NAMES = "        and any(p not in (None, _UNCONSTRAINED) for p in sharding.spec)\n"
+KEEP = "    if all(p is None for p in (*have.spec, *sharding.spec)):\n"
 VARIANTS = {
     # B1: inside JIT `reshard` needs `jax.set_mesh` when no input is on the mesh yet.
     "no device_put onto the mesh before reshard": (
-        "    if jax.typeof(x).sharding.mesh.empty:\n",
+        "    if have.mesh.empty:\n",
         "    if False:\n",
     ),
     # Under `vmap` `device_put` puts a spec on the batch dimension first.
@@ -38,8 +38,14 @@ VARIANTS = {
         "    if not isinstance(x, jax.core.Tracer):\n",
         "    if False:\n",
     ),
-    # `P()` too (v0.13.8 differentiated it inside JIT; `reshard` needs `set_mesh`).
-    "specs naming no axis through the new path": (NAMES, ""),
+    # From no mesh to `P()` too (v0.13.8 differentiated it inside JIT; `reshard` under
+    # `grad` needs `set_mesh`).
+    "nothing to split or gather through reshard": (KEEP, "    if False:\n"),
+    # 0001 v9: inside JIT an array split over the mesh stays split under `P()`.
+    "an array split over the mesh to P() left to with_sharding_constraint": (
+        KEEP,
+        "    if all(p is None for p in sharding.spec):\n",
+    ),
     "Explicit axes not applied": (
         "        return jtu.tree_map(lambda y: _put(y, sharding), x)\n",
         "        return x\n",
