@@ -19,11 +19,11 @@ import tempfile
 EAGER = "        return jax.device_put(x, sharding, may_alias=False)\n"
 ONTO = "            x, jshard.NamedSharding(sharding.mesh, jshard.PartitionSpec())\n"
 RESHARD = "    return jshard.reshard(x, sharding)\n"
-NAMES = "        and any(p not in (None, _UNCONSTRAINED) for p in sharding.spec)\n"
+KEEP = "    if all(p is None for p in (*have.spec, *sharding.spec)):\n"
 VARIANTS = {
     # B1: inside JIT `reshard` needs `jax.set_mesh` when no input is on the mesh yet.
     "no device_put onto the mesh before reshard": (
-        "    if jax.typeof(x).sharding.mesh.empty:\n",
+        "    if have.mesh.empty:\n",
         "    if False:\n",
     ),
     # Under `vmap` `device_put` puts a spec on the batch dimension first.
@@ -32,18 +32,25 @@ VARIANTS = {
         "    return jax.device_put(x, sharding)\n",
     ),
     "onto the mesh split, not replicated": (ONTO, "            x, sharding\n"),
-    # The gather: eagerly too, the array replicated onto the mesh before `reshard`.
+    # No eager `device_put`: the array is replicated onto the mesh before `reshard`
+    # (the gather), and one on other devices cannot move.
     "eager arrays through the traced path": (
         "    if not isinstance(x, jax.core.Tracer):\n",
         "    if False:\n",
     ),
-    # `P()` too (v0.13.8 differentiated it inside JIT; `reshard` needs `set_mesh`).
-    "specs naming no axis through the new path": (NAMES, ""),
+    # From no mesh to `P()` too (v0.13.8 differentiated it inside JIT; `reshard` under
+    # `grad` needs `set_mesh`).
+    "nothing to split or gather through reshard": (KEEP, "    if False:\n"),
+    # 0001 v9: inside JIT an array split over the mesh stays split under `P()`.
+    "an array split over the mesh to P() left to with_sharding_constraint": (
+        KEEP,
+        "    if all(p is None for p in sharding.spec):\n",
+    ),
     "Explicit axes not applied": (
         "        return jtu.tree_map(lambda y: _put(y, sharding), x)\n",
         "        return x\n",
     ),
-    # Eagerly `device_put` returns an array already in place as it is.
+    # Eagerly `device_put` returns an array already in place as it is, not a copy.
     "no copy": (EAGER, EAGER.replace(", may_alias=False", "")),
     "non-arrays not filtered out": (
         "    dynamic, static = partition(x, is_array)",

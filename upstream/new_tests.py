@@ -6,6 +6,7 @@ Equinox found on `PYTHONPATH`: whether the tests a patch adds fail before it.
 
 import importlib.util
 import sys
+import traceback
 
 import jax
 
@@ -25,4 +26,6 @@ for name in sys.argv[2:]:
         print(name, "PASSED")
     except BaseException as e:
         first = str(e).splitlines()[0][:110] if str(e) else ""
+        # A bare `assert`: the line that failed.
+        first = first or traceback.extract_tb(e.__traceback__)[-1].line
         print(name, "FAILED", type(e).__name__, first)

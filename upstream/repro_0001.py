@@ -109,12 +109,13 @@ for mesh in (auto, explicit):
         except Exception as e:
             row += f" {name} {type(e).__name__}: {str(e).splitlines()[0][:60]};"
     print(row)
-# Differentiated inside JIT (JAX asks for `jax.set_mesh` where an `Explicit` axis is
-# named; `P()` worked at v0.13.8).
-for spec in (P(), P("x")):
+# Differentiated inside JIT (JAX asks for `jax.set_mesh` where `reshard` moves an array;
+# `P()` from no mesh worked at v0.13.8, and from `P('x')` ran but left it split).
+for source, spec in ((None, P()), (None, P("x")), (P("x"), P())):
     loss = lambda a, s=spec: eqx.filter_shard(a, NamedSharding(explicit, s)).sum()
+    value = x if source is None else jax.device_put(x, NamedSharding(explicit, source))
     try:
-        out = eqx.filter_jit(eqx.filter_grad(loss))(x).sharding.spec
+        out = eqx.filter_jit(eqx.filter_grad(loss))(value).sharding.spec
     except Exception as e:
         out = f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
-    print(f"EE grad of x to {spec} inside jit: {out}")
+    print(f"EE grad of x from {source or 'uncommitted'} to {spec} inside jit: {out}")
