@@ -401,6 +401,11 @@ def _bad_inputs():
             dict(layers=stacked_linears, fn=None),
             r"fn=None: .*layer\(x\).*jax\.vmap\(layer\)\(x\)",
         ),
+        (dict(key=jr.key(1)), r"fn=fn: with `key` given, .*`fn\(layer, x, key=key\)`"),
+        (
+            dict(fn=lambda layer, x, *, key: layer(x, key=key)),
+            r"fn=<lambda>: without `key`, .*`fn\(layer, x\)`.*key=",
+        ),
     ]
 
 

@@ -1,6 +1,7 @@
 """`filter_pipeline`: a stack of layers run as a pipeline, its stages on one mesh axis
 and the batch cut into microbatches that flow through them."""
 
+import inspect
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -81,6 +82,29 @@ def _refuse_layer_list(layers: Any) -> None:
             "`jax.tree.map(lambda *a: jnp.stack(a), *layers)`. (Several stacks of "
             "layers go in a dict or a Module.)"
         )
+
+
+def _check_fn_takes_key(fn: Callable, keyed: bool) -> None:
+    # Said before tracing: a bare `TypeError` from inside the trace names neither.
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read: left to the call
+        return
+    try:
+        signature.bind(None, None, **({"key": None} if keyed else {}))
+    except TypeError as error:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        if keyed:
+            raise TypeError(
+                f"fn={name}: with `key` given, `filter_pipeline` calls "
+                f"`fn(layer, x, key=key)`, which `fn` does not take ({error}). Give "
+                "`fn` a `key` keyword argument, or pass no `key`."
+            ) from None
+        raise TypeError(
+            f"fn={name}: without `key`, `filter_pipeline` calls `fn(layer, x)`, "
+            f"which `fn` does not take ({error}). Pass `key=` (one PRNG key), or "
+            "give `fn` a default for its key."
+        ) from None
 
 
 def _check_key(key: Any) -> None:
@@ -393,6 +417,8 @@ def filter_pipeline(
         )
     _batch_size(x, microbatches)
     fn_given = fn is not None
+    if fn_given:
+        _check_fn_takes_key(fn, key is not None)
     fn = _default_fn if fn is None else fn
     chunk = n_layers // (stages * repeats)
     arrays, static = eqx.partition(layers, eqx.is_array)
