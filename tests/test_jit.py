@@ -1,3 +1,4 @@
+import traceback
 import typing
 import warnings
 
@@ -1162,3 +1163,18 @@ def test_an_unhashable_static_leaf_is_named(in_shardings):
                 jitted(jnp.ones(2), cfg)
         assert traces == []
         assert jnp.array_equal(jitted(jnp.ones(2), {"lr": 0.1}), jnp.full(2, 2.0))
+
+
+def test_an_input_that_cannot_be_moved_is_reported_once():
+    # A committed input on another device is moved by us; its shape error is ours,
+    # raised once (not again, chained, by the diagnosis of JAX's errors).
+    s = NamedSharding(auto_mesh((8,), ("x",)), P("x"))
+    f = eqxs.filter_jit(lambda a: a * 2, in_shardings=s, out_shardings=s)
+    f(jnp.arange(16.0))
+    other = jax.device_put(jnp.arange(12.0), jax.devices()[3])
+    with pytest.raises(ValueError, match=r"^a: dimension 0 of shape \(12,\)") as info:
+        f(other)
+    shown = "".join(traceback.format_exception(info.value))
+    assert shown.count("dimension 0 of shape (12,)") == 1, shown
+    assert other.is_deleted() is False
+    np.testing.assert_array_equal(other, np.arange(12.0))

@@ -305,9 +305,14 @@ def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple
         placed = list(placed)
         try:
             _place_inputs(placed, entry, where, cache, structure)
-        except Exception:
+        except Exception as error:
             # The entry was checked for the shapes of the call that made it.
-            diagnose(cache, args, kwargs, placed, entry)
+            try:
+                diagnose(cache, args, kwargs, placed, entry)
+            except Exception as named:
+                if str(named) == str(error):  # `place` named it already: say it once
+                    raise error from None
+                raise
             raise
     packing = structure.packing
     if packing.trivial and placed is not leaves:
