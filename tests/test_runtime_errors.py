@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .helpers import auto_mesh
+from .helpers import auto_mesh, count_compiles
 from .isolated import run_isolated
 
 
@@ -383,6 +383,24 @@ def test_callback_entry_follows_new_shapes_and_dtypes(body):
         assert (out.dtype, out.shape) == (expected.dtype, expected.shape)
         assert out.weak_type == expected.weak_type
         np.testing.assert_array_equal(np.array(out), np.array(expected))
+
+
+@pytest.mark.parametrize(
+    "body", [_error_if_body, _debug_callback_body, _pure_callback_body]
+)
+def test_compiled_with_callbacks_runs_its_own_executable(body):
+    # `.lower(...).compile()` compiles the program calls run (the guarded one), so a
+    # call compiles nothing, as `eqx.filter_jit`'s `Compiled` does.
+    x = jnp.full(8, 3.0)
+    compiled = eqxs.filter_jit(body).lower(x).compile()
+    with count_compiles() as compiles:
+        outs = [compiled(x), compiled(x)]
+    assert compiles == []
+    for out in outs:
+        np.testing.assert_array_equal(np.array(out), np.full(8, 6.0, np.float32))
+    if body is _error_if_body:
+        with pytest.raises(eqx.EquinoxRuntimeError, match="nan"):
+            compiled(jnp.full(8, np.nan))
 
 
 def test_callback_entry_follows_new_shapes_sharded():

@@ -163,14 +163,17 @@ class Guards:
         out = jc.jaxpr_as_fun(closed.replace(jaxpr=jaxpr))(*jtu.tree_leaves(dynamic))
         return jtu.tree_unflatten(jtu.tree_structure(shape), out)
 
-    def __call__(self, dispatch: Callable) -> tuple[Any, BaseException | None, Any]:
-        """`dispatch(self.jitted)`, waited for: `(out, None, None)`, or
-        `(None, error, info)` if a callback raised."""
+    def __call__(
+        self, dispatch: Callable, program: Callable | None = None
+    ) -> tuple[Any, BaseException | None, Any]:
+        """`dispatch(program)` (by default `self.jitted`; a `Compiled`'s executable of
+        it otherwise), waited for: `(out, None, None)`, or `(None, error, info)` if a
+        callback raised."""
         with self.lock:
             record = self.record
             record.error = record.info = None
             try:
-                out = dispatch(self.jitted)
+                out = dispatch(self.jitted if program is None else program)
                 # The callbacks have run once the outputs are ready.
                 leaves = jax.block_until_ready(jtu.tree_leaves(out))
                 if not leaves:
@@ -223,7 +226,9 @@ def waiting(guards: Guards, inner: Callable, run, dynamic, deleted, leaves, jit_
     if not _usable(dynamic):
         return _traced(inner, run, dynamic, deleted, leaves, jit_id)
     run_inner = lambda launch: inner(launch, dynamic, deleted, leaves, jit_id)
-    out, error, info = guards(run_inner)
+    # A `Compiled`'s executable is of the guarded program (`Lowered` lowers that).
+    compiled = run if isinstance(run, jax.stages.Compiled) else None
+    out, error, info = guards(run_inner, compiled)
     if error is None:
         return out
     equinox_error = _equinox_runtime_error(error, jit_id, info)

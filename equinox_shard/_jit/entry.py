@@ -64,6 +64,7 @@ class Entry:
         "typed",  # a `Typed` where calls with uncommitted inputs run it, else `None`
         "places_values",  # whether uncommitted and NumPy inputs are ours to place
         "jitted",
+        "guards",  # a program with host callbacks: its `callbacks.Guards`, else `None`
         "dispatch",
     )
 
@@ -124,6 +125,7 @@ def build_entry(
             placed, dynamic, _ = prepare(
                 dynamic_fun, cache, entry, structure, args, kwargs, leaves
             )
+    entry.guards = guards
     if auto is not None:
         entry.jitted = AutoLayouts(entry.jitted, auto)
     # The dispatch: the launch (under the lock where the entry donates, with its

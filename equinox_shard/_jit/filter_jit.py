@@ -293,8 +293,10 @@ class _JitWrapper(Module):
             # Lowered for the types the entry was traced for (`Typed`): one trace.
             if entry.typed is not None:
                 dynamic, _ = entry.typed.types(dynamic)
+            # With host callbacks, the guarded program is what calls run.
+            jitted = entry.jitted if entry.guards is None else entry.guards.jitted
             with self._cache.donation.tracing():
-                return entry.jitted.lower(*dynamic)
+                return jitted.lower(*dynamic)
 
         entry, lowered = self._ahead(args, kwargs, lower)
         return Lowered(lowered, self, entry)
