@@ -16,7 +16,7 @@ import sys
 import tempfile
 
 
-EAGER = "        return jax.device_put(x, sharding, may_alias=False)\n"
+EAGER = "[shards[i] for i in eager], may_alias=False\n"
 ONTO = "            x, jshard.NamedSharding(sharding.mesh, jshard.PartitionSpec())\n"
 RESHARD = "    return jshard.reshard(x, sharding)\n"
 KEEP = "    if all(p is None for p in (*have.spec, *sharding.spec)):\n"
@@ -35,8 +35,8 @@ VARIANTS = {
     # No eager `device_put`: the array is replicated onto the mesh before `reshard`
     # (the gather), and one on other devices cannot move.
     "eager arrays through the traced path": (
-        "    if not isinstance(x, jax.core.Tracer):\n",
-        "    if False:\n",
+        "        elif isinstance(x, jax.core.Tracer):\n",
+        "        elif True:\n",
     ),
     # From no mesh to `P()` too (v0.13.8 differentiated it inside JIT; `reshard` under
     # `grad` needs `set_mesh`).
@@ -47,8 +47,8 @@ VARIANTS = {
         "    if all(p is None for p in sharding.spec):\n",
     ),
     "Explicit axes not applied": (
-        "        return jtu.tree_map(lambda y: _put(y, sharding), x)\n",
-        "        return x\n",
+        "        dynamic = _shard_explicit(shardings, dynamic)\n",
+        "        pass\n",
     ),
     # Eagerly `device_put` returns an array already in place as it is, not a copy.
     "no copy": (EAGER, EAGER.replace(", may_alias=False", "")),
