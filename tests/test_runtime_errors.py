@@ -403,6 +403,39 @@ def test_compiled_with_callbacks_runs_its_own_executable(body):
             compiled(jnp.full(8, np.nan))
 
 
+@pytest.mark.parametrize(
+    "body", [_error_if_body, _debug_callback_body, _pure_callback_body]
+)
+@pytest.mark.parametrize("weak", [True, False])
+def test_callbacks_trace_as_often_as_jax_jit_on_uncommitted_inputs(body, weak):
+    # Found by tests/test_differential.py: with a weak-typed uncommitted input, the
+    # first call ran the guarded program on its inputs as given and every later call on
+    # placed ones, so the function was traced twice where `jax.jit` traces it once.
+    replicated = NamedSharding(auto_mesh(), P())
+    traces = {"ours": 0, "jax.jit": 0}
+
+    def counted(name):
+        def fn(x):
+            traces[name] += 1
+            return body(x)
+
+        return fn
+
+    ours = eqxs.filter_jit(
+        counted("ours"), in_shardings=replicated, out_shardings=replicated
+    )
+    oracle = jax.jit(
+        counted("jax.jit"), in_shardings=replicated, out_shardings=replicated
+    )
+    make = lambda: jnp.asarray(1.5) if weak else jnp.asarray(np.float32(1.5))
+    for _ in range(3):
+        out, expected = ours(make()), oracle(make())
+        assert jax.typeof(out) == jax.typeof(expected)
+        assert out.sharding.is_equivalent_to(expected.sharding, 0)
+        assert float(out) == float(expected) == 3.0
+    assert traces == {"ours": 1, "jax.jit": 1}
+
+
 def test_callback_entry_follows_new_shapes_sharded():
     # On 8 devices a stale program crashed the process (SIGSEGV): in a child.
     result = run_isolated(

@@ -198,10 +198,10 @@ def _trace(entry: Entry, typed: bool, dynamic: tuple, n_args: int, donation):
             jitted = entry.jitted = jitted.trace(*at)
         if not callbacks.has_callback(jitted.trace(*at).jaxpr.jaxpr):
             return (entry.typed if moved else None), None, False
-    if entry.typed is not None:
+    entry.typed = None
+    if moved:
         # The guarded program, a `jax.jit` of its own, is traced for the inputs it is
         # given: they are placed, as the entry was traced for committed types.
-        entry.typed = None
         entry.hands_over = False
         entry.places_values = True
     return None, callbacks.Guards(jitted, donation.argnums(n_args)), moved
