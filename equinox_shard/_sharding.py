@@ -11,7 +11,9 @@ import jax.lax as lax
 import jax.tree_util as jtu
 from jax.sharding import (
     AxisType,
+    Mesh,
     NamedSharding,
+    PartitionSpec,
     Sharding,
 )
 from jaxtyping import PyTree
@@ -78,6 +80,20 @@ def _constraint_function(sharding: Sharding, where: Callable[[], str]) -> str:
     return "with_sharding_constraint"
 
 
+def _onto_mesh(x: Any, sharding: Any) -> Any:
+    """`x`, replicated on `sharding`'s mesh where neither its type nor the context
+    (`jax.set_mesh`) has a mesh: `reshard` takes the devices from those, so inside
+    `jax.jit` on JAX's default (Explicit) mesh the program would otherwise have none."""
+    if (
+        isinstance(sharding, NamedSharding)
+        and isinstance(sharding.mesh, Mesh)
+        and jax.typeof(x).sharding.mesh.empty
+        and jax.sharding.get_abstract_mesh().empty
+    ):
+        return jax.device_put(x, NamedSharding(sharding.mesh, PartitionSpec()))
+    return x
+
+
 def _in_host_memory(x: Any) -> bool:
     return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
 
@@ -116,6 +132,7 @@ def constrain_leaves(
         inputs = [leaves[i] for i in indices]
         targets = list(map(for_jax, targets))
         if function == "reshard":
+            inputs = list(map(_onto_mesh, inputs, targets))
             out = jax.sharding.reshard(inputs, targets)
         else:
             out = lax.with_sharding_constraint(inputs, targets)
@@ -248,7 +265,9 @@ def filter_shard(x: PyTree[Any], device_or_shardings: Any) -> PyTree[Any]:
         `jax.eval_shape`, ...), per array leaf:
         `jax.lax.with_sharding_constraint` when the spec uses Auto mesh axes, or
         `jax.sharding.reshard` when it uses Explicit mesh axes (the default of
-        `jax.make_mesh`); then, if the sharding has a non-default memory kind such as
+        `jax.make_mesh`; an array on no mesh, outside `jax.set_mesh`, is first put
+        on the sharding's mesh, replicated, which `reshard` needs inside `jax.jit`);
+        then, if the sharding has a non-default memory kind such as
         `"pinned_host"` (which those two ignore), also `jax.device_put`. This also
         applies to array leaves that are not tracers, such as constants closed over
         by a jitted function. Under `jax.disable_jit()` those are placed instead.

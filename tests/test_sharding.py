@@ -354,11 +354,8 @@ def test_filter_shard_jit_explicit_is_reshard(set_mesh):
     np.testing.assert_array_equal(out, 2 * np.asarray(x) + 1)
 
 
-# Known (issue 50): `reshard` inside `jit` needs the mesh's devices. Putting the array
-# on the mesh first (replicated) fixed these, but changed an eager `jax.grad`'s
-# cotangent sharding (test_context's shard/E/grad/numpy cell: P(None, None) where plain
-# JAX gives P('data')); no public way found to tell a staging trace from an eager one.
-@pytest.mark.xfail(raises=ValueError, strict=True, reason="reshard needs jax.set_mesh")
+# Issue 50 (B1): `reshard` takes the mesh's devices from its input; these failed with
+# JAX's "Length of device assignment 1 is not equal to the size of the mesh 8".
 @pytest.mark.parametrize("jit", [eqx.filter_jit, eqxs.filter_jit])
 @pytest.mark.parametrize("spec", [P(), P("x")])
 def test_filter_shard_jit_explicit_without_mesh_context(jit, spec):
@@ -376,6 +373,23 @@ def test_filter_shard_jit_explicit_without_mesh_context(jit, spec):
     assert_same_values(out_model, expected)
     assert_shardings(out, s)
     np.testing.assert_array_equal(out, 2 * np.asarray(x))
+
+
+def test_filter_shard_eager_grad_explicit_without_mesh_context_raises_as_reshard():
+    # docs/troubleshooting.md: differentiating an eager `jax.grad` through the move
+    # needs `jax.set_mesh`, as plain `reshard` does; with it, both work.
+    mesh = jax.make_mesh((8,), ("x",))
+    s = NamedSharding(mesh, P("x"))
+    x = jnp.arange(16.0)
+    ours = jax.grad(lambda y: jnp.sum(eqxs.filter_shard(y, s) ** 2))
+    plain = jax.grad(lambda y: jnp.sum(jax.sharding.reshard(y, s) ** 2))
+    for grad in (ours, plain):
+        with pytest.raises(ValueError, match="jax.set_mesh"):
+            grad(x)
+    with jax.set_mesh(mesh):
+        out, expected = ours(x), plain(x)
+    np.testing.assert_array_equal(np.asarray(out), 2 * np.arange(16.0))
+    assert out.sharding.is_equivalent_to(expected.sharding, 1)
 
 
 def test_eqx_filter_shard_fails_on_explicit_mesh_where_ours_works():
