@@ -46,6 +46,11 @@ VARIANTS = {
         KEEP,
         "    if all(p is None for p in sharding.spec):\n",
     ),
+    # A tree mixing `Explicit` and `Auto` shardings: the `Auto` ones reach `reshard`.
+    "Auto shardings in a mixed tree through the Explicit path": (
+        "        if not _explicit(s):\n",
+        "        if False:\n",
+    ),
     "Explicit axes not applied": (
         "        dynamic = _shard_explicit(shardings, dynamic)\n",
         "        pass\n",
@@ -59,6 +64,10 @@ VARIANTS = {
     "non-array leaves dropped": (
         "    return combine(dynamic, static)",
         "    return combine(dynamic, jtu.tree_map(lambda _: None, static))",
+    ),
+    "input returned unchanged": (
+        "    return combine(dynamic, static)",
+        "    return x",
     ),
     "values changed": (
         "    return combine(dynamic, static)",
