@@ -69,8 +69,21 @@ class EntryKey(NamedTuple):
 
 
 # `StructureKey(*key)` and `EntryKey(*key)` from a tuple, without their Python frame.
-structure_key = ft.partial(tuple.__new__, StructureKey)
+_structure_key = ft.partial(tuple.__new__, StructureKey)
 _entry_key = ft.partial(tuple.__new__, EntryKey)
+
+
+def look_up(cache: "Cache", treedef, leaves: list, dynamic) -> tuple:
+    """A call's `StructureKey` (made here only), its `ArgStructure` and its `Entry`
+    (either `None` on a miss). `dynamic`: which leaves are traced."""
+    key = _structure_key((treedef, tuple(map(type, leaves)), dynamic))
+    structure = cache.structures.get(key)
+    if structure is None:
+        return key, None, None
+    try:
+        return key, structure, structure.entries.get(structure.key(leaves))
+    except TypeError:  # an unhashable static leaf, which a miss names
+        return key, structure, None
 
 
 class Cache:
@@ -238,7 +251,7 @@ class ArgStructure:
 
     def __init__(self, cache: Cache, args, kwargs, leaves, key: StructureKey):
         self.structure_key = key
-        treedef, _, dynamic = key
+        treedef, dynamic = key.treedef, key.dynamic
         mask = tuple(map(dynamic, leaves))
         self.treedef = treedef
         self.dynamic = tuple(i for i, m in enumerate(mask) if m)
