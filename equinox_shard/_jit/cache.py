@@ -53,7 +53,7 @@ class StructureKey(NamedTuple):
     leaf_types: tuple
     # Which leaves are traced: `equinox.is_array` for a call; `.lower` and
     # `.eval_shape` also trace `jax.ShapeDtypeStruct`s.
-    dynamic: Callable[[Any], bool]
+    is_traced: Callable[[Any], bool]
 
 
 class EntryKey(NamedTuple):
@@ -73,10 +73,10 @@ _structure_key = ft.partial(tuple.__new__, StructureKey)
 _entry_key = ft.partial(tuple.__new__, EntryKey)
 
 
-def look_up(cache: "Cache", treedef, leaves: list, dynamic) -> tuple:
+def look_up(cache: "Cache", treedef, leaves: list, is_traced) -> tuple:
     """A call's `StructureKey` (made here only), its `ArgStructure` and its `Entry`
-    (either `None` on a miss). `dynamic`: which leaves are traced."""
-    key = _structure_key((treedef, tuple(map(type, leaves)), dynamic))
+    (either `None` on a miss). `is_traced`: which leaves are traced."""
+    key = _structure_key((treedef, tuple(map(type, leaves)), is_traced))
     structure = cache.structures.get(key)
     if structure is None:
         return key, None, None
@@ -251,10 +251,10 @@ class ArgStructure:
 
     def __init__(self, cache: Cache, args, kwargs, leaves, key: StructureKey):
         self.structure_key = key
-        treedef, dynamic = key.treedef, key.dynamic
-        mask = tuple(map(dynamic, leaves))
+        treedef, is_traced = key.treedef, key.is_traced
+        mask = tuple(map(is_traced, leaves))
         self.treedef = treedef
-        self.dynamic = tuple(i for i, m in enumerate(mask) if m)
+        self.traced_indices = tuple(i for i, m in enumerate(mask) if m)
         self.static = tuple(i for i, m in enumerate(mask) if not m)
         self.static_of = getter(self.static, key=True)
         # How the traced leaves go to `jax.jit`: one `Packing` per traced leaves, as
@@ -264,12 +264,12 @@ class ArgStructure:
             packing = Packing(args, kwargs, mask)
             cache.packings[(treedef, mask)] = packing
         self.packing = packing
-        self.donated = cache.donation.leaves(args, self.dynamic)
-        self.specs = _in_specs(cache, args, kwargs, leaves, dynamic)
+        self.donated = cache.donation.leaves(args, self.traced_indices)
+        self.specs = _in_specs(cache, args, kwargs, leaves, is_traced)
         # What resolving the specs depends on: the leaves that rules see (every
         # traced leaf when `out_shardings` rules see the output), and the mesh.
-        in_rules = tuple(i for i in self.dynamic if needs_leaf(self.specs[i]))
-        self.rules = self.dynamic if cache.out_rules else in_rules
+        in_rules = tuple(i for i in self.traced_indices if needs_leaf(self.specs[i]))
+        self.rules = self.traced_indices if cache.out_rules else in_rules
         self.needs_mesh = cache.out_mesh or any(map(needs_mesh, self.specs))
         # The key that `entries` is keyed by: the `EntryKey`, or its `static` alone
         # (a C-level getter, no frame) where each other field is constant for this
@@ -280,9 +280,9 @@ class ArgStructure:
             if all(constant.get(name, False) for name in EntryKey._fields[1:])
             else self.entry_key
         )
-        self.deleted = deleted_test(leaves, getter(self.dynamic))
+        self.deleted = deleted_test(leaves, getter(self.traced_indices))
         # Tracers (inside an outer trace): `jax.jit` is called, not an executable.
-        self.traced = any(is_tracer(leaves[i]) for i in self.dynamic)
+        self.in_trace = any(is_tracer(leaves[i]) for i in self.traced_indices)
         # Shared by every argument structure with the same traced leaves (NumPy, JAX,
         # tracers): a `StructureKey` field that changes the program must join this key.
         self.entries = cache.entries.setdefault((treedef, mask), {})
@@ -293,7 +293,7 @@ class ArgStructure:
         return _entry_key((self.static_of(leaves), avals, mesh))
 
 
-def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, dynamic) -> list:
+def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, is_traced) -> list:
     """One `in_shardings` leaf per leaf of the bound `(args, kwargs)`, with every
     `PathRules` replaced by the spec leaf it chooses for that leaf."""
     if cache.in_shardings is unset:
@@ -322,7 +322,7 @@ def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, dynamic) ->
     for name, spec, arg, arg_name in groups:
         at = lambda j, s=len(out): where(s + j)  # `j`: a leaf of this argument
         leaves_ = jtu.tree_leaves(arg)
-        out.extend(spread(spec, arg, leaves_, name, arg_name, at, dynamic, usage))
+        out.extend(spread(spec, arg, leaves_, name, arg_name, at, is_traced, usage))
     usage.check()
     return out + [None] * (len(leaves) - len(out))  # keyword arguments
 
@@ -380,6 +380,6 @@ def diagnose(cache: Cache, args, kwargs, leaves: list, entry: Any, dynamic_fun=N
     """Called after `jax.jit` raised: raises our own error, naming the key path, if we
     can name the culprit (a deleted input, a bad shape)."""
     where = ft.partial(arg_path, cache, args, kwargs)
-    raise_if_deleted(leaves, entry.structure.dynamic, where)
+    raise_if_deleted(leaves, entry.structure.traced_indices, where)
     raise_if_fun_deleted(cache.fun_name, dynamic_fun)
     check_shapes(leaves, entry.targets, where)

@@ -69,15 +69,17 @@ class Donation:
         donated = (rest, rest, *(self._donates(p, n_args) for p in range(n_args)))
         return tuple(i for i, d in enumerate(donated) if d)
 
-    def leaves(self, args: tuple, dynamic: tuple[int, ...]) -> tuple[int, ...]:
-        """The donated leaves of the bound `(args, kwargs)`, by index: those of
-        `dynamic` (the traced leaves) in a donated argument."""
+    def leaves(self, args: tuple, traced_indices: tuple[int, ...]) -> tuple[int, ...]:
+        """The donated leaves of the bound `(args, kwargs)`, by index: the traced
+        leaves (`traced_indices`) in a donated argument."""
         n_args = len(args)
         flags = []
         for p, arg in enumerate(args):
             flags += [self._donates(p, n_args)] * len(jtu.tree_leaves(arg))
         rest = self._donates(None, n_args)  # the keyword arguments' leaves
-        return tuple(i for i in dynamic if (flags[i] if i < len(flags) else rest))
+        return tuple(
+            i for i in traced_indices if (flags[i] if i < len(flags) else rest)
+        )
 
     def donates(self, leaves: tuple[int, ...], dynamic_fun: Any, n_args: int) -> bool:
         """Whether an entry donates anything: its donated `leaves` (`Donation.leaves`)
@@ -91,14 +93,14 @@ class Donation:
     def keeper(
         self,
         leaves: tuple[int, ...],
-        dynamic: tuple[int, ...],
+        traced_indices: tuple[int, ...],
         n_args: int,
         fun_name: str,
     ) -> Callable:
         """`keep(call_leaves, dynamic_fun, where)`, run before each call of an entry
         that donates: see `keep_undonated`."""
         fun_donated = self._donates(None, n_args)
-        return ft.partial(keep_undonated, leaves, dynamic, fun_donated, fun_name)
+        return ft.partial(keep_undonated, leaves, traced_indices, fun_donated, fun_name)
 
     def may_alias(self, leaves: list, moves: list, donated: tuple[int, ...]) -> list:
         """`place`'s `may_alias`, per leaf, for the moves `(i, sharding)` of a call's
@@ -132,7 +134,7 @@ class Donation:
 
 def keep_undonated(
     donated: tuple[int, ...],
-    dynamic: tuple[int, ...],
+    traced_indices: tuple[int, ...],
     fun_donated: bool,
     fun_name: str,
     leaves: list,
@@ -147,18 +149,18 @@ def keep_undonated(
     fun_leaves = jtu.tree_leaves(dynamic_fun) if fun_donated else []
     if any(map(is_deleted, fun_leaves)):
         raise_if_fun_deleted(fun_name, dynamic_fun)
-    dynamic_ids = {id(leaves[i]) for i in dynamic}
+    traced_ids = {id(leaves[i]) for i in traced_indices}
     fun_ids = {id(x) for x in fun_leaves}
-    if len(dynamic_ids) == len(dynamic) and dynamic_ids.isdisjoint(fun_ids):
+    if len(traced_ids) == len(traced_indices) and traced_ids.isdisjoint(fun_ids):
         return leaves  # the common case, checked at C speed
-    for i in dynamic:
+    for i in traced_indices:
         if id(leaves[i]) in fun_ids:
             raise ValueError(
                 f"{where(i)}: this array is also part of the function being JIT'd, "
                 "whose arrays are donated; an array cannot be both donated and passed "
                 "again."
             )
-    counts = co.Counter(id(leaves[i]) for i in dynamic)
+    counts = co.Counter(id(leaves[i]) for i in traced_indices)
     # NumPy inputs are copied onto the device by every call anyway.
     copies = [
         i

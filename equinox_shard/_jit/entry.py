@@ -109,7 +109,7 @@ def build_entry(
     donation = cache.donation
     entry.donates = donation.donates(structure.donated, dynamic_fun, len(args))
     entry.keep = entry.donates and donation.keeper(
-        structure.donated, structure.dynamic, len(args), cache.fun_name
+        structure.donated, structure.traced_indices, len(args), cache.fun_name
     )
     entry.lean = not entry.donates and not targets
     entry.typed = None
@@ -132,7 +132,9 @@ def build_entry(
     # inputs checked again, or runs on several CPU devices), its pacing (on several
     # CPU devices), the wait for callbacks, and the explanations' layer.
     shardings = [s for _, s in targets]
-    shardings += [getattr(placed[i], "sharding", None) for i in structure.dynamic]
+    shardings += [
+        getattr(placed[i], "sharding", None) for i in structure.traced_indices
+    ]
     serialized = launch.serialize_dispatch(shardings)
     layers = [launch.paced] if serialized else []
     if guards is not None:
@@ -151,7 +153,9 @@ def _targets(structure: ArgStructure, leaves: list, where) -> list[tuple[int, An
     """`(i, spec leaf)` for each traced leaf that `in_shardings` places, resolved and
     checked against the call's inputs."""
     resolver = ft.partial(resolve, abstract_ok=True)
-    targets = resolve_each(structure.specs, leaves, structure.dynamic, where, resolver)
+    targets = resolve_each(
+        structure.specs, leaves, structure.traced_indices, where, resolver
+    )
     check_shapes(leaves, targets, where)
     for i, sharding in targets:
         kind = kind_of(sharding)
@@ -191,7 +195,7 @@ def _trace(entry: Entry, typed: bool, dynamic: tuple, n_args: int, donation):
         entry.typed = Typed(entry, casts, donation)
     # Traced for the types of committed inputs, which those `typed` runs take.
     at, moved = dynamic, False
-    if entry.typed is not None and not structure.traced:
+    if entry.typed is not None and not structure.in_trace:
         at, moved = entry.typed.types(dynamic)
     with donation.tracing():
         if isinstance(jitted, ResolveRules):
@@ -208,11 +212,11 @@ def _trace(entry: Entry, typed: bool, dynamic: tuple, n_args: int, donation):
 
 
 def _auto_casts(structure: ArgStructure, targets) -> list[tuple[int, Any]]:
-    """`(k, sharding)` for each traced leaf `k` (in `structure.dynamic`'s order)
+    """`(k, sharding)` for each traced leaf `k` (in `structure.traced_indices`'s order)
     whose target is a `NamedSharding` on a mesh of Auto axes only: there a committed
     input's type holds the mesh and an uncommitted or NumPy one's does not, so
     `jax.jit` traces and compiles the two apart, though they are one program."""
-    position = {i: k for k, i in enumerate(structure.dynamic)}
+    position = {i: k for k, i in enumerate(structure.traced_indices)}
     casts = []
     for i, sharding in targets:
         if (
@@ -294,7 +298,7 @@ def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple
     where = ft.partial(arg_path, cache, args, kwargs)
     # XLA crashes on a deleted multi-device input, donated or not.
     if structure.deleted(leaves):
-        raise_if_deleted(leaves, structure.dynamic, where)
+        raise_if_deleted(leaves, structure.traced_indices, where)
     placed = leaves
     if entry.donates:
         placed = entry.keep(leaves, dynamic_fun, where)
@@ -321,7 +325,7 @@ def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple
         args, kwargs = structure.treedef.unflatten(placed)
     dynamic = packing.arguments(dynamic_fun, args, kwargs, placed)
     # Inside an outer trace (tracers) there is no executable to call.
-    if ready == MOVES and entry.typed is not None and not structure.traced:
+    if ready == MOVES and entry.typed is not None and not structure.in_trace:
         return placed, dynamic, entry.typed
     return placed, dynamic, entry.jitted
 

@@ -196,7 +196,7 @@ class Compiled(Module):
         pairs = zip(structure.static, self._entry.static)
         pairs = (
             *pairs,
-            *zip(structure.dynamic, structure.packing.unpack(kwargs, args)),
+            *zip(structure.traced_indices, structure.packing.unpack(kwargs, args)),
         )
         for i, x in pairs:
             leaves[i] = x
