@@ -1,9 +1,5 @@
-"""Donation (RFC §6), owned by one value per decoration, `Donation`, asked when the
-cache and its entries are built: which arguments and leaves are donated (`jax.jit`'s
-`donate_argnums`), which donated arrays are replaced by private copies so that no
-array the caller keeps is donated, whether a donated input that moves may share the
-caller's buffers, and how a donating call launches (JAX's warning of unusable
-donations included)."""
+"""Donation (RFC §6): what one decoration's `Donation` donates, the private copies that
+keep every array the caller keeps, and how a donating call launches."""
 
 import collections as co
 import contextlib
@@ -32,9 +28,8 @@ traceback_util.register_exclusion(__file__)
 DonateMode = Literal["all", "all-except-first", "warn", "warn-except-first", "none"]
 
 
-# mode -> (whether the argument at `position` of `n_args` positional arguments is
-# donated, `position=None` standing for the keyword arguments and the function's own
-# arrays; whether JAX's warning of donated buffers that no output reuses is ignored).
+# mode -> (whether the argument at `position` (`None`: keyword arguments and the
+# function's arrays) is donated; whether JAX's unusable-donation warning is ignored).
 MODES: dict[str, tuple[Callable[[int | None, int], bool], bool]] = {
     "all": (lambda position, n_args: True, True),
     "all-except-first": (lambda position, n_args: position != 0, True),
@@ -45,10 +40,8 @@ MODES: dict[str, tuple[Callable[[int | None, int], bool], bool]] = {
 
 
 class Donation:
-    """What one `filter_jit(donate=mode)` decoration donates, and what its calls do
-    with the inputs they donate. Made once per decoration (`cache.Cache`) and asked
-    when an argument structure or an entry is built, never on a call: what a call runs
-    (`keeper`, `launch`) is made then."""
+    """What one `filter_jit(donate=mode)` decoration donates; asked when an entry is
+    built, never on a call."""
 
     __slots__ = ("_donates", "_quiet")
 
@@ -141,11 +134,8 @@ def keep_undonated(
     dynamic_fun: Any,
     where: Callable[[int], str],
 ) -> list:
-    """Before a donating call: `leaves` with every `donated` array that is reachable
-    twice in the call (donated twice, or donated and kept: donating one occurrence
-    would free the others within the same execution, which crashes XLA for multi-device
-    arrays) replaced by a private copy. Where `fun_donated`, the function's own arrays
-    (`dynamic_fun`) are donated too: one of them passed again as an argument raises."""
+    """`leaves` with every `donated` array reachable twice in the call replaced by a
+    private copy: donating one occurrence would free the others (XLA crashes)."""
     fun_leaves = jtu.tree_leaves(dynamic_fun) if fun_donated else []
     if any(map(is_deleted, fun_leaves)):
         raise_if_fun_deleted(fun_name, dynamic_fun)
@@ -182,8 +172,7 @@ def keep_undonated(
 
 
 def _donating(quiet: bool, fun_arrays: bool) -> Callable:
-    """`Donation.launch`. `quiet`: whether JAX's warning of unusable donations is
-    ignored; `fun_arrays`: whether the function itself holds arrays (`dynamic[0]`)."""
+    """`Donation.launch`; `fun_arrays`: whether the function holds arrays."""
 
     def dispatch(run, dynamic, deleted, leaves, jit_id):
         with dispatch_lock:
@@ -202,8 +191,7 @@ def _donating(quiet: bool, fun_arrays: bool) -> Callable:
 
 @contextlib.contextmanager
 def _unusable_donations_ignored():
-    """JAX warns of each donated buffer that no output can reuse: with `donate='all'`
-    (not `'warn'`) and while tracing, that is expected."""
+    """JAX's warning of donated buffers no output reuses: expected under `'all'`."""
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message="Some donated buffers were not usable"

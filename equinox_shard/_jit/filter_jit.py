@@ -92,16 +92,14 @@ def _call(wrapper, args, kwargs, compiled=None):
 
 
 def _combine(out: tuple) -> Any:
-    """The output, from what the traced function returns: its arrays, and its static
-    part (`packing.OutStatic`, `None` where the output is its arrays)."""
+    """The output, from its arrays and static part (`packing.OutStatic` or `None`)."""
     dynamic, static = out
     return dynamic if static is None else static.combine(dynamic)
 
 
 def _build(wrapper, cache: Cache, args, kwargs, leaves, key) -> tuple:
-    """A miss (or `.lower()`): finds or makes the argument structure (`key`: its
-    `StructureKey`) and the entry, under the cache's lock, and prepares this call's
-    inputs."""
+    """A miss (or `.lower()`): finds or makes the structure of `key` and the entry,
+    under the cache's lock, and prepares this call's inputs."""
     with cache.lock:
         structure = cache.structures.get(key)
         if structure is None:
@@ -113,8 +111,7 @@ def _build(wrapper, cache: Cache, args, kwargs, leaves, key) -> tuple:
             raise_if_unhashable(cache, args, kwargs, leaves, structure.static)
             raise
         if entry is not None:
-            # Made by another thread meanwhile, or for other leaf types (JAX arrays
-            # where these are NumPy): this structure is kept, so the next call hits.
+            # Made meanwhile, or for other leaf types: keep this structure too.
             prepared = prepare(
                 wrapper._dynamic_fun, cache, entry, structure, args, kwargs, leaves
             )
@@ -160,8 +157,7 @@ class Compiled(Module):
         return self.compiled.as_text()
 
     def _check(self, treedef, leaves: list) -> tuple:
-        """Its `ArgStructure` and `Entry`, once a call's arguments are checked against
-        them."""
+        """Its `ArgStructure` and `Entry`, once a call is checked against them."""
         structure = self._entry.structure
         static = structure.static_of(leaves)
         if treedef != structure.treedef or static != self._entry.static:

@@ -164,10 +164,8 @@ def static_out_shardings(out_specs):
 
 
 class ResolveRules:
-    """`out_shardings` with callable leaves need the output's shapes. The first call
-    traces the function once (resolving the callables on its outputs), then builds the
-    `jax.jit` that applies them around that trace: JAX reuses the inner trace, so the
-    user's function is traced once."""
+    """`out_shardings` with callable leaves, resolved on the first trace's outputs, then
+    applied around that trace (JAX reuses it: the function is traced once)."""
 
     def __init__(self, make, out_specs, jit_kwargs):
         self.make = make
