@@ -1,20 +1,6 @@
-"""JAX's multi-controller runtime (`jax.distributed`): one process per host, and global
-shardings whose devices are not all addressable from any one process.
-
-There are two ways to build a global array from host-local values, both filtered:
-
-- every process holds the *whole* value (replicated parameters, an optimiser state):
-    [`equinox_shard.filter_device_put`][] with the global sharding. Every process must
-    pass the same value; this is checked with one small collective (a fingerprint per
-    array), and a difference is reported by key path (`place_host_local`).
-- every process holds *its own part* of the value (its share of a batch):
-    [`equinox_shard.filter_make_array_from_process_local_data`][], the filtered
-    version of `jax.make_array_from_process_local_data`.
-
-Everything here is SPMD: every process must make the same calls, with PyTrees of the
-same structure, shapes, dtypes and shardings, in the same order, as for any collective
-operation in multi-controller JAX.
-"""
+"""Several processes (`jax.distributed`): global arrays from host-local values that
+every process holds whole (`place_host_local`, checked identical by one small collective
+of fingerprints); the per-process parts are `_process_local_data`'s."""
 
 import hashlib
 from collections.abc import Callable
@@ -38,10 +24,7 @@ traceback_util.register_exclusion(__file__)
 
 
 def is_host_local(x: Any) -> bool:
-    """Whether `x` is a concrete array whose whole value lives in this process: a NumPy
-    array or scalar, or a `jax.Array` whose devices are all addressable from here
-    (committed or not). Such a value can only be turned into an array spanning several
-    processes by building that array from its pieces, process by process."""
+    """Whether `x` is a concrete array whose whole value lives in this process."""
     if isinstance(x, NUMPY):
         return True
     if is_concrete(x):
@@ -50,9 +33,8 @@ def is_host_local(x: Any) -> bool:
 
 
 def to_host(x: Any, where: Callable[[], str]) -> tuple[np.ndarray, Any]:
-    """Returns the value of a host-local array as a NumPy array of a dtype JAX uses (as
-    `jax.device_put` would make it), and the PRNG implementation if `x` is a typed key
-    array (whose data is then the `uint32` key data)."""
+    """A host-local array as NumPy, in a dtype JAX uses, and its PRNG implementation
+    (or `None`)."""
     impl = None
     if isinstance(x, jax.Array):
         raise_if_deleted([x], (0,), lambda _: where(), then=", so it cannot be placed")
@@ -77,11 +59,6 @@ def from_host(data: np.ndarray, sharding: Sharding, impl: Any) -> jax.Array:
 
 def processes_of(sharding: Sharding) -> frozenset[int]:
     return frozenset(d.process_index for d in sharding.device_set)
-
-
-#
-# Checking that every process holds the same value: one collective of fingerprints.
-#
 
 
 def _hash64(*parts: bytes) -> np.ndarray:
@@ -119,14 +96,8 @@ def _differs(rows: np.ndarray) -> list[int]:
 
 
 def check_identical(items: list[tuple[str, np.ndarray, Any, Sharding]]) -> None:
-    """Raises a `ValueError` naming the first key path whose value (or shape, dtype or
-    sharding) differs between processes, for `items` of `(key path, host data, PRNG
-    implementation or None, sharding)`.
-
-    Costs one `multihost_utils.process_allgather` of five `uint32`s per call (and a
-    second, of four `uint32`s per item, only to name the culprit), plus hashing the
-    data on the host. Every process must call this with the same number of items.
-    """
+    """Raises naming the first key path whose value, shape, dtype or sharding differs
+    between processes: one allgather of five `uint32`s (a second to name it)."""
     structure = np.empty((len(items), 2), np.uint32)
     content = np.empty((len(items), 2), np.uint32)
     for k, (path, data, impl, sharding) in enumerate(items):
@@ -179,37 +150,15 @@ def check_identical(items: list[tuple[str, np.ndarray, Any, Sharding]]) -> None:
     raise AssertionError  # pragma: no cover - a summary differed, so some item did.
 
 
-#
-# `filter_device_put` onto shardings that span several processes.
-#
-
-
 def place_host_local(
     leaves: list,
     indices: list[int],
     targets: list[Sharding],
     where: Callable[[int], str],
 ) -> tuple[list[int], list[Sharding]]:
-    """The multi-process branch of placing arrays (`filter_device_put`, and committing
-    `filter_jit`'s arguments): for each `leaves[i]`, `targets[i]` in `indices`,
-    `targets`, places every host-local array (see `is_host_local`) whose target
-    sharding is not fully addressable, in place in `leaves`, and returns the
-    `(indices, targets)` left for `jax.device_put`. `where(i)` is the key path of
-    `leaves[i]`, for error messages.
-
-    Each such array must be identical on every process its sharding spans: for those
-    whose sharding spans every process, this is checked by `check_identical` (one small
-    collective) before anything is placed, and a difference is reported by key path.
-    The arrays are then built with `jax.make_array_from_callback` from the host copy of
-    each value: no further collective and no compilation. (`jax.device_put` instead
-    gathers every array from every process to compare them, with one compiled
-    collective per array and an error that names no array; and it refuses committed
-    arrays and PRNG key arrays onto such shardings.)
-
-    Shardings that span only some processes are not checked (as in `jax.device_put`: a
-    process outside the sharding contributes nothing), and a process none of whose
-    devices is in the sharding gets an array with no addressable shards.
-    """
+    """Places each host-local array whose target spans several processes, in place,
+    built from its host copy (no compiled collective, unlike `jax.device_put`), after
+    `check_identical` where it spans them all; returns what is left to place."""
     rest_indices, rest_targets, mine = [], [], []
     for i, sharding in zip(indices, targets):
         if sharding.is_fully_addressable or not is_host_local(leaves[i]):

@@ -1,8 +1,6 @@
-"""Placing the array leaves of a PyTree with `jax.device_put`, keeping every buffer
-that the caller did not donate (RFC §6): `plan` says which leaves move, and onto what
-(raising, naming the leaf, before anything moves), `transfer` moves them (private
-copies where JAX would hand back a buffer of the source, donation, the one
-`jax.device_put`)."""
+"""Placing the array leaves of a PyTree, keeping every buffer the caller did not donate
+(RFC §6): `plan` (which leaves move, onto what; raises before anything moves), then
+`transfer` (private copies, donation, the one `jax.device_put`)."""
 
 import functools as ft
 import operator
@@ -44,11 +42,8 @@ _UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
 
 
 def same_mesh(current: Sharding, target: Sharding) -> bool:
-    """Whether an array placed on `current` may stand for one placed on `target`, given
-    that the two are equivalent: the mesh is part of an array's type (Explicit axes
-    appear in it, and JAX requires the inputs of one computation to share a mesh), so
-    an equivalent sharding over another mesh, or over other axis types, is not enough.
-    """
+    """Whether equivalent shardings `current` and `target` share a mesh: the mesh is
+    part of an array's type, so an equivalent one over another mesh is not enough."""
     meshes = [getattr(s, "mesh", None) for s in (current, target)]
     if None not in meshes:
         return meshes[0] == meshes[1]
@@ -71,8 +66,7 @@ def is_placed(x: jax.Array, sharding: Sharding) -> bool:
 
 def _is_on(x: jax.Array, target: Any) -> bool:
     """Whether the committed array `x` may stand for one placed on `target`, a value
-    of a kind that is not a `Sharding`: on the sharding it gives (if any), and as its
-    kind asks in the rest (`_spec.kinds.Kind.is_placed`: a layout, a memory)."""
+    of a kind that is not a `Sharding` (`_spec.kinds.Kind.is_placed`)."""
     kind: Any = kind_of(target)
     sharding = kind.sharding(target)
     return (sharding is None or is_placed(x, sharding)) and kind.is_placed(x, target)
@@ -80,10 +74,7 @@ def _is_on(x: jax.Array, target: Any) -> bool:
 
 def all_placed(values, expected: tuple) -> bool:
     """Whether every value is a `jax.Array` whose sharding equals its target in
-    `expected` (one C-speed pass, one `sharding` lookup per value): committed there,
-    or uncommitted on that one device, which `jax.jit` takes as it is. `False` means
-    `place` must look: `jax.jit` may not be given an array on another sharding
-    (upstream/jax-reports/jit-committed-device-order)."""
+    `expected`, at C speed (upstream/jax-reports/jit-committed-device-order)."""
     try:
         return all(map(operator.eq, map(_sharding, values), expected))
     except Exception:  # NumPy; a tracer without one
@@ -91,13 +82,10 @@ def all_placed(values, expected: tuple) -> bool:
 
 
 def jit_takes(values, expected: tuple) -> int:
-    """Whether `jax.jit` takes every value as it is for its target in `expected` (a
-    `Sharding` in the default memory of this process's devices): `PLACED` where each is
-    a committed `jax.Array` on its target, `MOVES` where the others are uncommitted or
-    NumPy (`jax.jit` moves them itself), `0` where `jax.jit` refuses one. C-speed."""
+    """Whether `jax.jit` takes every value as it is for its target in `expected`:
+    `PLACED` (all committed there), `MOVES` (it moves the others itself), or `0`."""
     try:
-        # A weak-typed input is placed by `place`: an executable of a strong type runs
-        # a weak one without complaint (and the other way round), with other dtypes.
+        # Weak-typed inputs are `place`'s: executables of either type run the other.
         if any(map(getattr, values, _WEAK, _FALSE)):
             return 0
         committed = list(map(getattr, values, _COMMITTED, _FALSE))
@@ -118,15 +106,13 @@ _COMMITTED = repeat("committed")
 _WEAK = repeat("weak_type")
 
 
-# The `(shape, target)` pairs that `check` passed (it depends on nothing else),
-# emptied when full.
+# The `(shape, target)` pairs that `check` passed, emptied when full.
 _fits: set = set()
 
 
 def check_shapes(leaves: list, todo, where: Callable[[int], str]) -> None:
-    """Raises, naming the leaf (`where(i)`), if a target of `todo`, `(i, target)`
-    pairs, cannot hold `leaves[i]`'s shape (`_spec.language.check`): the one shape
-    check of placement and of `filter_jit`'s inputs and outputs."""
+    """Raises, naming the leaf, if a target of `todo` cannot hold `leaves[i]`'s shape:
+    the one shape check of placement and of `filter_jit`."""
     for i, target in todo:
         shape = getattr(leaves[i], "shape", ())
         try:
@@ -150,12 +136,9 @@ def place(
     donate: list | bool | None = False,
     may_alias: list | bool | None = None,
 ) -> None:
-    """Places `leaves[i]` on `target` for each `(i, target)` in `todo` (a resolved
-    spec leaf), in place: `plan` then `transfer`, the one placement of every function
-    of the package; inside a trace (tracers in `todo`) `jax.device_put` as JAX does it
-    there. `donate` and `may_alias` are `jax.device_put`'s, per leaf (lists indexed by
-    leaf). Every result owns its buffers unless donated or `may_alias=True`, so
-    donating it later never deletes the input. `where(i)` names leaf `i` in errors."""
+    """Places `leaves[i]` on `target` for each `(i, target)` in `todo`, in place: the
+    one placement of the package. `donate` and `may_alias` are `jax.device_put`'s,
+    per leaf; every result owns its buffers unless donated or `may_alias=True`."""
     if donate is not False and may_alias:
         for i, _ in todo:
             if _flag(donate, i) and _flag(may_alias, i):
@@ -187,12 +170,8 @@ def plan(
     leaves: list, todo: list, where: Callable[[int], str], may_alias
 ) -> tuple[list, list, set] | None:
     """Which of `todo`'s leaves move, and onto what: `(indices, targets, sharing)`,
-    the targets for `jax.device_put` (a `Sharding`, or a value of a kind that it
-    takes) and the leaves whose buffer it might share with the result
-    (`_shares_source_buffer`); `None` for a tracer (inside a trace). A committed array
-    already on its target stays (unless `may_alias` is `False` for it). Raises,
-    naming the leaf, before anything moves: a deleted array, a target that cannot
-    hold its shape."""
+    `sharing` the leaves whose buffer the result might share; `None` inside a trace.
+    Raises, naming the leaf, before anything moves."""
     indices: list = []
     targets: list = []
     sharing = set()
@@ -209,9 +188,8 @@ def plan(
         elif isinstance(target, Sharding):
             given = target
             if isinstance(target, NamedSharding) and _UNCONSTRAINED in target.spec:
-                # A transfer needs a concrete layout: an unconstrained dimension
-                # (which only a compiler can choose) is placed replicated, as eager
-                # `with_sharding_constraint` (an identity `jit`) does.
+                # Unconstrained dimensions placed replicated, as eager
+                # `with_sharding_constraint` does.
                 spec = [None if e is _UNCONSTRAINED else e for e in target.spec]
                 target = NamedSharding(
                     target.mesh, PartitionSpec(*spec), memory_kind=target.memory_kind
@@ -255,9 +233,8 @@ def transfer(
     donate: Any,
     may_alias: Any,
 ) -> None:
-    """Moves each `leaves[i]` onto its target (`plan`'s), in place, with one
-    `jax.device_put`, after a private copy of each source in `sharing` whose buffer
-    it would share with the result (unless donated or `may_alias=True`)."""
+    """Moves each `leaves[i]` onto its target, in place, with one `jax.device_put`,
+    after a private copy of each source in `sharing` whose buffer it would share."""
     if jax.process_count() > 1:
         # Host-local arrays onto shardings that span several processes.
         indices, targets = _multihost.place_host_local(leaves, indices, targets, where)
@@ -275,8 +252,7 @@ def transfer(
             # Key arrays are never donated here (JAX frees them without marking them
             # deleted): upstream/jax-reports/device-put-donate-single-device-sharding.
             donated[k] = donated[k] and not is_key_array(leaves[i])
-        # A result owns its buffers unless the caller donated the input or allowed
-        # aliasing with `may_alias=True`: `None` means "copy unless donated".
+        # `None`: "copy unless donated".
         aliased = [
             None if d and _flag(may_alias, i) is None else bool(_flag(may_alias, i))
             for d, i in zip(donated, indices)
@@ -322,9 +298,7 @@ def _put(leaves: list, indices: list, targets: Any, donate: Any, may_alias: Any)
 
 
 def _shares_source_buffer(x: Any, target: Any, memo: dict) -> bool:
-    """`shares_source_buffer` for the sharding that `target` gives (one that keeps
-    the array's own always copies: `_spec.kinds.Kind.sharding`), once per `(x.sharding,
-    x.shape, target)` in `memo`."""
+    """`shares_source_buffer` for the sharding that `target` gives, memoised."""
     if not isinstance(x, jax.Array):
         return False
     key = (x.sharding, x.shape, target)
@@ -336,10 +310,8 @@ def _shares_source_buffer(x: Any, target: Any, memo: dict) -> bool:
 
 
 def _onto_shardings_first(leaves: list, indices: list, targets: list) -> tuple:
-    """Places each array whose target's kind needs it there first
-    (`_spec.kinds.Kind.sharding_first`: a `Format`) onto the target's sharding, in
-    place, as a copy that owns its buffers; returns the `indices` and `targets` still
-    to place: those whose target asks for more (a layout) than that gave."""
+    """Places arrays whose target needs it (`Kind.sharding_first`) onto the target's
+    sharding first, in place; returns the `indices` and `targets` still to place."""
     first = [
         k
         for k, (i, t) in enumerate(zip(indices, targets))
@@ -365,11 +337,9 @@ def _onto_shardings_first(leaves: list, indices: list, targets: list) -> tuple:
 
 
 def _first_occurrences(leaves: list, indices: list, targets: list) -> tuple:
-    """An array placed twice on one target (tied weights) is placed once, and every
-    occurrence gets that one result: two results sharing its buffer (donated, or
-    `may_alias=True`) would be freed under each other by a later donation. Returns
-    the `indices` and `targets` to place, and `(i, j)` for each leaf `i` that takes
-    leaf `j`'s result."""
+    """An array placed twice on one target (tied weights) is placed once: two results
+    sharing its buffer would be freed under each other. Returns `indices`, `targets`
+    and `(i, j)` for each leaf `i` that takes leaf `j`'s result."""
     first: dict = {}
     keep_indices, keep_targets, repeated = [], [], []
     for i, target in zip(indices, targets):

@@ -503,6 +503,34 @@ def test_a_new_key_field_keys_a_plain_call(monkeypatch):
     assert len(traces) == 2
 
 
+def test_a_new_structure_key_field_is_made_in_one_place(monkeypatch):
+    # A field added to the structure key, as a change to `_jit.cache` alone would add
+    # it, keys calls and `.lower` alike.
+    class StructureKey(cache_module.StructureKey):
+        _fields = (*cache_module.StructureKey._fields, "generation")
+        generation = property(lambda self: self[-1])
+
+    generation = [0]
+    monkeypatch.setattr(
+        cache_module,
+        "_structure_key",
+        lambda fields: tuple.__new__(StructureKey, (*fields, generation[0])),
+    )
+
+    @eqxs.filter_jit
+    def inc(x):
+        return x + 1
+
+    inc(jnp.ones(4))
+    inc(jnp.ones(4))
+    generation[0] = 1
+    inc(jnp.ones(4))
+    generation[0] = 2
+    inc.lower(jnp.ones(4))
+    keys = inc._cache.structures  # pyright: ignore
+    assert [key.generation for key in keys] == [0, 1, 2]
+
+
 def test_entry_key_fills_every_field():
     # `entry_key` builds the tuple without `EntryKey()`'s check: a field declared but
     # not computed would be dropped silently.

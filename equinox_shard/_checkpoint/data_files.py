@@ -1,12 +1,6 @@
-"""Checks, before any array of a checkpoint is read, that the data files holding its
-arrays are all there and long enough, naming the leaf whose data is not.
-
-orbax stores the arrays in an OCDBT database (tensorstore): a B+tree whose entries map
-each stored key (`<array name>/<chunk>`) to a byte range of a data file. A missing or
-truncated file otherwise fails deep inside the read, with a TensorStore error naming no
-leaf, and "Event loop is closed" tracebacks from the reads still in flight. The check
-reads the index (a few small files) and looks at each data file once (`os.stat`).
-"""
+"""Checks, before any array is read, that the data files of orbax's OCDBT index are
+there and long enough, naming the leaf whose data is not (TensorStore's own error names
+none). Reads the index and `os.stat`s each data file once."""
 
 import os
 import pathlib

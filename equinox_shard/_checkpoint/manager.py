@@ -4,14 +4,11 @@ keep; the writing in the background; the removal of what a killed save left); th
 module gives it the format of `save`/`restore`, their `like`/`shardings` language, one
 writer per directory, and errors that name the step."""
 
-import atexit
 import errno
 import os
 import pathlib
 import socket
-import threading
 import time
-import weakref
 from typing import Any
 
 import jax
@@ -19,13 +16,12 @@ import jax._src.traceback_util as traceback_util
 import numpy as np
 from jaxtyping import PyTree
 
-from . import manifest
+from . import failures, manifest
 from .orbax import (
     arrays_handler,
     composite,
     operation_id,
     orbax as _orbax,
-    release,
 )
 from .save_restore import (
     absolute_path,
@@ -33,7 +29,6 @@ from .save_restore import (
     logger,
     nbytes,
     restore_from,
-    save_error,
 )
 
 
@@ -61,20 +56,6 @@ def _step(step: Any, name: str = "step") -> int:
 
 # The file in a manager's directory that its writer holds locked (`flock`).
 LOCK_FILE = ".eqxs-writer"
-
-
-def _close_all() -> None:
-    for manager in list(_OPEN):
-        try:
-            manager.close()
-        except Exception:
-            logger.exception("closing the CheckpointManager of %s", manager.directory)
-
-
-# Managers not closed yet, closed before the interpreter joins orbax's non-daemon
-# threads (`atexit` runs after that join, which a failed save's threads would hang).
-_OPEN: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
-getattr(threading, "_register_atexit", atexit.register)(_close_all)
 
 
 def _take_lock(directory: pathlib.Path) -> int | OSError | None:
@@ -188,8 +169,8 @@ class CheckpointManager:
         _positive("keep_last", keep_last, int)
         _positive("keep_every", keep_every, int)
         self._closed = True  # until it holds its directory
-        self._reported: set[str] = set()
         self.directory = absolute_path(directory)
+        self._pending = failures.Pending(self.directory)
         if os.path.lexists(self.directory) and not self.directory.is_dir():
             raise NotADirectoryError(
                 f"{self.directory} is a file, not a directory: a CheckpointManager "
@@ -207,7 +188,7 @@ class CheckpointManager:
             enable_async_checkpointing=background,
             # orbax refuses this callback unless it saves in the background.
             async_options=(
-                ocp.AsyncOptions(post_finalization_callback=self._finished)
+                ocp.AsyncOptions(post_finalization_callback=self._pending.finished)
                 if background
                 else None
             ),
@@ -215,9 +196,6 @@ class CheckpointManager:
             create=True,
         )
         self._background = background
-        # Steps started and not yet logged: step -> (bytes, start, orbax's operation).
-        self._pending: dict[int, tuple[int, float, str]] = {}
-        self._pending_lock = threading.Lock()
         self.directory.mkdir(parents=True, exist_ok=True)
         lock = _take_lock(self.directory)
         self._lock = lock if isinstance(lock, int) else None
@@ -236,7 +214,7 @@ class CheckpointManager:
                 _drop_lock(self.directory, self._lock)
             raise
         self._closed = False
-        _OPEN.add(self)
+        failures.OPEN.add(self)
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -244,49 +222,6 @@ class CheckpointManager:
                 f"`{what}` on a closed CheckpointManager (of {self.directory}); create "
                 "a new one."
             )
-
-    def _finished(self) -> None:
-        """Logs each step started whose directory is final (orbax renames it when
-        complete): called by orbax once a save is finalised, and after a save."""
-        with self._pending_lock:
-            done = [s for s in self._pending if (self.directory / str(s)).is_dir()]
-            for step in sorted(done):
-                size, start, _ = self._pending.pop(step)
-                logger.info(
-                    "saved step %d to %s: %d bytes in %.2f s",
-                    step, self.directory / str(step), size,
-                    time.perf_counter() - start,
-                )  # fmt: skip
-
-    def _failed(self, e: BaseException, current: int | None) -> Exception | None:
-        """The error for a save that failed (found by orbax when `current`'s save
-        started, or by a wait): it names the step it belongs to and its directory.
-        Wakes what is left of that save in the background (see `release`). `None`
-        if that failure was raised already (orbax raises it again)."""
-        self._finished()
-        if str(e) in self._reported:
-            return None
-        self._reported.add(str(e))
-        with self._pending_lock:
-            failed = sorted(s for s in self._pending if s != current)
-            if not failed and current is not None:
-                failed = [current]
-            operations = [self._pending.pop(s)[2] for s in failed]
-            self._pending.pop(current, None)  # type: ignore[arg-type]
-        for operation in operations:
-            release(operation)
-        step = failed[0] if failed else current
-        where = f"a step to {self.directory}"
-        if step is not None:
-            where = f"step {step} to {self.directory / str(step)}"
-        also = ""
-        if current is not None and step != current:
-            also = f" (so step {current} was not saved)"
-        message = (
-            f"The save of {where} failed{also}: {type(e).__name__}: {e}. The steps "
-            f"saved before it are complete and restorable."
-        )
-        return save_error(e, message)
 
     def should_save(self, step: Any) -> bool:
         """Whether the policies (`every_steps`, `every_minutes`) save `step`: never a
@@ -365,13 +300,12 @@ class CheckpointManager:
                     )
                     break
                 except Exception as e:
-                    error = self._failed(e, step)
+                    error = self._pending.failed(e, step)
                     if error is not None or retry:
                         raise (error or e) from e
-            with self._pending_lock:
-                self._pending[step] = (size, start, operation_id())
+            self._pending.add(step, size, start, operation_id())
         if not self._background:
-            self._finished()
+            self._pending.finished()
         else:
             logger.info(
                 "saving step %d to %s: %d bytes, %.2f s before training resumes",
@@ -398,9 +332,9 @@ class CheckpointManager:
         try:
             self._manager.wait_until_finished()
         except Exception as e:
-            if (error := self._failed(e, None)) is not None:
+            if (error := self._pending.failed(e, None)) is not None:
                 raise error from e
-        self._finished()
+        self._pending.finished()
 
     def restore(
         self, like: PyTree[Any], step: Any = None, shardings: Any = None
@@ -457,7 +391,7 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
-        _OPEN.discard(self)
+        failures.OPEN.discard(self)
         error = None
         try:
             self._manager.wait_until_finished()
@@ -470,9 +404,10 @@ class CheckpointManager:
         finally:
             if self._lock is not None:
                 _drop_lock(self.directory, self._lock)
-        if error is not None and (failed := self._failed(error, None)) is not None:
+        failed = None if error is None else self._pending.failed(error, None)
+        if failed is not None:
             raise failed from error
-        self._finished()
+        self._pending.finished()
 
     def __enter__(self) -> "CheckpointManager":
         self._check_open("with")

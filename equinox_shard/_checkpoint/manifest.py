@@ -78,9 +78,8 @@ def _fmix(h):
 
 
 def _mixed_sum(xp, lanes, offset: int, starts, strides, iota):
-    """The sum of `fmix(fmix(0x9E3779B9 + i) ^ lane)` over `lanes` (uint32), each at
-    the flat index `i = offset + sum((starts[a] + iota(a)) * strides[a])`, all modulo
-    2**32: by `xp = numpy` over a piece of a shard, by `jax.numpy` over an array."""
+    """The sum of `fmix(fmix(0x9E3779B9 + i) ^ lane)` over `lanes` at flat indices
+    `i = offset + sum((starts[a] + iota(a)) * strides[a])`, modulo 2**32, by `xp`."""
     index = xp.uint32((0x9E3779B9 + offset) % 2**32)
     for a, (start, stride) in enumerate(zip(starts, strides)):
         index = index + (iota(a) + xp.uint32(start % 2**32)) * xp.uint32(stride % 2**32)
@@ -138,8 +137,7 @@ def _partial_sum(data: np.ndarray, index: tuple, shape: tuple) -> int:
 
 
 def _bits(dtype) -> int | None:
-    """The width of an element that the device pass reads as one 32-bit lane (as
-    `_lanes` does); `None` for the others (64-bit, complex, 4- and 6-bit types)."""
+    """The width of an element the device pass reads as one 32-bit lane, or `None`."""
     if dtype == np.bool_:
         return 8
     if jnp.issubdtype(dtype, jnp.floating):
@@ -169,8 +167,7 @@ def on_device(x: Any) -> bool:
 
 
 def _device_sum(x: jax.Array) -> jax.Array:
-    """The checksum of `x` (traced, the global array), as `_partial_sum` computes it
-    over all shards: each device sums its own elements, one uint32 comes back."""
+    """The checksum of `x` as `_partial_sum` computes it, each device over its own."""
     if x.dtype == np.bool_:
         lanes = x.astype(jnp.uint32)
     else:
@@ -188,17 +185,11 @@ _device_sums = jax.jit(lambda arrays: [_device_sum(x) for x in arrays])
 
 
 def checksums(arrays: list) -> list[int]:
-    """The checksum of each array (a JAX array, its key data for a PRNG key array, or
-    a NumPy array). On an accelerator (`on_device`) it is computed on the array's
-    devices (in every process that holds some), only the sums coming back. Otherwise
-    on the host with NumPy from the shards this process holds (`replica_id == 0`):
-    nothing runs on a device, so nothing is compiled. No mesh, default device or flag
-    of the caller changes it. On the host, the sums of an array split over several
-    processes are gathered from each."""
+    """The checksum of each array: on its devices on an accelerator (only the sums come
+    back), else on the host from this process's shards (nothing compiled)."""
     arrays = [jax.random.key_data(x) if is_key_array(x) else x for x in arrays]
     out: list = [None] * len(arrays)  # the sums, `None` until computed
-    # One call per set of devices (in their order): one over several would move
-    # arrays between them.
+    # One call per set of devices: one over several would move arrays between them.
     groups: dict = {}
     for i, x in enumerate(arrays):
         if on_device(x):
@@ -358,9 +349,8 @@ def _entry_problem(e: Any, version: int) -> str | None:
 
 
 def problem(record: Any) -> str | None:
-    """What is wrong with the structure of a record read back from a checkpoint (a
-    field that `build` writes missing, or of another type), or `None`. A record of a
-    newer format version is not checked here (see `VERSION`)."""
+    """What is wrong with the structure of a record read back, or `None` (a newer
+    version's record is not checked here)."""
     for field in ("format", "version", "leaves"):
         if field not in record:
             return f"it has no {field!r}"

@@ -1,13 +1,6 @@
-"""A progress bar (by `rich`) for a restore that takes a while, on stderr where it is a
-terminal: it appears once the restore has run `DELAY_SECONDS`, and nothing is printed
-otherwise (no terminal, a quick restore, `rich` not installed, or a process other than
-the first of a `jax.distributed` program).
-
-orbax reads the arrays in one call and reports nothing along the way, so the bar counts
-the bytes this process has read from files since the restore began (Linux's
-`/proc/self/io`), against the bytes stored in the checkpoint's data files; elsewhere it
-shows only that the restore is running.
-"""
+"""A `rich` progress bar on a terminal's stderr for a restore that runs past
+`DELAY_SECONDS`. orbax reports nothing while it reads, so the bar counts the bytes read
+since (Linux's `/proc/self/io`); elsewhere it shows only that the restore runs."""
 
 import contextlib
 import sys

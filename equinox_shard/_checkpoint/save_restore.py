@@ -3,7 +3,6 @@
 only the shards it holds) and `leaves` (the JSON record of every saved leaf:
 `manifest`), which lets `restore` check `like` before a single array is read."""
 
-import errno
 import json
 import logging
 import os
@@ -22,6 +21,7 @@ from jaxtyping import PyTree
 
 from .._spec.language import check, resolve_leaves
 from . import data_files, manifest, progress
+from .failures import failed_save, OLD, sibling, SWAP, tidy
 from .orbax import arrays_handler, composite, orbax as _orbax
 
 
@@ -32,17 +32,10 @@ logger = logging.getLogger("equinox_shard")
 # orbax signals "directories created" by a per-process operation number, not per save:
 # two composite saves at once in one process took each other's signals.
 LOCK = threading.RLock()
-# `overwrite=True` writes the new checkpoint here, then swaps it in.
-_SWAP = ".eqxs-overwrite"
-_OLD = ".eqxs-old"
 
 
 def absolute_path(path: str | os.PathLike) -> pathlib.Path:
     return pathlib.Path(os.path.abspath(os.fspath(path)))
-
-
-def _sibling(path: pathlib.Path, suffix: str) -> pathlib.Path:
-    return path.with_name(path.name + suffix)
 
 
 def _unfinished(path: pathlib.Path) -> list[str]:
@@ -64,30 +57,16 @@ def _sync(ocp, name: str) -> None:
 def _swap_in(new: pathlib.Path, path: pathlib.Path) -> None:
     """Replaces the checkpoint at `path` by the finished one at `new`. Between the two
     renames the complete one is at `new`, where `restore` and the next `save` look."""
-    old = _sibling(path, _OLD)
+    old = sibling(path, OLD)
     os.rename(path, old)
     os.rename(new, path)
     shutil.rmtree(old)
 
 
-def _tidy(path: pathlib.Path) -> None:
-    """Finishes or removes what an interrupted save to `path` left beside it."""
-    if not path.parent.is_dir():
-        return
-    swap, old = _sibling(path, _SWAP), _sibling(path, _OLD)
-    if not path.exists() and swap.is_dir() and old.is_dir():
-        os.rename(swap, path)  # killed between the two renames: `swap` is complete
-    for p in path.parent.iterdir():
-        if p.name.startswith(
-            (path.name + ".orbax-checkpoint-tmp", swap.name, old.name)
-        ):
-            shutil.rmtree(p, ignore_errors=True)
-
-
 def _found(path: pathlib.Path) -> pathlib.Path:
     """Where the checkpoint of `path` is (see `_swap_in`)."""
-    swap = _sibling(path, _SWAP)
-    if not path.is_dir() and swap.is_dir() and _sibling(path, _OLD).is_dir():
+    swap = sibling(path, SWAP)
+    if not path.is_dir() and swap.is_dir() and sibling(path, OLD).is_dir():
         return swap
     return path
 
@@ -136,15 +115,6 @@ def read_json(path: pathlib.Path, file: pathlib.Path) -> Any:
         what = "null" if value is None else f"a JSON {type(value).__name__}"
         raise damaged(path, file, f"holds {what}, not a JSON object")
     return value
-
-
-def save_error(e: BaseException, message: str) -> Exception:
-    """An `OSError` with the `errno` of `e` (an `OSError`, or a TensorStore error
-    that says one), else a `RuntimeError`, saying `message`."""
-    code = e.errno if isinstance(e, OSError) else None
-    for known in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT):
-        code = code or (known if os.strerror(known) in str(e) else None)
-    return OSError(code, message) if code else RuntimeError(message)
 
 
 def nbytes(arrays: dict) -> int:
@@ -212,7 +182,7 @@ def save(
             f"the path it names ({path.resolve()}) to replace that checkpoint, or "
             "remove the link."
         )
-    swap = _sibling(path, _SWAP)
+    swap = sibling(path, SWAP)
     if not overwrite and (path.exists() or (swap.is_dir() and _found(path) == swap)):
         raise FileExistsError(
             f"{path} already exists; pass `overwrite=True` to replace it."
@@ -221,7 +191,7 @@ def save(
     start = time.perf_counter()
     with LOCK:
         if _primary():
-            _tidy(path)
+            tidy(path)
         _sync(ocp, "equinox_shard.save.tidy")
         target = swap if path.exists() else path
         handler = ocp.CompositeCheckpointHandler(
@@ -231,10 +201,7 @@ def save(
             with ocp.Checkpointer(handler) as checkpointer:
                 checkpointer.save(target, composite(ocp, record, arrays))
         except Exception as e:
-            if _primary():
-                _tidy(path)  # what the failed save left; an old checkpoint stays
-            message = f"The save to {path} failed: {type(e).__name__}: {e}"
-            raise save_error(e, message) from e
+            raise failed_save(e, path) from e
         if target != path:
             if _primary():
                 _swap_in(target, path)

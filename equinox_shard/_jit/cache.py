@@ -1,6 +1,5 @@
-"""The caches of `filter_jit`: one `Cache` per decorated function and configuration
-(shared by equal decorations), holding an `ArgStructure` per argument structure and an
-`Entry` (one `jax.jit`) per static part of the arguments."""
+"""`filter_jit`'s caches: a `Cache` per decoration, an `ArgStructure` per argument
+structure, an `Entry` (one `jax.jit`) per static part of the arguments."""
 
 import collections as co
 import functools as ft
@@ -39,8 +38,7 @@ from .packing import getter, Packing
 traceback_util.register_exclusion(__file__)
 
 
-# The two keys of a call. Explanations of a miss (`explain_misses`) name the fields that
-# differ by these names: a new field is explained without changing them.
+# The two keys of a call; `explain_misses` names differing fields by these names.
 
 
 class StructureKey(NamedTuple):
@@ -51,9 +49,8 @@ class StructureKey(NamedTuple):
     treedef: PyTreeDef  # pyright: ignore[reportInvalidTypeForm]
     # The type of every leaf (which leaves are arrays, which are NumPy's).
     leaf_types: tuple
-    # Which leaves are traced: `equinox.is_array` for a call; `.lower` and
-    # `.eval_shape` also trace `jax.ShapeDtypeStruct`s.
-    dynamic: Callable[[Any], bool]
+    # Which leaves are traced (`.lower` also traces `jax.ShapeDtypeStruct`s).
+    is_traced: Callable[[Any], bool]
 
 
 class EntryKey(NamedTuple):
@@ -69,14 +66,26 @@ class EntryKey(NamedTuple):
 
 
 # `StructureKey(*key)` and `EntryKey(*key)` from a tuple, without their Python frame.
-structure_key = ft.partial(tuple.__new__, StructureKey)
+_structure_key = ft.partial(tuple.__new__, StructureKey)
 _entry_key = ft.partial(tuple.__new__, EntryKey)
 
 
+def look_up(cache: "Cache", treedef, leaves: list, is_traced) -> tuple:
+    """A call's `StructureKey` (made here only), its `ArgStructure` and its `Entry`
+    (either `None` on a miss). `is_traced`: which leaves are traced."""
+    key = _structure_key((treedef, tuple(map(type, leaves)), is_traced))
+    structure = cache.structures.get(key)
+    if structure is None:
+        return key, None, None
+    try:
+        return key, structure, structure.entries.get(structure.key(leaves))
+    except TypeError:  # an unhashable static leaf, which a miss names
+        return key, structure, None
+
+
 class Cache:
-    """The configuration of one `filter_jit` decoration and its compiled functions:
-    `structures[StructureKey]` -> `ArgStructure`, whose `entries[EntryKey]` ->
-    `Entry`."""
+    """One decoration's configuration and compiled functions: `structures[StructureKey]`
+    -> `ArgStructure`, whose `entries[EntryKey]` -> `Entry`."""
 
     def __init__(self, fun, donate, in_shardings, out_shardings):
         self.donation = Donation(donate)
@@ -134,8 +143,7 @@ class Cache:
         self.structures: dict = {}
         self.entries: dict = {}
         self.packings: dict = {}
-        # The calls that made entries, under `jax_explain_cache_misses`
-        # (`explain_misses`).
+        # The calls that made entries, under `jax_explain_cache_misses`.
         self.seen: list = []
         self.lock = threading.Lock()
         _live_caches.add(self)
@@ -148,8 +156,7 @@ class Cache:
             self.seen = []
 
 
-# Every live `Cache`, which `eqx.clear_caches()` clears: it has no public registration
-# hook, and `cache_clears` is how Equinox's own modules register theirs (our only use).
+# Every live `Cache`, cleared by `eqx.clear_caches()` through Equinox's `cache_clears`.
 _live_caches: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -163,12 +170,8 @@ def _clear_caches() -> None:
 equinox._caches.cache_clears.append(_clear_caches)
 
 
-# Decorations of equal functions (equal static parts: a fresh `functools.partial`, a
-# fresh bound method, `eqx.filter_grad(f)` made again) with equal configuration share
-# one `Cache`, as in `eqx.filter_jit`: while one of their wrappers is alive, and for the
-# `_RECENT` most recently used configurations after that. So nothing grows without
-# bound when wrappers are made in a loop (tests/test_jit_core.py::
-# test_fresh_partials_release_compiled_state).
+# Equal decorations of equal functions share one `Cache`, as in `eqx.filter_jit`, while
+# a wrapper lives and for the `_RECENT` latest after: nothing grows in a loop.
 _RECENT = 4
 _shared_caches: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _recent_caches: co.OrderedDict = co.OrderedDict()
@@ -224,8 +227,7 @@ def fn_names(fun) -> tuple[str, str]:
 
 
 def fn_source(fun) -> Any:
-    """The Python function whose source JAX's messages should point at (`None` if
-    there is none)."""
+    """The Python function whose source JAX's messages point at, or `None`."""
     fun = _unwrap(fun)
     if not hasattr(fun, "__code__"):
         fun = getattr(type(fun), "__call__", None)
@@ -233,45 +235,41 @@ def fn_source(fun) -> Any:
 
 
 class ArgStructure:
-    """What depends only on the structure and leaf types of the bound arguments: which
-    leaves are traced and donated, and the `in_shardings` leaf above each leaf."""
+    """What depends only on the structure and leaf types of the bound arguments."""
 
     def __init__(self, cache: Cache, args, kwargs, leaves, key: StructureKey):
         self.structure_key = key
-        treedef, _, dynamic = key
-        mask = tuple(map(dynamic, leaves))
+        treedef, is_traced = key.treedef, key.is_traced
+        mask = tuple(map(is_traced, leaves))
         self.treedef = treedef
-        self.dynamic = tuple(i for i, m in enumerate(mask) if m)
+        self.traced_indices = tuple(i for i, m in enumerate(mask) if m)
         self.static = tuple(i for i, m in enumerate(mask) if not m)
         self.static_of = getter(self.static, key=True)
-        # How the traced leaves go to `jax.jit`: one `Packing` per traced leaves, as
-        # the entries, so that any of these structures packs for any of their entries.
+        # One `Packing` per traced leaves, as the entries: any packs for any entry.
         packing = cache.packings.get((treedef, mask))
         if packing is None:
             packing = Packing(args, kwargs, mask)
             cache.packings[(treedef, mask)] = packing
         self.packing = packing
-        self.donated = cache.donation.leaves(args, self.dynamic)
-        self.specs = _in_specs(cache, args, kwargs, leaves, dynamic)
-        # What resolving the specs depends on: the leaves that rules see (every
-        # traced leaf when `out_shardings` rules see the output), and the mesh.
-        in_rules = tuple(i for i in self.dynamic if needs_leaf(self.specs[i]))
-        self.rules = self.dynamic if cache.out_rules else in_rules
+        self.donated = cache.donation.leaves(args, self.traced_indices)
+        self.specs = _in_specs(cache, args, kwargs, leaves, is_traced)
+        # What resolving the specs depends on: the leaves rules see, and the mesh.
+        in_rules = tuple(i for i in self.traced_indices if needs_leaf(self.specs[i]))
+        self.rules = self.traced_indices if cache.out_rules else in_rules
         self.needs_mesh = cache.out_mesh or any(map(needs_mesh, self.specs))
-        # The key that `entries` is keyed by: the `EntryKey`, or its `static` alone
-        # (a C-level getter, no frame) where each other field is constant for this
-        # structure; a field not named in `constant` (a new one) keys every call.
+        # The `EntryKey`, or its `static` alone (a C-level getter) where every other
+        # field is constant here; a field not in `constant` (a new one) keys calls.
         constant = {"avals": not self.rules, "mesh": not self.needs_mesh}
         self.key = (
             self.static_of
             if all(constant.get(name, False) for name in EntryKey._fields[1:])
             else self.entry_key
         )
-        self.deleted = deleted_test(leaves, getter(self.dynamic))
+        self.deleted = deleted_test(leaves, getter(self.traced_indices))
         # Tracers (inside an outer trace): `jax.jit` is called, not an executable.
-        self.traced = any(is_tracer(leaves[i]) for i in self.dynamic)
-        # Shared by every argument structure with the same traced leaves (NumPy, JAX,
-        # tracers): a `StructureKey` field that changes the program must join this key.
+        self.in_trace = any(is_tracer(leaves[i]) for i in self.traced_indices)
+        # Shared by structures with the same traced leaves: a `StructureKey` field that
+        # changes the program must join this key.
         self.entries = cache.entries.setdefault((treedef, mask), {})
 
     def entry_key(self, leaves: list) -> EntryKey:
@@ -280,9 +278,8 @@ class ArgStructure:
         return _entry_key((self.static_of(leaves), avals, mesh))
 
 
-def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, dynamic) -> list:
-    """One `in_shardings` leaf per leaf of the bound `(args, kwargs)`, with every
-    `PathRules` replaced by the spec leaf it chooses for that leaf."""
+def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, is_traced) -> list:
+    """One `in_shardings` leaf per leaf of the bound `(args, kwargs)`."""
     if cache.in_shardings is unset:
         return [None] * len(leaves)
     if cache.in_kind == "broadcast":
@@ -309,7 +306,7 @@ def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, dynamic) ->
     for name, spec, arg, arg_name in groups:
         at = lambda j, s=len(out): where(s + j)  # `j`: a leaf of this argument
         leaves_ = jtu.tree_leaves(arg)
-        out.extend(spread(spec, arg, leaves_, name, arg_name, at, dynamic, usage))
+        out.extend(spread(spec, arg, leaves_, name, arg_name, at, is_traced, usage))
     usage.check()
     return out + [None] * (len(leaves) - len(out))  # keyword arguments
 
@@ -320,8 +317,7 @@ def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, dynamic) ->
 
 
 def _positional(cache: Cache, position: int) -> str:
-    """The name of positional argument `position`: its parameter's, `xs[k]` under a
-    `*xs` parameter, else `args[position]`."""
+    """The name of positional argument `position`: its parameter's, or `xs[k]`."""
     if position < len(cache.names):
         return cache.names[position]
     if cache.var_name is not None:
@@ -330,8 +326,7 @@ def _positional(cache: Cache, position: int) -> str:
 
 
 def arg_path(cache: Cache, args: tuple, kwargs: dict, index: int) -> str:
-    """The key path of leaf `index` of the bound `(args, kwargs)`, from the parameter
-    name: a call's `where` is `functools.partial(arg_path, cache, args, kwargs)`."""
+    """The key path of leaf `index` of the bound `(args, kwargs)`."""
     path, _ = jtu.tree_flatten_with_path((args, kwargs))[0][index]
     return path_name(cache, path)
 
@@ -349,8 +344,7 @@ def path_name(cache: Cache, path: tuple) -> str:
 
 
 def raise_if_unhashable(cache: Cache, args, kwargs, leaves: list, static) -> None:
-    """Raises a `ValueError` naming the first of the `static` leaves that cannot be
-    hashed: static leaves key the cache, as in `equinox.filter_jit`."""
+    """Raises naming the first of the `static` leaves that cannot be hashed."""
     for i in static:
         try:
             hash(leaves[i])
@@ -364,9 +358,8 @@ def raise_if_unhashable(cache: Cache, args, kwargs, leaves: list, static) -> Non
 
 
 def diagnose(cache: Cache, args, kwargs, leaves: list, entry: Any, dynamic_fun=None):
-    """Called after `jax.jit` raised: raises our own error, naming the key path, if we
-    can name the culprit (a deleted input, a bad shape)."""
+    """After `jax.jit` raised: raises our own error if we can name the culprit."""
     where = ft.partial(arg_path, cache, args, kwargs)
-    raise_if_deleted(leaves, entry.structure.dynamic, where)
+    raise_if_deleted(leaves, entry.structure.traced_indices, where)
     raise_if_fun_deleted(cache.fun_name, dynamic_fun)
     check_shapes(leaves, entry.targets, where)

@@ -1,12 +1,7 @@
-"""Host callbacks in `filter_jit`: waiting for them (`waiting`, a dispatch layer: only
-a function that contains one is waited for), and Equinox's runtime errors
-(`eqx.error_if`) in computations that span several devices. Equinox raises from a
-`jax.pure_callback`; under SPMD, when it raises, the other partitions wait forever in
-a collective until XLA aborts the process. So an entry with callbacks runs a rewritten
-jaxpr in which each callback records its exception and returns zeros: every partition
-finishes, and the first exception is raised after. The rewritten program is itself
-jitted (`Guards`): a call with new shapes or dtypes never runs one traced for others.
-"""
+"""Host callbacks in `filter_jit`. Equinox's runtime errors raise from a callback;
+under SPMD the other partitions then wait in a collective until XLA aborts. So an entry
+with callbacks runs a jitted rewrite (`Guards`) in which each callback records its
+exception and returns zeros, and the first exception is raised after (`waiting`)."""
 
 import logging
 import threading
@@ -47,8 +42,7 @@ def has_callback(jaxpr: Any) -> bool:
 
 
 class _Record:
-    """What the callbacks of one execution raised: the first exception, and Equinox's
-    `(message, stack)` as its callback left them."""
+    """The first exception of one execution's callbacks, and Equinox's info."""
 
     __slots__ = ("lock", "error", "info")
 
@@ -70,8 +64,7 @@ class _Guarded:
 
     def __call__(self, *args):
         record = self.record
-        # After an error, later callbacks are skipped: Equinox's second one (for TPUs)
-        # calls `input()`.
+        # Skipped after an error: Equinox's second callback (for TPUs) calls `input()`.
         if record.error is None:
             try:
                 return self.callback(*args)
@@ -84,8 +77,7 @@ class _Guarded:
 
 
 def _rewrite(jaxpr: jc.Jaxpr, record: _Record) -> jc.Jaxpr:
-    """`jaxpr` with every callback guarded, walking nested jaxprs (cond branches, jit,
-    scan, while, custom_jvp/vjp, shard_map)."""
+    """`jaxpr` with every callback guarded, nested jaxprs included."""
     eqns = []
     changed = False
     for eqn in jaxpr.eqns:
@@ -117,19 +109,16 @@ def _rewrite_param(value, record: _Record):
 
 
 def _runs_now() -> bool:
-    """Whether a call made here executes now: not staged into an outer `jax.jit`, not
-    transformed (`vmap`, `grad`), not under `jax.disable_jit`."""
+    """Whether a call made here executes now: not staged, transformed or disabled."""
     if jax.config.jax_disable_jit:
         return False
-    # The only trace that executes is JAX's top-level one. Its class is private, so it
-    # is named here (and only here); both JAX versions we support call it this.
+    # Only JAX's top-level trace executes; its class is private, so named here only.
     return type(jc.find_top_trace(())).__name__ == "EvalTrace"
 
 
 def _own_layouts(jaxpr: jc.Jaxpr) -> jc.Jaxpr:
-    """The call with each `Layout.AUTO` of its `in_layouts` taken as the argument's own
-    layout: an entry compiled with `Layout.AUTO` is called with arguments placed as its
-    executable wants them, which `jax.jit` refuses for `Layout.AUTO` itself."""
+    """`Layout.AUTO` in `in_layouts` as the argument's own: calls pass arguments placed
+    as the executable wants, which `jax.jit` refuses for `Layout.AUTO` itself."""
     eqns = []
     for eqn in jaxpr.eqns:
         layouts = eqn.params.get("in_layouts")
@@ -141,19 +130,14 @@ def _own_layouts(jaxpr: jc.Jaxpr) -> jc.Jaxpr:
 
 
 class Guards:
-    """The guarded program of one entry: a `jax.jit` of a function that traces the
-    entry's `jax.jit` (`jax.make_jaxpr`: one `jit` equation with its shardings,
-    layouts and donation), guards its callbacks and runs it inline. JAX's own cache
-    keys it on everything the program depends on (shapes, dtypes, shardings, the
-    context), so it is traced and compiled once per program, never run for arguments
-    it was not traced for, and each call is a compiled dispatch. It donates what the
-    entry donates: a nested `jit` donates nothing."""
+    """The guarded program of one entry: a `jax.jit` that traces the entry's `jax.jit`,
+    guards its callbacks and runs it inline, so JAX's cache keys it on all it depends
+    on. It donates what the entry donates: a nested `jit` donates nothing."""
 
     def __init__(self, jitted, donate_argnums: tuple):
         self.inner = jitted
         self.record = _Record()
-        # One execution at a time: a callback cannot tell which execution it belongs
-        # to, so concurrent calls would share one record.
+        # One execution at a time: a callback cannot tell which one it belongs to.
         self.lock = threading.Lock()
         self.jitted = jax.jit(self._guarded, donate_argnums=donate_argnums)
 
@@ -166,9 +150,8 @@ class Guards:
     def __call__(
         self, dispatch: Callable, program: Callable | None = None
     ) -> tuple[Any, BaseException | None, Any]:
-        """`dispatch(program)` (by default `self.jitted`; a `Compiled`'s executable of
-        it otherwise), waited for: `(out, None, None)`, or `(None, error, info)` if a
-        callback raised."""
+        """`dispatch(program or self.jitted)`, waited for: `(out, None, None)`, or
+        `(None, error, info)` if a callback raised."""
         with self.lock:
             record = self.record
             record.error = record.info = None
@@ -197,8 +180,7 @@ class _FilterCallback(logging.Filter):
 def _equinox_runtime_error(
     e: BaseException, jit_id: bytes, info: Any = None
 ) -> Exception | None:
-    """Equinox's error for `e` if it is (XLA's wrapping of) Equinox's internal one.
-    `info`: its `(message, stack)` as a guarded callback recorded them."""
+    """Equinox's error for `e` if it is (XLA's wrapping of) Equinox's internal one."""
     if info is None:
         info = getattr(eqx_jit, "last_error_info", None)
         if info is None or "_EquinoxRuntimeError: " not in str(e):
@@ -218,10 +200,8 @@ def _equinox_runtime_error(
 
 
 def waiting(guards: Guards, inner: Callable, run, dynamic, deleted, leaves, jit_id):
-    """The dispatch layer (see `launch.stack`) of an entry that contains callbacks:
-    `inner`, the entry's launch (its lock, its re-check of donated inputs, its warning
-    filter), launches the guarded program; this waits for it and raises what its
-    callbacks raised (an Equinox runtime error as `eqx.EquinoxRuntimeError`)."""
+    """The dispatch layer of an entry with callbacks: `inner` launches the guarded
+    program; this waits for it and raises what its callbacks raised."""
     __tracebackhide__ = True
     if not _usable(dynamic):
         return _traced(inner, run, dynamic, deleted, leaves, jit_id)
@@ -240,14 +220,12 @@ def waiting(guards: Guards, inner: Callable, run, dynamic, deleted, leaves, jit_
 
 
 def _usable(dynamic) -> bool:
-    """Whether the guarded program would run now (otherwise, call the jitted function:
-    an outer `filter_jit` guards the callbacks it traces)."""
+    """Whether the guarded program would run now (else an outer call guards)."""
     return _runs_now() and not any(map(is_tracer, jtu.tree_leaves(dynamic)))
 
 
 def _traced(inner, run, dynamic, deleted, leaves, jit_id):
-    """A call staged into an outer trace (`jax.jit`, `vmap`, `grad`) or run under
-    `jax.disable_jit`: the callbacks raise as they are; Equinox's error is named."""
+    """A call staged, transformed or under `jax.disable_jit`: callbacks raise."""
     __tracebackhide__ = True
     callback_logger = logging.getLogger("jax._src.callback")
     log_filter = _FilterCallback()

@@ -1,9 +1,5 @@
-"""Donation (RFC §6), owned by one value per decoration, `Donation`, asked when the
-cache and its entries are built: which arguments and leaves are donated (`jax.jit`'s
-`donate_argnums`), which donated arrays are replaced by private copies so that no
-array the caller keeps is donated, whether a donated input that moves may share the
-caller's buffers, and how a donating call launches (JAX's warning of unusable
-donations included)."""
+"""Donation (RFC §6): what one decoration's `Donation` donates, the private copies that
+keep every array the caller keeps, and how a donating call launches."""
 
 import collections as co
 import contextlib
@@ -32,9 +28,8 @@ traceback_util.register_exclusion(__file__)
 DonateMode = Literal["all", "all-except-first", "warn", "warn-except-first", "none"]
 
 
-# mode -> (whether the argument at `position` of `n_args` positional arguments is
-# donated, `position=None` standing for the keyword arguments and the function's own
-# arrays; whether JAX's warning of donated buffers that no output reuses is ignored).
+# mode -> (whether the argument at `position` (`None`: keyword arguments and the
+# function's arrays) is donated; whether JAX's unusable-donation warning is ignored).
 MODES: dict[str, tuple[Callable[[int | None, int], bool], bool]] = {
     "all": (lambda position, n_args: True, True),
     "all-except-first": (lambda position, n_args: position != 0, True),
@@ -45,10 +40,8 @@ MODES: dict[str, tuple[Callable[[int | None, int], bool], bool]] = {
 
 
 class Donation:
-    """What one `filter_jit(donate=mode)` decoration donates, and what its calls do
-    with the inputs they donate. Made once per decoration (`cache.Cache`) and asked
-    when an argument structure or an entry is built, never on a call: what a call runs
-    (`keeper`, `launch`) is made then."""
+    """What one `filter_jit(donate=mode)` decoration donates; asked when an entry is
+    built, never on a call."""
 
     __slots__ = ("_donates", "_quiet")
 
@@ -69,15 +62,17 @@ class Donation:
         donated = (rest, rest, *(self._donates(p, n_args) for p in range(n_args)))
         return tuple(i for i, d in enumerate(donated) if d)
 
-    def leaves(self, args: tuple, dynamic: tuple[int, ...]) -> tuple[int, ...]:
-        """The donated leaves of the bound `(args, kwargs)`, by index: those of
-        `dynamic` (the traced leaves) in a donated argument."""
+    def leaves(self, args: tuple, traced_indices: tuple[int, ...]) -> tuple[int, ...]:
+        """The donated leaves of the bound `(args, kwargs)`, by index: the traced
+        leaves (`traced_indices`) in a donated argument."""
         n_args = len(args)
         flags = []
         for p, arg in enumerate(args):
             flags += [self._donates(p, n_args)] * len(jtu.tree_leaves(arg))
         rest = self._donates(None, n_args)  # the keyword arguments' leaves
-        return tuple(i for i in dynamic if (flags[i] if i < len(flags) else rest))
+        return tuple(
+            i for i in traced_indices if (flags[i] if i < len(flags) else rest)
+        )
 
     def donates(self, leaves: tuple[int, ...], dynamic_fun: Any, n_args: int) -> bool:
         """Whether an entry donates anything: its donated `leaves` (`Donation.leaves`)
@@ -91,14 +86,14 @@ class Donation:
     def keeper(
         self,
         leaves: tuple[int, ...],
-        dynamic: tuple[int, ...],
+        traced_indices: tuple[int, ...],
         n_args: int,
         fun_name: str,
     ) -> Callable:
         """`keep(call_leaves, dynamic_fun, where)`, run before each call of an entry
         that donates: see `keep_undonated`."""
         fun_donated = self._donates(None, n_args)
-        return ft.partial(keep_undonated, leaves, dynamic, fun_donated, fun_name)
+        return ft.partial(keep_undonated, leaves, traced_indices, fun_donated, fun_name)
 
     def may_alias(self, leaves: list, moves: list, donated: tuple[int, ...]) -> list:
         """`place`'s `may_alias`, per leaf, for the moves `(i, sharding)` of a call's
@@ -132,33 +127,30 @@ class Donation:
 
 def keep_undonated(
     donated: tuple[int, ...],
-    dynamic: tuple[int, ...],
+    traced_indices: tuple[int, ...],
     fun_donated: bool,
     fun_name: str,
     leaves: list,
     dynamic_fun: Any,
     where: Callable[[int], str],
 ) -> list:
-    """Before a donating call: `leaves` with every `donated` array that is reachable
-    twice in the call (donated twice, or donated and kept: donating one occurrence
-    would free the others within the same execution, which crashes XLA for multi-device
-    arrays) replaced by a private copy. Where `fun_donated`, the function's own arrays
-    (`dynamic_fun`) are donated too: one of them passed again as an argument raises."""
+    """`leaves` with every `donated` array reachable twice in the call replaced by a
+    private copy: donating one occurrence would free the others (XLA crashes)."""
     fun_leaves = jtu.tree_leaves(dynamic_fun) if fun_donated else []
     if any(map(is_deleted, fun_leaves)):
         raise_if_fun_deleted(fun_name, dynamic_fun)
-    dynamic_ids = {id(leaves[i]) for i in dynamic}
+    traced_ids = {id(leaves[i]) for i in traced_indices}
     fun_ids = {id(x) for x in fun_leaves}
-    if len(dynamic_ids) == len(dynamic) and dynamic_ids.isdisjoint(fun_ids):
+    if len(traced_ids) == len(traced_indices) and traced_ids.isdisjoint(fun_ids):
         return leaves  # the common case, checked at C speed
-    for i in dynamic:
+    for i in traced_indices:
         if id(leaves[i]) in fun_ids:
             raise ValueError(
                 f"{where(i)}: this array is also part of the function being JIT'd, "
                 "whose arrays are donated; an array cannot be both donated and passed "
                 "again."
             )
-    counts = co.Counter(id(leaves[i]) for i in dynamic)
+    counts = co.Counter(id(leaves[i]) for i in traced_indices)
     # NumPy inputs are copied onto the device by every call anyway.
     copies = [
         i
@@ -180,8 +172,7 @@ def keep_undonated(
 
 
 def _donating(quiet: bool, fun_arrays: bool) -> Callable:
-    """`Donation.launch`. `quiet`: whether JAX's warning of unusable donations is
-    ignored; `fun_arrays`: whether the function itself holds arrays (`dynamic[0]`)."""
+    """`Donation.launch`; `fun_arrays`: whether the function holds arrays."""
 
     def dispatch(run, dynamic, deleted, leaves, jit_id):
         with dispatch_lock:
@@ -200,8 +191,7 @@ def _donating(quiet: bool, fun_arrays: bool) -> Callable:
 
 @contextlib.contextmanager
 def _unusable_donations_ignored():
-    """JAX warns of each donated buffer that no output can reuse: with `donate='all'`
-    (not `'warn'`) and while tracing, that is expected."""
+    """JAX's warning of donated buffers no output reuses: expected under `'all'`."""
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message="Some donated buffers were not usable"

@@ -1,13 +1,6 @@
-"""An `Entry` of `filter_jit`'s cache, built, traced and frozen in one place
-(`build_entry`), and what each call's inputs go through before it (`prepare`).
-
-`in_shardings` goes to `jax.jit`, which moves uncommitted and NumPy inputs itself, in
-its C++ path (RFC §6). We move only what `jax.jit` refuses: a committed input on
-another sharding (and inputs for a layout, another memory, or devices of other
-processes). A donated input that moves is freed where `jax.jit` frees it (its buffers
-all handed back: onto its own device, or replicated over devices including its own),
-else it moves a private copy. On Auto axes, calls that hand `jax.jit` uncommitted
-inputs run the executable of the committed types (`Typed`): both kinds compile once."""
+"""An `Entry` of `filter_jit`'s cache, built in one place (`build_entry`), and what each
+call's inputs go through before it (`prepare`). `jax.jit` moves uncommitted and NumPy
+inputs itself (RFC §6); we move only what it refuses."""
 
 import functools as ft
 from collections.abc import Callable
@@ -46,10 +39,8 @@ traceback_util.register_exclusion(__file__)
 
 
 class Entry:
-    """One compiled function: a `jax.jit` for one static part of the arguments, and
-    `dispatch(run, dynamic, deleted, leaves, jit_id)`, which calls it: a launch with
-    layers over it (`launch.stack`), or `None` where no layer is needed: the call
-    launches `run(*dynamic)` itself."""
+    """One compiled function: a `jax.jit` for one static part of the arguments, and its
+    `dispatch` (`launch.stack`)."""
 
     __slots__ = (
         "structure",
@@ -79,26 +70,19 @@ def build_entry(
     leaves,
     watch: Callable | None = None,
 ) -> tuple:
-    """The entry for this call, in four steps: its `in_shardings` resolved and checked
-    against the inputs (before anything runs), its `jax.jit`, traced for this call's
-    inputs as `prepare` places them (not under `jax.disable_jit`), and its dispatch
-    (with `watch(entry, leaves)`'s layer, `explain_misses.miss`'s, if given). Returns
-    the entry and what `prepare` returns for this call."""
+    """The entry for this call, in four steps: targets, `jax.jit`, trace, dispatch
+    (with `watch`'s layer if given). Returns it and what `prepare` returns."""
     where = ft.partial(arg_path, cache, args, kwargs)
     formats = _targets(structure, leaves, where)
     auto = _auto_layouts(formats, leaves, where)
-    # `jax.jit` is given the spec leaves (a `Format`'s layout is its own); inputs are
-    # placed on their shardings.
     targets = [(i, sharding_of(s)) for i, s in formats]
     entry = Entry()
     entry.structure = structure
     entry.static = structure.static_of(leaves)
     entry.targets = targets
-    # Last first: a batch, uncommitted or NumPy, is usually the last argument, where
-    # `all_placed` then stops at once for `jit_takes`.
+    # Last first: a batch, often uncommitted, is usually last, so `all_placed` stops.
     entry.get_targets = getter(tuple(i for i, _ in reversed(targets)))
-    # `jax.jit` moves an uncommitted or NumPy input onto a sharding of this process in
-    # the default memory itself (no layout: a `Format` is ours to place).
+    # Where `jax.jit` moves uncommitted and NumPy inputs itself.
     entry.hands_over = all(
         isinstance(f, Sharding)
         and in_default_memory(f)
@@ -109,7 +93,7 @@ def build_entry(
     donation = cache.donation
     entry.donates = donation.donates(structure.donated, dynamic_fun, len(args))
     entry.keep = entry.donates and donation.keeper(
-        structure.donated, structure.dynamic, len(args), cache.fun_name
+        structure.donated, structure.traced_indices, len(args), cache.fun_name
     )
     entry.lean = not entry.donates and not targets
     entry.typed = None
@@ -128,11 +112,10 @@ def build_entry(
     entry.guards = guards
     if auto is not None:
         entry.jitted = AutoLayouts(entry.jitted, auto)
-    # The dispatch: the launch (under the lock where the entry donates, with its
-    # inputs checked again, or runs on several CPU devices), its pacing (on several
-    # CPU devices), the wait for callbacks, and the explanations' layer.
     shardings = [s for _, s in targets]
-    shardings += [getattr(placed[i], "sharding", None) for i in structure.dynamic]
+    shardings += [
+        getattr(placed[i], "sharding", None) for i in structure.traced_indices
+    ]
     serialized = launch.serialize_dispatch(shardings)
     layers = [launch.paced] if serialized else []
     if guards is not None:
@@ -148,10 +131,11 @@ def build_entry(
 
 
 def _targets(structure: ArgStructure, leaves: list, where) -> list[tuple[int, Any]]:
-    """`(i, spec leaf)` for each traced leaf that `in_shardings` places, resolved and
-    checked against the call's inputs."""
+    """`(i, spec leaf)` for each traced leaf that `in_shardings` places, checked."""
     resolver = ft.partial(resolve, abstract_ok=True)
-    targets = resolve_each(structure.specs, leaves, structure.dynamic, where, resolver)
+    targets = resolve_each(
+        structure.specs, leaves, structure.traced_indices, where, resolver
+    )
     check_shapes(leaves, targets, where)
     for i, sharding in targets:
         kind = kind_of(sharding)
@@ -179,11 +163,8 @@ def _targets(structure: ArgStructure, leaves: list, where) -> list[tuple[int, An
 
 
 def _trace(entry: Entry, typed: bool, dynamic: tuple, n_args: int, donation):
-    """Traces the entry's `jax.jit` for the call's inputs (`dynamic`, as `prepare`
-    placed them), for the types they have once committed where a `Typed` runs the
-    calls that hand over uncommitted ones (made if `typed`). Returns what this call
-    runs (`None`: the entry's `jitted`), the entry's `callbacks.Guards` (`None`
-    without callbacks), and whether the call's inputs must be placed again."""
+    """Traces the entry's `jax.jit` for the call's inputs. Returns what this call runs
+    (`None`: `jitted`), the `callbacks.Guards` or `None`, and whether to place again."""
     structure = entry.structure
     jitted = entry.jitted
     casts = _auto_casts(structure, entry.targets) if entry.hands_over else []
@@ -191,7 +172,7 @@ def _trace(entry: Entry, typed: bool, dynamic: tuple, n_args: int, donation):
         entry.typed = Typed(entry, casts, donation)
     # Traced for the types of committed inputs, which those `typed` runs take.
     at, moved = dynamic, False
-    if entry.typed is not None and not structure.traced:
+    if entry.typed is not None and not structure.in_trace:
         at, moved = entry.typed.types(dynamic)
     with donation.tracing():
         if isinstance(jitted, ResolveRules):
@@ -200,19 +181,16 @@ def _trace(entry: Entry, typed: bool, dynamic: tuple, n_args: int, donation):
             return (entry.typed if moved else None), None, False
     entry.typed = None
     if moved:
-        # The guarded program, a `jax.jit` of its own, is traced for the inputs it is
-        # given: they are placed, as the entry was traced for committed types.
+        # Traced for committed types: the guarded program is given placed inputs.
         entry.hands_over = False
         entry.places_values = True
     return None, callbacks.Guards(jitted, donation.argnums(n_args)), moved
 
 
 def _auto_casts(structure: ArgStructure, targets) -> list[tuple[int, Any]]:
-    """`(k, sharding)` for each traced leaf `k` (in `structure.dynamic`'s order)
-    whose target is a `NamedSharding` on a mesh of Auto axes only: there a committed
-    input's type holds the mesh and an uncommitted or NumPy one's does not, so
-    `jax.jit` traces and compiles the two apart, though they are one program."""
-    position = {i: k for k, i in enumerate(structure.dynamic)}
+    """`(k, sharding)` for each traced leaf `k` whose target is on Auto axes only, where
+    `jax.jit` compiles committed and uncommitted inputs apart."""
+    position = {i: k for k, i in enumerate(structure.traced_indices)}
     casts = []
     for i, sharding in targets:
         if (
@@ -226,11 +204,8 @@ def _auto_casts(structure: ArgStructure, targets) -> list[tuple[int, Any]]:
 
 
 class Typed:
-    """The run of an entry's calls that hand `jax.jit` uncommitted or NumPy inputs for
-    targets on Auto axes (`_auto_casts`): the executable of the types those inputs
-    have once committed, called with them as they are (it moves them in its C++ path).
-    So `x = f(x)` from an uncommitted `x` traces and compiles once, where `jax.jit`
-    alone does so for each kind (RFC §6). Another shape or dtype lowers again."""
+    """Runs calls with uncommitted inputs for targets on Auto axes through the
+    executable of their committed types, so `x = f(x)` compiles once (RFC §6)."""
 
     __slots__ = ("entry", "casts", "donation", "compiled")
 
@@ -241,8 +216,7 @@ class Typed:
         self.compiled: Any = None
 
     def types(self, dynamic: tuple) -> tuple[tuple, bool]:
-        """`dynamic` with each uncommitted or NumPy leaf of `casts` replaced by the
-        `jax.ShapeDtypeStruct` of its committed type, and whether any was."""
+        """`dynamic` with uncommitted leaves as their committed types; whether any."""
         packing = self.entry.structure.packing
         fun, kwargs, *args = dynamic
         leaves = packing.unpack(kwargs, args)
@@ -251,8 +225,7 @@ class Typed:
             x = leaves[k]
             if is_value(x) and not is_committed(x):
                 if getattr(x, "weak_type", False):
-                    # An executable of one weak type runs the other's inputs without
-                    # complaint: weak inputs are `jax.jit`'s (see `jit_takes`).
+                    # An executable of one weak type runs the other's: `jax.jit`'s.
                     return dynamic, False
                 leaves[k] = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
                 moved = True
@@ -288,13 +261,11 @@ class Typed:
 
 def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple:
     """A call's checks and placements before `jax.jit`: the leaves as placed, the
-    dynamic trees to call, and what to call them with (the entry's `jax.jit`, or its
-    `Typed` where `jax.jit` moves some inputs). `structure` is the call's own (its
-    leaf types: arrays, tracers, NumPy), one of those that share the entry."""
+    dynamic trees to call, and what to call them with."""
     where = ft.partial(arg_path, cache, args, kwargs)
     # XLA crashes on a deleted multi-device input, donated or not.
     if structure.deleted(leaves):
-        raise_if_deleted(leaves, structure.dynamic, where)
+        raise_if_deleted(leaves, structure.traced_indices, where)
     placed = leaves
     if entry.donates:
         placed = entry.keep(leaves, dynamic_fun, where)
@@ -321,7 +292,7 @@ def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple
         args, kwargs = structure.treedef.unflatten(placed)
     dynamic = packing.arguments(dynamic_fun, args, kwargs, placed)
     # Inside an outer trace (tracers) there is no executable to call.
-    if ready == MOVES and entry.typed is not None and not structure.traced:
+    if ready == MOVES and entry.typed is not None and not structure.in_trace:
         return placed, dynamic, entry.typed
     return placed, dynamic, entry.jitted
 
@@ -329,10 +300,7 @@ def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple
 def _place_inputs(
     leaves: list, entry: Entry, where, cache: Cache, structure: ArgStructure
 ) -> None:
-    """`place`s the inputs that `jax.jit` would refuse: committed arrays on another
-    sharding where it `hands_over`, else every value (not tracers: the enclosing call
-    places them; NumPy only across processes), sharing the caller's buffers where the
-    donation allows (`donation.Donation.may_alias`)."""
+    """`place`s the inputs that `jax.jit` would refuse."""
     targets = [(i, s) for i, s in entry.targets if not on_abstract_mesh(s)]
     multiprocess = any(not s.is_fully_addressable for _, s in targets)
     if entry.hands_over:
@@ -345,9 +313,8 @@ def _place_inputs(
 
 
 def _auto_layouts(targets, leaves, where) -> str | None:
-    """For `in_shardings` with `Layout.AUTO`: raises, naming the first, if an array
-    (not a `jax.ShapeDtypeStruct`) is passed for one, which `jax.jit` refuses; else the
-    message that the entry's calls raise until it is compiled (`AutoLayouts`)."""
+    """Raises if an array is passed for a `Layout.AUTO`; else the message calls raise
+    until compiled (`AutoLayouts`)."""
     auto = [i for i, s in targets if is_auto(s)]
     if not auto:
         return None
@@ -369,9 +336,8 @@ def _auto_layouts(targets, leaves, where) -> str | None:
 
 
 class AutoLayouts:
-    """The `jax.jit` of an entry with `Layout.AUTO` in its `in_shardings`: lowered
-    and traced as it is, but called only through the executable of its latest
-    `Lowered.compile()`; until then a call raises `message` (naming the leaf)."""
+    """The `jax.jit` of an entry with `Layout.AUTO`: called only through its latest
+    `Lowered.compile()`; until then a call raises `message`."""
 
     def __init__(self, jitted, message: str):
         self.jitted = jitted
@@ -406,8 +372,7 @@ def _jit(static_fun, cache: Cache, structure: ArgStructure, args, leaves, target
                 lambda s: None if in_body(s) else s, out_specs, is_leaf=is_spec_leaf
             )
             jit_kwargs["out_shardings"] = (mirror(given, is_leaf=is_spec_leaf), None)
-    # Rules resolve on the call's mesh, which is concrete outside a trace: inside the
-    # trace only its abstract mesh is available.
+    # The call's mesh, concrete outside a trace (inside, only the abstract one).
     mesh = context_mesh(abstract_ok=True) if cache.out_rules else None
     make = ft.partial(
         traced_function, cache, static_fun, structure, leaves, targets, mesh

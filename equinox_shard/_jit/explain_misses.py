@@ -83,7 +83,7 @@ def _describe(cache, structure, leaves: list, entry=None) -> dict:
     paths = jtu.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
     names = [path_name(cache, path) for path, _ in paths]
     key = structure.structure_key._asdict() | structure.entry_key(leaves)._asdict()
-    arrays = {names[i]: _array(leaves[i]) for i in structure.dynamic}
+    arrays = {names[i]: _array(leaves[i]) for i in structure.traced_indices}
     return dict(
         key=key, names=names, tree=tree, arrays=arrays, entry=entry, s=structure
     )

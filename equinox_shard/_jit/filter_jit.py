@@ -21,8 +21,8 @@ from .cache import (
     Cache,
     diagnose,
     get_cache,
+    look_up,
     raise_if_unhashable,
-    structure_key,
 )
 from .donation import DonateMode
 from .entry import AutoLayouts, build_entry, Entry, prepare
@@ -41,9 +41,9 @@ _T = TypeVar("_T")
 
 
 def _call(wrapper, args, kwargs, compiled=None):
-    """A call in four steps: look up its entry (`_look_up`; on a miss `_build` makes
-    it), prepare its inputs (`entry.prepare`), dispatch (`entry.Entry.dispatch`) and
-    combine the output (`_combine`)."""
+    """A call in four steps: look up its entry (`cache.look_up`; on a miss `_build`
+    makes it), prepare its inputs (`entry.prepare`), dispatch
+    (`entry.Entry.dispatch`) and combine the output (`_combine`)."""
     __tracebackhide__ = True
     # One attribute lookup, past `Module.__getattribute__` (Python, on every lookup).
     fields = object.__getattribute__(wrapper, "__dict__")
@@ -56,11 +56,14 @@ def _call(wrapper, args, kwargs, compiled=None):
         args, kwargs = bound.args, bound.kwargs
     leaves, treedef = jtu.tree_flatten((args, kwargs))
     # Look up.
-    structure, entry = _look_up(cache, treedef, leaves, compiled)
+    if compiled is None:
+        key, structure, entry = look_up(cache, treedef, leaves, is_array)
+    else:
+        key, structure, entry = None, *compiled._check(treedef, leaves)
     # Prepare.
     if structure is None or entry is None:
         structure, entry, leaves, dynamic, run = _build(
-            wrapper, cache, args, kwargs, leaves, treedef, is_array
+            wrapper, cache, args, kwargs, leaves, key
         )
     elif entry.lean and not structure.deleted(leaves):
         # Nothing to place or donate: what `prepare` returns, without its frame.
@@ -88,43 +91,15 @@ def _call(wrapper, args, kwargs, compiled=None):
     return _combine(out)
 
 
-def _look_up(cache: Cache, treedef, leaves: list, compiled) -> tuple:
-    """The call's `ArgStructure` and `Entry` (either `None` on a miss); a `Compiled`'s
-    own, once the call is checked against it."""
-    if compiled is not None:
-        entry = compiled._entry
-        static = entry.structure.static_of(leaves)
-        if treedef != entry.structure.treedef or static != entry.static:
-            raise TypeError(
-                "This function was compiled for arguments of structure "
-                f"{entry.structure.treedef} with static (non-array) leaves "
-                f"{entry.static}, but was called with {treedef} and {static}. Lower "
-                "and compile it again for these arguments."
-            )
-        return entry.structure, entry
-    structure = cache.structures.get(
-        structure_key((treedef, tuple(map(type, leaves)), is_array))
-    )
-    if structure is None:
-        return None, None
-    try:
-        return structure, structure.entries.get(structure.key(leaves))
-    except TypeError:  # an unhashable static leaf, which `_build` names
-        return structure, None
-
-
 def _combine(out: tuple) -> Any:
-    """The output, from what the traced function returns: its arrays, and its static
-    part (`packing.OutStatic`, `None` where the output is its arrays)."""
+    """The output, from its arrays and static part (`packing.OutStatic` or `None`)."""
     dynamic, static = out
     return dynamic if static is None else static.combine(dynamic)
 
 
-def _build(wrapper, cache: Cache, args, kwargs, leaves, treedef, dynamic) -> tuple:
-    """A miss (or `.lower()`): finds or makes the argument structure and the entry,
-    under the cache's lock, and prepares this call's inputs. `dynamic`: which leaves
-    are traced (`StructureKey.dynamic`)."""
-    key = structure_key((treedef, tuple(map(type, leaves)), dynamic))
+def _build(wrapper, cache: Cache, args, kwargs, leaves, key) -> tuple:
+    """A miss (or `.lower()`): finds or makes the structure of `key` and the entry,
+    under the cache's lock, and prepares this call's inputs."""
     with cache.lock:
         structure = cache.structures.get(key)
         if structure is None:
@@ -136,8 +111,7 @@ def _build(wrapper, cache: Cache, args, kwargs, leaves, treedef, dynamic) -> tup
             raise_if_unhashable(cache, args, kwargs, leaves, structure.static)
             raise
         if entry is not None:
-            # Made by another thread meanwhile, or for other leaf types (JAX arrays
-            # where these are NumPy): this structure is kept, so the next call hits.
+            # Made meanwhile, or for other leaf types: keep this structure too.
             prepared = prepare(
                 wrapper._dynamic_fun, cache, entry, structure, args, kwargs, leaves
             )
@@ -182,6 +156,19 @@ class Compiled(Module):
     def as_text(self) -> str | None:
         return self.compiled.as_text()
 
+    def _check(self, treedef, leaves: list) -> tuple:
+        """Its `ArgStructure` and `Entry`, once a call is checked against them."""
+        structure = self._entry.structure
+        static = structure.static_of(leaves)
+        if treedef != structure.treedef or static != self._entry.static:
+            raise TypeError(
+                "This function was compiled for arguments of structure "
+                f"{structure.treedef} with static (non-array) leaves "
+                f"{self._entry.static}, but was called with {treedef} and {static}. "
+                "Lower and compile it again for these arguments."
+            )
+        return structure, self._entry
+
     @property
     def input_shardings(self) -> tuple[tuple, dict]:
         """The shardings of the array arguments, as `(args, kwargs)` in the structure of
@@ -205,7 +192,7 @@ class Compiled(Module):
         pairs = zip(structure.static, self._entry.static)
         pairs = (
             *pairs,
-            *zip(structure.dynamic, structure.packing.unpack(kwargs, args)),
+            *zip(structure.traced_indices, structure.packing.unpack(kwargs, args)),
         )
         for i, x in pairs:
             leaves[i] = x
@@ -275,9 +262,8 @@ class _JitWrapper(Module):
         bound = cache.signature.bind(*args, **kwargs)
         args, kwargs = bound.args, bound.kwargs
         leaves, treedef = jtu.tree_flatten((args, kwargs))
-        _, entry, leaves, dynamic, _ = _build(
-            self, cache, args, kwargs, leaves, treedef, is_array_or_struct
-        )
+        key, _, _ = look_up(cache, treedef, leaves, is_array_or_struct)
+        _, entry, leaves, dynamic, _ = _build(self, cache, args, kwargs, leaves, key)
         try:
             return entry, stage(entry, dynamic)
         except Exception:

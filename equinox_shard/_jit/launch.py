@@ -1,8 +1,5 @@
-"""The launch of a compiled call: its dispatch `dispatch(run, dynamic, deleted, leaves,
-jit_id)`, one per entry, stacked by `stack` (in `entry.build_entry` alone) from a
-launch (`plain`, `serialized`, or donation's, `donation.Donation.launch`) and the
-layers that pacing (`paced`), callbacks (`callbacks.waiting`) and explanations
-(`explain_misses.miss`) supply; and the lock that serialises launches (RFC §6)."""
+"""An entry's dispatch, `dispatch(run, dynamic, deleted, leaves, jit_id)`: a launch with
+layers stacked over it (`stack`), and the lock that serialises launches (RFC §6)."""
 
 import functools as ft
 import itertools
@@ -19,10 +16,8 @@ from .._arrays import is_tracer, on_abstract_mesh
 traceback_util.register_exclusion(__file__)
 
 
-# Serialises the launch (not the execution) of multi-device executables on the CPU
-# (upstream/jax-reports/cpu-multidevice-dispatch-threads) and of donating calls
-# (upstream/jax-reports/donate-from-threads). Re-entrant: under `jax.disable_jit` the
-# dispatch runs the function, which may call another `filter_jit`.
+# Serialises launches of multi-device CPU executables and donating calls
+# (upstream/jax-reports/cpu-multidevice-dispatch-threads, donate-from-threads).
 dispatch_lock = threading.RLock()
 
 
@@ -35,26 +30,18 @@ def serialized(run, dynamic, deleted, leaves, jit_id):
         return run(*dynamic)
 
 
-# Every PACE-th multi-device launch on the CPU waits for its own outputs, so that at
-# most PACE of ours are queued on a device. JAX 0.10.2's CPU client waits for a free
-# slot among a device's 32 queued programs on a thread of its pool, which has only as
-# many threads as devices on a machine with fewer cores: one thread waiting there, and
-# the collective queued first lacks a participant, deadlocks, and XLA aborts the
-# process after 40 s (upstream/jax-reports/cpu-inflight-limit-deadlock).
+# Every PACE-th multi-device CPU launch waits for its outputs: with more queued, JAX
+# 0.10.2's CPU client can deadlock (upstream/jax-reports/cpu-inflight-limit-deadlock).
 PACE = 8
-# Multi-device CPU launches, numbered from 1: `next` on it is atomic (it holds the GIL).
+# Multi-device CPU launches, numbered from 1 (`next` is atomic under the GIL).
 launches = itertools.count(1)
 
 
 def paced(inner: Callable, run, dynamic, deleted, leaves, jit_id):
-    """The dispatch layer (see `stack`) of an entry that launches on several CPU
-    devices: `inner`, then, every `PACE`-th launch, a wait for its outputs. The CPU
-    client runs multi-device programs one at a time in launch order, so this waits
-    for every earlier one too."""
+    """The layer of an entry on several CPU devices: every `PACE`-th launch waits."""
     out = inner(run, dynamic, deleted, leaves, jit_id)
     if next(launches) % PACE == 0:
-        # Outside the lock: other threads launch meanwhile. Tracers (an outer trace)
-        # and arrays another thread has donated since have nothing to wait for.
+        # Outside the lock; tracers and arrays donated since have nothing to wait for.
         arrays = [
             x
             for x in jax.tree_util.tree_leaves(out)
@@ -65,8 +52,7 @@ def paced(inner: Callable, run, dynamic, deleted, leaves, jit_id):
 
 
 def serialize_dispatch(shardings: list) -> bool:
-    """Whether calls must launch under `dispatch_lock`: a multi-device sharding on the
-    CPU (not one on an abstract mesh: inside a trace the outer call dispatches)."""
+    """Whether calls launch under `dispatch_lock`: several CPU devices."""
     return jax.default_backend() == "cpu" and any(
         isinstance(s, Sharding) and not on_abstract_mesh(s) and len(s.device_set) > 1
         for s in shardings
@@ -74,9 +60,8 @@ def serialize_dispatch(shardings: list) -> bool:
 
 
 def stack(launch: Callable, layers: Sequence[Callable]) -> Callable | None:
-    """The dispatch of an entry: `launch`, wrapped by each of `layers`, innermost
-    first (`layer(inner, run, dynamic, deleted, leaves, jit_id)`). `None` for `plain`
-    alone: the call then launches `run(*dynamic)` itself, without a frame."""
+    """`launch` wrapped by each of `layers`, innermost first; `None` for `plain` alone
+    (the call launches `run(*dynamic)` itself, without a frame)."""
     dispatch = launch
     for layer in layers:
         dispatch = ft.partial(layer, dispatch)

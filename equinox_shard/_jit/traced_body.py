@@ -34,8 +34,8 @@ def traced_function(
     out_specs,
     found,
 ):
-    dynamic = set(structure.dynamic)
-    static_leaves = tuple(None if i in dynamic else x for i, x in enumerate(leaves))
+    traced = set(structure.traced_indices)
+    static_leaves = tuple(None if i in traced else x for i, x in enumerate(leaves))
     treedef = structure.treedef
     # A single spec leaf is a prefix of any output, also of its flat arrays.
     structured = out_specs is not unset and not _is_single(out_specs)
@@ -44,7 +44,7 @@ def traced_function(
         fun = mirror_combine(dynamic_fun, static_fun)
         flat = list(static_leaves)
         dynamic = structure.packing.unpack(dynamic_kwargs, dynamic_args)
-        for i, x in zip(structure.dynamic, dynamic):
+        for i, x in zip(structure.traced_indices, dynamic):
             flat[i] = x
         if targets and jax.config.jax_disable_jit:
             # `jax.jit` ignores `in_shardings` under `disable_jit`; we place anyway.
@@ -164,10 +164,8 @@ def static_out_shardings(out_specs):
 
 
 class ResolveRules:
-    """`out_shardings` with callable leaves need the output's shapes. The first call
-    traces the function once (resolving the callables on its outputs), then builds the
-    `jax.jit` that applies them around that trace: JAX reuses the inner trace, so the
-    user's function is traced once."""
+    """`out_shardings` with callable leaves, resolved on the first trace's outputs, then
+    applied around that trace (JAX reuses it: the function is traced once)."""
 
     def __init__(self, make, out_specs, jit_kwargs):
         self.make = make

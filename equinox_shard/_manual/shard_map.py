@@ -99,9 +99,8 @@ def _padded(spec: PartitionSpec, ndim: int) -> tuple:
 
 
 def _to_explicit(mesh, leaves: list, specs: list, indices: list) -> None:
-    """On Explicit mesh axes `jax.shard_map` requires each input's sharding (in its
-    type) to equal its `in_specs` entry. Reshard the inputs that differ, in place: on
-    Auto axes `jax.shard_map` moves its inputs implicitly, and we do the same here."""
+    """Reshards, in place, inputs whose sharding differs from `in_specs` on Explicit
+    axes, which `jax.shard_map` requires (on Auto axes it moves them itself)."""
     todo = []
     for i in indices:
         leaf = leaves[i]

@@ -37,34 +37,25 @@ class Kind(NamedTuple):
     # Its Python type, and how messages name it.
     type: type
     name: str
-    # Its resolution, `resolve(x, mesh, where)`, the same for every array (a cache
-    # key holds `x`): a `Sharding`, a value of a kind that needs no resolving, or
-    # `None` (leave the array as it is); `mesh()` is the mesh to resolve against
-    # (`None` if there is none) and `where()` the array's key path, for errors.
-    # `None`: `x` itself.
+    # `resolve(x, mesh, where)`, the same for every array: a `Sharding`, a value of a
+    # kind that needs no resolving, or `None` (leave it); `None` here: `x` itself.
     resolve: Callable[[Any, Callable[[], Any], Callable[[], str]], Any] | None = None
     # Whether resolving it depends on the context mesh (`jax.set_mesh`).
     needs_mesh: bool = False
-    # The `Sharding` that its placement gives an array, to check the array's shape
-    # against and to test buffer reuse; `None`: the array's own, moved otherwise
-    # (e.g. to another memory), which `jax.device_put` always does as a copy.
+    # The `Sharding` its placement gives an array (`None`: the array's own, moved
+    # otherwise, e.g. to another memory, which `jax.device_put` always copies).
     sharding: Callable[[Any], Any] = lambda x: x
-    # Eagerly, what `jax.device_put` is given to place the concrete array `leaf` on a
-    # resolved `x` of this kind, `target(leaf, x, where)`: a `Sharding`, or a value of
-    # a kind (`None`: `x` itself). Errors name `where()`.
+    # Eagerly, what `jax.device_put` is given, `target(leaf, x, where)` (`None`: `x`).
     target: Callable[[Any, Any, Callable[[], str]], Any] | None = None
-    # For a target of this kind: whether a committed array on its `sharding` may
-    # stand for one placed on it (the rest of what it asks: a layout, a memory).
+    # Whether a committed array on its `sharding` may stand for one placed on it.
     is_placed: Callable[[Any, Any], bool] = lambda x, target: True
-    # Whether `jax.device_put` needs an array on a target's `sharding` before it can
-    # place it on the target (it cannot move it across devices and do the rest at
-    # once).
+    # Whether `jax.device_put` needs the array on the `sharding` first.
     sharding_first: bool = False
     # Whether a value of `type` is a spec leaf, and the hint of the error if not.
     valid: Callable[[Any], bool] = lambda x: True
     invalid: str = ""
-    # Whether it is a spec leaf of `filter_device_put`, `filter_shard` and
-    # `filter_jit` only, and the hint of the `TypeError` raised elsewhere.
+    # Whether only placement (`filter_device_put`, `filter_shard`, `filter_jit`) takes
+    # it, and the hint of the `TypeError` raised elsewhere.
     placement_only: bool = False
     placement_hint: str = ""
     # How it is applied inside a trace, and the hint where that is refused.
@@ -73,8 +64,7 @@ class Kind(NamedTuple):
     # Whether `jax.jit` refuses it in `filter_jit`'s `in_shardings`, and the hint.
     jit_in_refused: bool = False
     jit_in_hint: str = ""
-    # In `out_shardings`: "jit" (given to `jax.jit`) or "body" (applied to the output
-    # inside the function, as in a trace, where `jax.jit` refuses it).
+    # In `out_shardings`: "jit" (given to `jax.jit`) or "body" (applied inside).
     jit_out: Literal["jit", "body"] = "jit"
 
 
@@ -90,16 +80,13 @@ def _on_mesh(spec: PartitionSpec, mesh: Callable[[], Any], where) -> NamedShardi
     try:
         return NamedSharding(on, spec)
     except Exception as e:
-        # Unknown mesh axis (ValueError), or an axis used twice (JAX's
-        # `DuplicateSpecError`, which is not a ValueError).
+        # An unknown axis, or one used twice (`DuplicateSpecError`, not a ValueError).
         raise ValueError(f"{where()}: {e}") from e
 
 
 def _format_target(leaf: Any, fmt: Format, where) -> Any:
-    """What `jax.device_put` places `leaf` on for the spec `fmt`: the `Format`, or its
-    sharding alone where the layout is the default (`None`) or `leaf` is a typed PRNG
-    key array (`jax.device_put` cannot lay one out: its layout is that of the key
-    data, RFC §4)."""
+    """What `jax.device_put` places `leaf` on for `fmt`: the `Format`, or its sharding
+    alone for the default layout or a PRNG key array (laid out as its data, RFC §4)."""
     if fmt.layout is Layout.AUTO:
         raise ValueError(
             f"{where()}: its spec is a `Format` with `Layout.AUTO`, a layout that only "
@@ -120,8 +107,7 @@ def _format_target(leaf: Any, fmt: Format, where) -> Any:
 
 
 def _has_layout(x: jax.Array, fmt: Format) -> bool:
-    """Whether the committed array `x` has the layout of `fmt` (a layout whose
-    `tiling` is `None` asks for the default tiling: any)."""
+    """Whether the committed array `x` has the layout of `fmt` (`tiling=None`: any)."""
     try:
         have = x.format.layout  # pyright: ignore[reportAttributeAccessIssue]
     except Exception:
@@ -136,8 +122,7 @@ def _has_layout(x: jax.Array, fmt: Format) -> bool:
 
 
 def _in_space(x: jax.Array, space: Any) -> bool:
-    """Whether the committed array `x` is in `space`'s memory, as JAX maps memory kinds
-    to spaces."""
+    """Whether the committed array `x` is in `space`'s memory."""
     host = x.sharding.memory_kind == "pinned_host"
     return (jax.memory.Space.Host if host else jax.memory.Space.Device) is space
 
@@ -209,8 +194,7 @@ TYPES = tuple(_BY_TYPE)
 
 
 def kind_of(x: Any) -> Kind | None:
-    """The kind of the spec leaf `x`, or `None` (`None`, a rule, a `PathRules`, or not
-    a spec leaf)."""
+    """The kind of the spec leaf `x`, or `None` (`None`, a rule, or not a spec leaf)."""
     kind = _BY_TYPE.get(type(x))
     if kind is None and isinstance(x, TYPES):
         kind = next(k for k in KINDS if isinstance(x, k.type))
@@ -224,9 +208,7 @@ def is_kind(x: Any) -> bool:
 
 
 def is_empty_format(x: Any) -> bool:
-    """Whether `x` is `Format(None, None)`, which `jax.device_put` takes as "leave the
-    array as it is" (and `Compiled.input_formats` gives for an input XLA pruned): a
-    spec leaf that means `None`."""
+    """Whether `x` is `Format(None, None)`, which `jax.device_put` takes as `None`."""
     return type(x) is Format and x.layout is None and x.sharding is None
 
 

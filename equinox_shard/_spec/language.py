@@ -38,11 +38,7 @@ from .leaves import (
 
 
 def flatten_specs(specs: Any, name: str) -> tuple[list, PyTreeDef]:  # pyright: ignore[reportInvalidTypeForm]
-    """Flattens a specification down to its spec leaves, checking each leaf's type.
-
-    `name` is what the specification is called in error messages, e.g.
-    `"device_or_shardings"` or `"in_shardings"`.
-    """
+    """Flattens a specification to its spec leaves, checking each (`name` in errors)."""
     leaves, treedef = jtu.tree_flatten(specs, is_leaf=is_spec_leaf)
     for leaf in leaves:
         if not is_spec_leaf(leaf):
