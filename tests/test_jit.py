@@ -317,6 +317,19 @@ def test_uncommitted_feedback_loop_compiles_once():
     assert_shardings(x, batch)
 
 
+def test_numpy_float64_batch_with_in_shardings_warns_nothing():
+    # Found by a new user on JAX 0.12: a float64 NumPy input (x64 off) warned once per
+    # leaf ("Explicitly requested dtype float64 ... is not available"), where
+    # `jax.jit` with the same shardings does not. `filterwarnings = error` fails it.
+    replicated = NamedSharding(auto_mesh(), P())
+    batch = {"x": np.arange(16.0), "y": np.ones((8, 2))}
+    ours = eqxs.filter_jit(lambda b: b["x"] * 2, in_shardings=replicated)
+    reference = jax.jit(lambda b: b["x"] * 2, in_shardings=replicated)
+    out, expected = ours(batch), reference(batch)
+    assert jax.typeof(out) == jax.typeof(expected)
+    np.testing.assert_array_equal(np.asarray(out), 2 * np.arange(16.0))
+
+
 def test_numpy_after_a_jax_array_of_its_shape_traces_once():
     # `jax.jit` itself traces once for both; found by tests/test_differential.py.
     replicated = NamedSharding(auto_mesh(), P())

@@ -20,6 +20,10 @@ EAGER = "[shards[i] for i in eager], may_alias=False\n"
 ONTO = "            x, jshard.NamedSharding(sharding.mesh, jshard.PartitionSpec())\n"
 RESHARD = "    return jshard.reshard(x, sharding)\n"
 KEEP = "    if all(p is None for p in (*have.spec, *sharding.spec)):\n"
+PREFIX = (
+    '        raise ValueError("`device_or_shardings` must be a tree prefix of `x`.")'
+    " from e\n"
+)
 VARIANTS = {
     # B1: inside JIT `reshard` needs `jax.set_mesh` when no input is on the mesh yet.
     "no device_put onto the mesh before reshard": (
@@ -76,6 +80,7 @@ VARIANTS = {
         "    return combine(dynamic, static)",
         "    return x",
     ),
+    "a non-prefix tree not named": (PREFIX, "        raise\n"),
     "values changed": (
         "    return combine(dynamic, static)",
         "    return combine(jtu.tree_map(lambda a: a + 1, dynamic), static)",

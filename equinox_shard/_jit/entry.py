@@ -227,7 +227,9 @@ class Typed:
                 if getattr(x, "weak_type", False):
                     # An executable of one weak type runs the other's: `jax.jit`'s.
                     return dynamic, False
-                leaves[k] = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+                # `jax.jit`'s type of it: a NumPy float64 is float32 without x64.
+                dtype = jax.typeof(x).dtype
+                leaves[k] = jax.ShapeDtypeStruct(x.shape, dtype, sharding=sharding)
                 moved = True
         args, kwargs = packing.structure.unflatten(leaves)
         return (fun, kwargs, *args), moved
