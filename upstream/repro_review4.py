@@ -8,18 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-
-
-jax.config.update("jax_num_cpu_devices", 2)
-print("jax", jax.__version__, "equinox from", eqx.__file__)
-
-
-def run(name, f):
-    try:
-        print(f"{name}: {f()}")
-    except Exception as e:
-        cause = f" (from {type(e.__cause__).__name__})" if e.__cause__ else ""
-        print(f"{name}: {type(e).__name__}{cause}: {str(e).splitlines()[0][:110]}")
+from rows import run
 
 
 def spec(out):

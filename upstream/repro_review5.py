@@ -1,23 +1,17 @@
 # The statements in patch 0001 v12, PR.md and 1077.md that the fifth maintainer-style
 # read questioned, each as printed rows. Runs against any Equinox tree on PYTHONPATH
 # (v0.13.8 with and without 0001), on 2 simulated CPU devices.
+import functools as ft
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import rows
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 
-jax.config.update("jax_num_cpu_devices", 2)
-print("jax", jax.__version__, "equinox from", eqx.__file__)
-
-
-def run(name, f):
-    try:
-        print(f"{name}: {f()}")
-    except Exception as e:
-        print(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
-
-
+# As this script first printed them (upstream/outputs/repro_review5.txt).
+run = ft.partial(rows.run, width=100, cause=False)
 auto = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Auto,))
 mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Explicit,))
 split, rep = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
