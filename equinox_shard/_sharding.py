@@ -24,6 +24,7 @@ from ._spec.kinds import InTrace, kind_of
 from ._spec.language import (
     broadcast_specs,
     check,
+    context_mesh,
     for_jax,
     in_trace,
     leaf_path,
@@ -88,7 +89,7 @@ def _onto_mesh(x: Any, sharding: Any) -> Any:
         isinstance(sharding, NamedSharding)
         and isinstance(sharding.mesh, Mesh)
         and jax.typeof(x).sharding.mesh.empty
-        and jax.sharding.get_abstract_mesh().empty
+        and context_mesh(abstract_ok=True) is None
     ):
         return jax.device_put(x, NamedSharding(sharding.mesh, PartitionSpec()))
     return x
