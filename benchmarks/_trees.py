@@ -19,7 +19,12 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import (
+    AxisType,
+    make_single_device_sharding,
+    NamedSharding,
+    PartitionSpec,
+)
 
 
 SHAPE = (8, 4)
@@ -81,7 +86,7 @@ def sharding(layout: str):
     if layout == "batch":
         return NamedSharding(mesh(), PartitionSpec("data"))
     if layout == "single":
-        return SingleDeviceSharding(jax.devices()[0])
+        return make_single_device_sharding(jax.devices()[0])
     raise ValueError(layout)
 
 

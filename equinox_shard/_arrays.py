@@ -33,6 +33,15 @@ def in_default_memory(sharding: Any) -> bool:
     return sharding.memory_kind in DEFAULT_MEMORY
 
 
+# Whether `sharding` is a `SingleDeviceSharding`: JAX 0.12.1 deprecates naming the class
+# and adds this predicate; JAX 0.10.2 has only the class.
+is_single_device_sharding: Callable[[Any], bool] = getattr(
+    jax.sharding,
+    "is_single_device_sharding",
+    lambda sharding: isinstance(sharding, jax.sharding.SingleDeviceSharding),
+)
+
+
 def on_abstract_mesh(sharding: Any) -> bool:
     """Whether `sharding` is on an `AbstractMesh` (resolved inside a trace)."""
     return isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh)

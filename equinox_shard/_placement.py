@@ -15,7 +15,6 @@ from jax.sharding import (
     NamedSharding,
     PartitionSpec,
     Sharding,
-    SingleDeviceSharding,
 )
 
 from . import _multihost
@@ -23,6 +22,7 @@ from ._arrays import (
     in_default_memory,
     is_committed,
     is_key_array,
+    is_single_device_sharding,
     is_tracer,
     raise_if_deleted,
 )
@@ -278,7 +278,7 @@ def transfer(
         # upstream/jax-reports/device-put-donate-single-device-sharding.
         targets = [
             next(iter(t.device_set))
-            if type(t) is SingleDeviceSharding and in_default_memory(t)
+            if is_single_device_sharding(t) and in_default_memory(t)
             else t
             for t in targets
         ]

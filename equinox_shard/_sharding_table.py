@@ -7,10 +7,16 @@ from typing import Any
 
 import jax.tree_util as jtu
 import numpy as np
-from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
+from jax.sharding import NamedSharding, Sharding
 from jaxtyping import PyTree
 
-from ._arrays import in_default_memory, is_array_or_struct, is_deleted, is_tracer
+from ._arrays import (
+    in_default_memory,
+    is_array_or_struct,
+    is_deleted,
+    is_single_device_sharding,
+    is_tracer,
+)
 from ._spec.explain_rules import explain_rules, RuleMatch, RulesReport
 
 
@@ -36,7 +42,7 @@ def _itemsize(x: Any) -> int:
 def _describe_sharding(sharding: Sharding, committed: bool) -> str:
     if isinstance(sharding, NamedSharding):
         text = str(sharding.spec)
-    elif isinstance(sharding, SingleDeviceSharding):
+    elif is_single_device_sharding(sharding):
         (device,) = sharding.device_set
         text = str(device)
     else:

@@ -12,6 +12,13 @@ def tree_allclose(x, y, *, rtol=1e-5, atol=1e-8):
     return eqx.tree_equal(x, y, typematch=True, rtol=rtol, atol=atol)
 
 
+def is_single_device_sharding(sharding):
+    """`jax.sharding.is_single_device_sharding` (JAX 0.12.1 deprecates naming the class
+    `SingleDeviceSharding`), which JAX 0.10.2 lacks."""
+    single = jax.sharding.make_single_device_sharding(jax.devices()[0])
+    return type(sharding) is type(single)
+
+
 def auto_mesh(shape=(8,), names=("x",)):
     return jax.make_mesh(
         shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape)

@@ -15,10 +15,10 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import (
     AxisType,
+    make_single_device_sharding,
     NamedSharding,
     PartitionSpec as P,
     Sharding,
-    SingleDeviceSharding,
 )
 
 
@@ -207,7 +207,7 @@ def spec_leaves_st(draw, arrays, mesh, kind, *, bare, single_device):
         return draw(st.sampled_from(pspecs))
     if option == "device":
         device = draw(st.sampled_from(jax.devices()))
-        return draw(st.sampled_from([device, SingleDeviceSharding(device)]))
+        return draw(st.sampled_from([device, make_single_device_sharding(device)]))
     rules = [
         ft.partial(_replicate_scalars, mesh),
         ft.partial(_split_largest, mesh, kind),
@@ -249,7 +249,7 @@ def expected_shardings(value, spec) -> list:
         if callable(spec_leaf) and not isinstance(spec_leaf, (Sharding, jax.Device)):
             spec_leaf = spec_leaf(leaf)
         if isinstance(spec_leaf, jax.Device):
-            spec_leaf = SingleDeviceSharding(spec_leaf)
+            spec_leaf = make_single_device_sharding(spec_leaf)
         elif isinstance(spec_leaf, P):
             spec_leaf = NamedSharding(jax.sharding.get_mesh(), spec_leaf)
         out.append(spec_leaf)

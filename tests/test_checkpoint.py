@@ -22,7 +22,7 @@ import jax.tree_util as jtu
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import make_single_device_sharding, NamedSharding, PartitionSpec as P
 
 from . import checkpoint_worker as worker
 from .helpers import (
@@ -189,7 +189,7 @@ def test_restore_into_another_layout(tmp_path):
     device = jax.devices()[3]
     out = eqxs.restore(tmp_path / "ckpt", like, device)
     n = len(_targets(like))
-    _assert_restored(out, saved, like, [SingleDeviceSharding(device)] * n)
+    _assert_restored(out, saved, like, [make_single_device_sharding(device)] * n)
 
     # A callable spec, and a whole `NamedSharding` on an Explicit mesh: the axis types
     # survive (orbax #2408).

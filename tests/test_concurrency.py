@@ -41,14 +41,14 @@ import threading
 import equinox_shard as eqxs
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec as P, make_single_device_sharding
 
 THREADS, CALLS, STATICS = 8, {calls}, 4
 if {sharded}:
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     sharding = NamedSharding(mesh, P("x"))
 else:
-    sharding = SingleDeviceSharding(jax.devices()[0])
+    sharding = make_single_device_sharding(jax.devices()[0])
 
 traces = collections.Counter()
 traces_lock = threading.Lock()

@@ -58,10 +58,10 @@ import pytest
 from jax.sharding import (
     AbstractMesh,
     AxisType,
+    make_single_device_sharding,
     Mesh,
     NamedSharding,
     PartitionSpec as P,
-    SingleDeviceSharding,
 )
 
 
@@ -149,7 +149,7 @@ def _resolved(spec: str, mesh: str) -> dict[str, Any]:
     if spec == "sharding":
         return {"w": _spec(spec, mesh), "b": _spec(spec, mesh)}
     if spec == "device":
-        device = SingleDeviceSharding(jax.devices()[1])
+        device = make_single_device_sharding(jax.devices()[1])
         return {"w": device, "b": device}
     concrete = _mesh(mesh)
     if concrete is None:

@@ -47,9 +47,9 @@ import numpy as np
 import pytest
 from jax.sharding import (
     AxisType,
+    make_single_device_sharding,
     NamedSharding,
     PartitionSpec as P,
-    SingleDeviceSharding,
 )
 
 from .helpers import make_module
@@ -428,7 +428,7 @@ def _compare(ours, outside, exact: bool, default: Any) -> list[str]:
             ndim = len(x.shape)
             s, t = x.sharding, y.sharding
             if default is not None and not y.committed:
-                t = SingleDeviceSharding(default)  # where `jnp.asarray` puts it
+                t = make_single_device_sharding(default)  # where `jnp.asarray` puts it
             if (
                 not s.is_equivalent_to(t, ndim)
                 or _axis_types(s) != _axis_types(t)

@@ -326,9 +326,9 @@ def test_donating_a_key_array_to_another_device_does_not_crash():
     run = run_isolated(
         """
 import equinox_shard as eqxs
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import make_single_device_sharding
 results = []
-for target in (jax.devices()[2], SingleDeviceSharding(jax.devices()[2])):
+for target in (jax.devices()[2], make_single_device_sharding(jax.devices()[2])):
     keys = jax.device_put(jax.random.split(jax.random.key(0), 8), jax.devices()[1])
     expected = jax.random.key_data(keys).tolist()
     moved = eqxs.filter_device_put({"k": keys}, target, donate=True)
@@ -349,9 +349,9 @@ def _donation_targets(where):
     mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
     return {
         "device": device,
-        "single-device sharding": jax.sharding.SingleDeviceSharding(device),
+        "single-device sharding": jax.sharding.make_single_device_sharding(device),
         "1-device mesh": NamedSharding(jax.sharding.Mesh([device], ("a",)), P()),
-        "other device": jax.sharding.SingleDeviceSharding(jax.devices()[1]),
+        "other device": jax.sharding.make_single_device_sharding(jax.devices()[1]),
         "replicated": NamedSharding(mesh, P()),
         "rows": NamedSharding(mesh, P("x")),
     }[where]
@@ -377,7 +377,7 @@ def test_donated_input_that_moves_is_freed_as_jax_jit_frees_it(where, committed)
     jax_sharding = (
         sharding
         if isinstance(sharding, jax.sharding.Sharding)
-        else jax.sharding.SingleDeviceSharding(sharding)
+        else jax.sharding.make_single_device_sharding(sharding)
     )
 
     def make():

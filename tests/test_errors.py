@@ -26,7 +26,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import make_single_device_sharding, NamedSharding, PartitionSpec as P
 
 from .helpers import (
     assert_alive,
@@ -406,7 +406,7 @@ def test_two_meshes_eagerly_is_fine(apply):
     spec = {
         "a": NamedSharding(first, P("x")),
         "b": NamedSharding(second, P("x")),
-        "c": SingleDeviceSharding(jax.devices()[7]),
+        "c": make_single_device_sharding(jax.devices()[7]),
     }
     expected = snapshot(x)
     out = apply(x, spec)
@@ -558,7 +558,7 @@ def test_device_put_donating_one_buffer_twice(target, donate):
     device = jax.devices()[3]
     target = {
         "replicated": r,
-        "single device": SingleDeviceSharding(device),
+        "single device": make_single_device_sharding(device),
         "device": device,
     }[target]
     a = jax.device_put(jnp.arange(8.0), s)

@@ -264,7 +264,7 @@ def test_memory_kind(explain):
     device = jax.devices()[0]
     inc(jax.device_put(jnp.ones(4), device))
     explain.clear()
-    host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    host = jax.sharding.make_single_device_sharding(device, memory_kind="pinned_host")
     inc(jax.device_put(jnp.ones(4), host))
     assert "at x, now f32<host>[4] and before f32[4]" in _jax_report(explain)
     assert not _ours(explain)  # explained once

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import make_single_device_sharding, NamedSharding, PartitionSpec as P
 
 from .helpers import auto_mesh, explicit_mesh
 
@@ -191,6 +191,6 @@ def test_empty():
 )
 def test_byte_units(nbytes, text):
     x = jax.ShapeDtypeStruct(
-        (nbytes,), jnp.int8, sharding=SingleDeviceSharding(jax.devices()[0])
+        (nbytes,), jnp.int8, sharding=make_single_device_sharding(jax.devices()[0])
     )
     assert _rows(eqxs.sharding_table(x))[0][-1] == text

@@ -25,9 +25,14 @@ import numpy as np
 import pytest
 from jax._src.sharding import IndivisibleError
 from jax.experimental.layout import Format, Layout
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .helpers import auto_mesh, compiled_names, explicit_mesh
+from .helpers import (
+    auto_mesh,
+    compiled_names,
+    explicit_mesh,
+    is_single_device_sharding,
+)
 from .isolated import child_env, HANG_SECONDS
 
 
@@ -162,7 +167,7 @@ def test_eager_wsc_noop_under_disable_jit():
         # Not even validated.
         assert jax.lax.with_sharding_constraint(indivisible, s) is indivisible
     assert not x.committed
-    assert isinstance(x.sharding, SingleDeviceSharding)
+    assert is_single_device_sharding(x.sharding)
 
 
 @rfc("§1")
@@ -250,7 +255,7 @@ def test_placed_arrays_are_committed_and_arrive_sharded():
     assert f(placed).sharding == s
     assert f.lower(placed).compile().input_shardings[0][0] == s
     out = f(_uncommitted())
-    assert not out.committed and isinstance(out.sharding, SingleDeviceSharding)
+    assert not out.committed and is_single_device_sharding(out.sharding)
 
 
 @rfc("§1")
@@ -606,7 +611,7 @@ def test_lower_without_sharding_compiles_for_one_device():
     compiler does not choose a multi-device input sharding."""
     compiled = jax.jit(lambda a: a * 2).lower(jax.ShapeDtypeStruct((8,), jnp.float32))
     (sharding,), _ = compiled.compile().input_shardings
-    assert isinstance(sharding, SingleDeviceSharding)
+    assert is_single_device_sharding(sharding)
 
 
 #
@@ -703,11 +708,11 @@ _DONATE_TO_SINGLE_DEVICE_SHARDING = textwrap.dedent(
     import jax
     jax.config.update("jax_num_cpu_devices", 8)
     import jax.numpy as jnp
-    from jax.sharding import SingleDeviceSharding
+    from jax.sharding import make_single_device_sharding
     x = jax.device_put(jnp.arange(64.0), jax.devices()[1])
     target = jax.devices()[2]
     if sys.argv[1] == "sharding":
-        target = SingleDeviceSharding(target)
+        target = make_single_device_sharding(target)
     y = jax.device_put(x, target, donate=True)
     print(float(jnp.sum(y)), x.is_deleted(), flush=True)
     """

@@ -134,7 +134,7 @@ def test_committed_elsewhere_moved_before_tracing():
     assert traces == [1]
     assert out.sharding.is_equivalent_to(s, 1)
     assert np.array_equal(np.asarray(out), np.arange(8.0) * 2)
-    assert w.sharding == jax.sharding.SingleDeviceSharding(jax.devices()[1])
+    assert w.sharding == jax.sharding.make_single_device_sharding(jax.devices()[1])
 
 
 def _rss_mib() -> float:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax.experimental.layout import Format, Layout
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import make_single_device_sharding, NamedSharding, PartitionSpec as P
 
 from .helpers import assert_alive, assert_same_values, auto_mesh, snapshot
 
@@ -38,7 +38,9 @@ def toy_kinds(monkeypatch):
         kinds_module.Kind(
             OnDevice,
             "`OnDevice`",
-            resolve=lambda x, mesh, where: SingleDeviceSharding(jax.devices()[x.index]),
+            resolve=lambda x, mesh, where: make_single_device_sharding(
+                jax.devices()[x.index]
+            ),
         ),
         kinds_module.Kind(
             Layout,
@@ -84,7 +86,7 @@ def test_a_new_kind_is_its_row(toy_kinds):
     # `filter_jit`'s `in_shardings` resolve it as every other function does.
     f = eqxs.filter_jit(lambda a: a * 2, in_shardings=OnDevice(3))
     out = f(x)
-    assert out.sharding == SingleDeviceSharding(device)
+    assert out.sharding == make_single_device_sharding(device)
     assert_same_values(out, expected["a"] * 2)
     # The rows' refusals, with their hints, naming the leaf.
     with pytest.raises(TypeError, match=r"x\['b'\]: inside a trace.*the toy hint"):

@@ -278,7 +278,7 @@ class NothingLost(RuleBasedStateMachine):
                 NamedSharding(self.mesh, p)
                 for p in fitting_pspecs(self.mesh, self.kind, [shape])
             ]
-            + [jax.sharding.SingleDeviceSharding(d) for d in jax.devices()[::3]]
+            + [jax.sharding.make_single_device_sharding(d) for d in jax.devices()[::3]]
         )
         model = data.draw(st.sampled_from(["none", "mlp", "linear"]), label=label)
         tree = data.draw(trees_st(arrays_st(placements=placements)), label=label)

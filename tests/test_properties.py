@@ -25,9 +25,9 @@ import pytest
 from hypothesis import event, given
 from jax.sharding import (
     AxisType,
+    make_single_device_sharding,
     NamedSharding,
     PartitionSpec as P,
-    SingleDeviceSharding,
 )
 
 from .helpers import assert_alive, assert_same_values, snapshot
@@ -61,7 +61,7 @@ def _examples(draw, *, traced):
         named = [NamedSharding(mesh, p) for p in fitting_pspecs(mesh, kind, [shape])]
         if traced:
             return named
-        return named + [SingleDeviceSharding(d) for d in jax.devices()[::3]]
+        return named + [make_single_device_sharding(d) for d in jax.devices()[::3]]
 
     value = draw(trees_st(arrays_st(placements=placements)))
     bare = draw(st.booleans())

@@ -12,7 +12,7 @@ import jax.random as jr
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import make_single_device_sharding, NamedSharding, PartitionSpec as P
 
 from .helpers import (
     assert_alive,
@@ -107,7 +107,7 @@ def test_already_placed_is_the_same_object(function, device_puts):
         "same": NamedSharding(mesh, P("data")),
         "equivalent": NamedSharding(mesh, P(None, None)),
         "device": device,
-        "single": SingleDeviceSharding(device),
+        "single": make_single_device_sharding(device),
         "key": NamedSharding(mesh, P(("data", "model"))),
     }
     out = function(x, spec)
@@ -141,7 +141,7 @@ def test_uncommitted_is_committed(device_puts):
     assert not x.committed
     out = eqxs.filter_device_put(x, device)
     assert out.committed
-    assert_shardings(out, SingleDeviceSharding(device))
+    assert_shardings(out, make_single_device_sharding(device))
     assert len(device_puts) == 1
     assert_same_values(out, x)
 
@@ -225,7 +225,7 @@ def test_filter_device_put_does_not_compile():
     assert out["placed"] is placed
     for name, sharding in spec.items():
         if isinstance(sharding, jax.Device):
-            sharding = SingleDeviceSharding(sharding)
+            sharding = make_single_device_sharding(sharding)
         assert_shardings(out[name], sharding)
     assert_same_values(out, expected)
     # The counter does see a compilation: an eager `with_sharding_constraint`.

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import make_single_device_sharding, NamedSharding, PartitionSpec as P
 
 from .helpers import (
     assert_alive,
@@ -89,7 +89,7 @@ def test_device_leaf(place):
     x = _tree()
     expected = snapshot(x)
     out = place(x, device)
-    assert_shardings(out, SingleDeviceSharding(device))
+    assert_shardings(out, make_single_device_sharding(device))
     for leaf in jax.tree.leaves(eqx.filter(out, eqx.is_array)):
         assert leaf.devices() == {device}
     assert_same_values(out, expected)
@@ -103,7 +103,7 @@ def test_device_leaf_per_subtree():
     assert out["a"][0].devices() == {devices[1]}
     assert out["a"][1].devices() == {devices[1]}
     assert out["b"][0].devices() == {devices[5]}
-    assert_shardings(out["a"], SingleDeviceSharding(devices[1]))
+    assert_shardings(out["a"], make_single_device_sharding(devices[1]))
     assert_same_values(out, expected)
 
 
@@ -234,7 +234,7 @@ def test_callable_rule_returning_each_spec_kind(place):
     with jax.set_mesh(mesh):
         out = place(x, rules)
     assert_array_shardings(
-        out, [sharding, SingleDeviceSharding(device), sharding, None]
+        out, [sharding, make_single_device_sharding(device), sharding, None]
     )
     assert out[3] is untouched
     assert_same_values(out, expected)

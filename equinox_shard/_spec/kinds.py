@@ -15,7 +15,7 @@ from typing import Any, Literal, NamedTuple
 
 import jax
 from jax.experimental.layout import Format, Layout
-from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from .._arrays import is_key_array
 
@@ -133,7 +133,7 @@ KINDS: tuple[Kind, ...] = (
     Kind(
         jax.Device,
         "`jax.Device`",
-        resolve=lambda x, mesh, where: SingleDeviceSharding(x),
+        resolve=lambda x, mesh, where: jax.sharding.make_single_device_sharding(x),
     ),
     Kind(
         PartitionSpec,
