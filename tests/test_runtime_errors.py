@@ -110,15 +110,15 @@ report({"fired": fired, "later": ok.tolist(), "n": len(ok.sharding.device_set)})
     assert res["n"] == 8
 
 
-def test_fires_with_one_buffer_donated_twice():
-    # The buffer is kept rather than donated (a separate compiled entry): that entry
+def test_fires_with_one_buffer_donated_and_kept():
+    # The donated occurrence is a private copy (a separate compiled entry): that entry
     # guards its callbacks too.
     code = (
         _SETUP
         + _mesh_code("Auto")
         + """
 f = eqxs.filter_jit(lambda a, b: eqx.error_if(a + b, a > 0, "positive!"),
-                    donate="all")
+                    donate="all-except-first")
 x = eqxs.filter_device_put(jnp.ones((8,)), NamedSharding(mesh, P("d")))
 fired = fire(lambda: f(x, x))
 y = -x

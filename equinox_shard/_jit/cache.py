@@ -109,25 +109,32 @@ class Cache:
         self.in_shardings = in_shardings
         self.in_leaves: list = []
         if in_shardings is not unset:
-            self.in_leaves, treedef = flatten_specs(in_shardings, "in_shardings")
+            # As `jax.jit(in_shardings=)`, a list is a tuple.
+            per_parameter = type(in_shardings) in (tuple, list)
+            self.in_leaves, treedef = flatten_specs(
+                in_shardings,
+                "in_shardings",
+                self._spec_where if per_parameter else None,
+            )
             if treedef.num_nodes == 1 and treedef.num_leaves == 1:
                 self.in_kind = "broadcast"
-            elif type(in_shardings) in (tuple, list):
+            elif per_parameter:
                 self.in_kind = "positional"
                 if not var and len(in_shardings) != len(positional):
                     raise ValueError(
                         "`in_shardings` must be a single specification (applied to "
-                        "every argument) or a tuple with one entry per positional "
-                        f"parameter of `{fn_names(fun)[1]}`, which has "
+                        "every argument) or a tuple or list with one entry per "
+                        f"positional parameter of `{fn_names(fun)[1]}`, which has "
                         f"{len(positional)} ({', '.join(self.names) or 'none'}); got "
-                        f"{len(in_shardings)} entries."
+                        f"{_count(len(in_shardings), 'entry', 'entries')}."
                     )
             else:
                 raise TypeError(
                     "`in_shardings` must be a single specification (applied to every "
-                    "argument) or a tuple with one entry per positional parameter; "
-                    f"got a {type(in_shardings).__name__}. To give one argument a "
-                    "PyTree of shardings, wrap it in a tuple: `in_shardings=(spec,)`."
+                    "argument) or a tuple or list with one entry per positional "
+                    f"parameter; got a {type(in_shardings).__name__}. To give one "
+                    "argument a PyTree of shardings, wrap it in a tuple: "
+                    "`in_shardings=(spec,)`."
                 )
         self.out_shardings = out_shardings
         out_leaves = []
@@ -147,6 +154,12 @@ class Cache:
         self.seen: list = []
         self.lock = threading.Lock()
         _live_caches.add(self)
+
+    def _spec_where(self, path: tuple) -> str:
+        """A leaf of `in_shardings` (one entry per parameter), named as the leaves of
+        the parameter that it applies to are."""
+        spec = "in_shardings" + jtu.keystr(path)
+        return f"{_positional(self, path[0].idx)}{jtu.keystr(path[1:])} (`{spec}`)"
 
     def clear(self):
         with self.lock:
@@ -202,6 +215,10 @@ def get_cache(fun, static_fun, donate, in_shardings, out_shardings) -> Cache:
     return cache
 
 
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
 def _unique(name: str, taken: set) -> str:
     while name in taken:
         name = name + "_"
@@ -248,7 +265,9 @@ class ArgStructure:
         # One `Packing` per traced leaves, as the entries: any packs for any entry.
         packing = cache.packings.get((treedef, mask))
         if packing is None:
-            packing = Packing(args, kwargs, mask)
+            packing = Packing(
+                args, kwargs, mask, len(cache.names), cache.donation.donates_any
+            )
             cache.packings[(treedef, mask)] = packing
         self.packing = packing
         self.donated = cache.donation.leaves(args, self.traced_indices)
@@ -291,10 +310,9 @@ def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, is_traced) 
     else:
         specs, named = cache.in_shardings, []
         if cache.var_name is not None and len(specs) != len(args):
-            raise ValueError(
-                f"`in_shardings` has {len(specs)} entries but the call has "
-                f"{len(args)} positional arguments."
-            )
+            entries = _count(len(specs), "entry", "entries")
+            given = _count(len(args), "positional argument", "positional arguments")
+            raise ValueError(f"`in_shardings` has {entries} but the call has {given}.")
     where = ft.partial(arg_path, cache, args, kwargs)
     groups = [
         (f"in_shardings[{p}]", spec, arg, _positional(cache, p))

@@ -43,7 +43,7 @@ class Donation:
     """What one `filter_jit(donate=mode)` decoration donates; asked when an entry is
     built, never on a call."""
 
-    __slots__ = ("_donates", "_quiet")
+    __slots__ = ("_donates", "_quiet", "donates_any")
 
     def __init__(self, mode: Any):
         try:
@@ -54,13 +54,14 @@ class Donation:
                 f"`filter_jit(..., donate=...)` must be one of {', '.join(names)}, "
                 f"or {last}; got {mode!r}."
             ) from None
+        # Whether the mode donates anything: then the order of arguments matters.
+        self.donates_any = any(self._donates(p, 2) for p in (0, 1, None))
 
-    def argnums(self, n_args: int) -> tuple[int, ...]:
-        """`jax.jit`'s `donate_argnums` for the traced function `(fun, kwargs, *args)`
-        of a call with `n_args` positional arguments."""
-        rest = self._donates(None, n_args)
-        donated = (rest, rest, *(self._donates(p, n_args) for p in range(n_args)))
-        return tuple(i for i, d in enumerate(donated) if d)
+    def argnums(self, positions: tuple, n_args: int) -> tuple[int, ...]:
+        """`jax.jit`'s `donate_argnums` for the traced function, whose arguments hold
+        `positions` (`packing.Packing.positions`) of a call with `n_args` positional
+        arguments."""
+        return tuple(i for i, p in enumerate(positions) if self._donates(p, n_args))
 
     def leaves(self, args: tuple, traced_indices: tuple[int, ...]) -> tuple[int, ...]:
         """The donated leaves of the bound `(args, kwargs)`, by index: the traced
@@ -108,11 +109,12 @@ class Donation:
                 may_alias[i] = reuses_every_buffer(leaves[i], sharding)
         return may_alias
 
-    def launch(self, dynamic_fun: Any) -> Callable:
+    def launch(self, dynamic_fun: Any, fun_at: int) -> Callable:
         """The launch of an entry that donates (see `launch.stack`): under
-        `launch.dispatch_lock`, its inputs (and `dynamic_fun`'s arrays) checked again,
-        and JAX's warning of unusable donations ignored where the mode says so."""
-        return _donating(self._quiet, bool(jtu.tree_leaves(dynamic_fun)))
+        `launch.dispatch_lock`, its inputs (and `dynamic_fun`'s arrays, `jax.jit`'s
+        argument `fun_at`) checked again, and JAX's warning of unusable donations
+        ignored where the mode says so."""
+        return _donating(self._quiet, fun_at if jtu.tree_leaves(dynamic_fun) else None)
 
     def tracing(self) -> contextlib.AbstractContextManager:
         """The context to trace or lower in: JAX's warning of unusable donations is
@@ -134,15 +136,25 @@ def keep_undonated(
     dynamic_fun: Any,
     where: Callable[[int], str],
 ) -> list:
-    """`leaves` with every `donated` array reachable twice in the call replaced by a
-    private copy: donating one occurrence would free the others (XLA crashes)."""
+    """`leaves` with every `donated` array also passed where it is not donated replaced
+    by a private copy: donating it would free the other (XLA crashes). An array donated
+    twice is refused, as `jax.jit` refuses it (`_raise_if_donated_twice`)."""
     fun_leaves = jtu.tree_leaves(dynamic_fun) if fun_donated else []
     if any(map(is_deleted, fun_leaves)):
         raise_if_fun_deleted(fun_name, dynamic_fun)
     traced_ids = {id(leaves[i]) for i in traced_indices}
     fun_ids = {id(x) for x in fun_leaves}
-    if len(traced_ids) == len(traced_indices) and traced_ids.isdisjoint(fun_ids):
+    if (
+        len(traced_ids) == len(traced_indices)
+        and traced_ids.isdisjoint(fun_ids)
+        and len(fun_ids) == len(fun_leaves)
+    ):
         return leaves  # the common case, checked at C speed
+    if len(fun_ids) < len(fun_leaves):
+        paths = jtu.tree_flatten_with_path(dynamic_fun)[0]
+        fun_where = lambda k: fun_name + jtu.keystr(paths[k][0])
+        buffers = [k for k, x in enumerate(fun_leaves) if _is_buffer(x)]
+        _raise_if_donated_twice(fun_leaves, buffers, fun_where)
     for i in traced_indices:
         if id(leaves[i]) in fun_ids:
             raise ValueError(
@@ -157,13 +169,33 @@ def keep_undonated(
         for i in donated
         if counts[id(leaves[i])] > 1 and isinstance(leaves[i], jax.Array)
     ]
+    tracers = [i for i in copies if is_tracer(leaves[i])]
+    _raise_if_donated_twice(leaves, [i for i in copies if i not in tracers], where)
     if copies:
         leaves = list(leaves)
-        tracers = [i for i in copies if is_tracer(leaves[i])]
         for i in tracers:  # under `grad` or `vmap` the primal values are donated
             leaves[i] = jax.numpy.array(leaves[i], copy=True)
         private_copies(leaves, [i for i in copies if i not in tracers])
     return leaves
+
+
+def _is_buffer(x: Any) -> bool:
+    # NumPy arrays are copied by every call, tracers are no buffers of the caller's.
+    return isinstance(x, jax.Array) and not is_tracer(x)
+
+
+def _raise_if_donated_twice(leaves: list, indices, where: Callable[[int], str]) -> None:
+    """Raises, naming both, if two of `indices` hold the same array."""
+    first: dict[int, int] = {}
+    for i in indices:
+        j = first.setdefault(id(leaves[i]), i)
+        if j != i:
+            raise ValueError(
+                f"{where(j)} and {where(i)} are the same array, and both are donated; "
+                "an array can be donated once per call (`jax.jit` refuses it too). "
+                "Pass it once (tie weights with `eqx.nn.Shared`), or where it is not "
+                "donated."
+            )
 
 
 #
@@ -171,14 +203,15 @@ def keep_undonated(
 #
 
 
-def _donating(quiet: bool, fun_arrays: bool) -> Callable:
-    """`Donation.launch`; `fun_arrays`: whether the function holds arrays."""
+def _donating(quiet: bool, fun_at: int | None) -> Callable:
+    """`Donation.launch`; `fun_at`: the function's argument, if it holds arrays."""
 
     def dispatch(run, dynamic, deleted, leaves, jit_id):
         with dispatch_lock:
             # Again under the lock: another thread may have donated an input since.
             if deleted(leaves) or (
-                fun_arrays and any(map(is_deleted, jtu.tree_leaves(dynamic[0])))
+                fun_at is not None
+                and any(map(is_deleted, jtu.tree_leaves(dynamic[fun_at])))
             ):
                 raise RuntimeError("An input was donated by another thread.")
             if not quiet:

@@ -123,7 +123,7 @@ def build_entry(
     if watch is not None:
         layers.append(watch(entry, placed))
     if entry.donates:
-        first = donation.launch(dynamic_fun)
+        first = donation.launch(dynamic_fun, structure.packing.fun_at)
     else:
         first = launch.serialized if serialized else launch.plain
     entry.dispatch = launch.stack(first, layers)
@@ -184,7 +184,8 @@ def _trace(entry: Entry, typed: bool, dynamic: tuple, n_args: int, donation):
         # Traced for committed types: the guarded program is given placed inputs.
         entry.hands_over = False
         entry.places_values = True
-    return None, callbacks.Guards(jitted, donation.argnums(n_args)), moved
+    argnums = donation.argnums(structure.packing.positions, n_args)
+    return None, callbacks.Guards(jitted, argnums), moved
 
 
 def _auto_casts(structure: ArgStructure, targets) -> list[tuple[int, Any]]:
@@ -218,8 +219,7 @@ class Typed:
     def types(self, dynamic: tuple) -> tuple[tuple, bool]:
         """`dynamic` with uncommitted leaves as their committed types; whether any."""
         packing = self.entry.structure.packing
-        fun, kwargs, *args = dynamic
-        leaves = packing.unpack(kwargs, args)
+        leaves = packing.unpack(dynamic)
         moved = False
         for k, sharding in self.casts:
             x = leaves[k]
@@ -232,7 +232,7 @@ class Typed:
                 leaves[k] = jax.ShapeDtypeStruct(x.shape, dtype, sharding=sharding)
                 moved = True
         args, kwargs = packing.structure.unflatten(leaves)
-        return (fun, kwargs, *args), moved
+        return packing.slots(dynamic[packing.fun_at], args, kwargs), moved
 
     def __call__(self, *dynamic):
         compiled = self.compiled
@@ -364,8 +364,9 @@ def _jit(static_fun, cache: Cache, structure: ArgStructure, args, leaves, target
         shardings: list = [None] * len(leaves)
         for i, sharding in targets:
             shardings[i] = for_jax(sharding)
-        jit_kwargs["in_shardings"] = (None, *structure.packing.pack(shardings))
-    jit_kwargs["donate_argnums"] = cache.donation.argnums(len(args))
+        jit_kwargs["in_shardings"] = structure.packing.pack(shardings)
+    positions = structure.packing.positions
+    jit_kwargs["donate_argnums"] = cache.donation.argnums(positions, len(args))
     out_specs = cache.out_shardings
     if out_specs is not unset:
         out_specs = static_out_shardings(out_specs)

@@ -186,13 +186,13 @@ class Compiled(Module):
         return self._inputs(self.compiled.input_formats)
 
     def _inputs(self, per_input) -> tuple[tuple, dict]:
-        (_, kwargs, *args), _ = per_input
+        slots, _ = per_input
         structure = self._entry.structure
         leaves: list = [None] * structure.treedef.num_leaves
         pairs = zip(structure.static, self._entry.static)
         pairs = (
             *pairs,
-            *zip(structure.traced_indices, structure.packing.unpack(kwargs, args)),
+            *zip(structure.traced_indices, structure.packing.unpack(slots)),
         )
         for i, x in pairs:
             leaves[i] = x
@@ -341,10 +341,10 @@ def filter_jit(
 
     - `fun`: a pure function to JIT compile.
     - `in_shardings`: where the array arguments live: a single specification for every
-        array argument, or a tuple with one PyTree prefix per positional parameter of
-        `fun` (after binding the call to its signature). Spec leaves are those of
-        [`equinox_shard.filter_device_put`][]: a `jax.sharding.Sharding`, a
-        `jax.Device`, a bare `jax.sharding.PartitionSpec`, a
+        array argument, or a tuple (or list, as for `jax.jit`) with one PyTree prefix
+        per positional parameter of `fun` (after binding the call to its signature).
+        Spec leaves are those of [`equinox_shard.filter_device_put`][]: a
+        `jax.sharding.Sharding`, a `jax.Device`, a bare `jax.sharding.PartitionSpec`, a
         `jax.experimental.layout.Format` (whose `Layout.AUTO` leaves the layout to
         the compiler), a callable `leaf -> spec` or an
         [`equinox_shard.PathRules`][]; `None`, and any argument not covered, is
@@ -359,10 +359,11 @@ def filter_jit(
         `jax.jit`'s own `out_shardings`; a `jax.memory.Space` is taken here too, and
         applied inside the function. Non-array outputs are returned untouched.
     - `donate`: as in `equinox.filter_jit`: `'all'`, `'all-except-first'`, `'warn'`,
-        `'warn-except-first'` or `'none'` (the default). An array reachable twice in
-        one call's arguments is not donated, so no kept array is ever deleted; an
-        array of the function being JIT'd (a bound method's Module), whose arrays are
-        donated, passed again as an argument is a `ValueError`.
+        `'warn-except-first'` or `'none'` (the default). An array also passed where
+        it is not donated is kept (a private copy is donated), so no kept array is
+        ever deleted; one array donated twice (tied weights, `f(x, x)`), or an array
+        of the function being JIT'd (a bound method's Module), whose arrays are
+        donated, passed again as an argument, is a `ValueError`.
 
     **Returns:**
 

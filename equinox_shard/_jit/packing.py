@@ -88,11 +88,18 @@ def _is_builtin(treedef: Any) -> bool:
 
 
 class Packing:
-    """How one layout's traced leaves go to `jax.jit`, as `(kwargs, *args)`: each
-    parameter in its own structure (with `None` at static leaves) if JAX flattens that
-    in C++, else as a `Named`. Packing is one unflattening."""
+    """How one layout's traced leaves go to `jax.jit`, as `slots`: each parameter in
+    its own structure (with `None` at static leaves) if JAX flattens that in C++, else
+    as a `Named`. Packing is one unflattening."""
 
-    def __init__(self, args: tuple, kwargs: dict, mask: tuple[bool, ...]):
+    def __init__(
+        self,
+        args: tuple,
+        kwargs: dict,
+        mask: tuple[bool, ...],
+        n_named: int,
+        ordered: bool,
+    ):
         paths = [path for path, _ in jtu.tree_flatten_with_path((args, kwargs))[0]]
         parts = []
         start = 0
@@ -113,27 +120,68 @@ class Packing:
         # `(args, kwargs)` can go to `jax.jit` as they are.
         self.trivial = self.structure == jtu.tree_structure((args, kwargs))
         self.dynamic_leaves = getter(tuple(i for i, m in enumerate(mask) if m))
+        # The positional arguments of named parameters; whether there are variadic ones.
+        n = len(args)
+        self.named = named = min(n, n_named)
+        self.variadic = n > n_named
+        self.fun_at = min(n, 1)
+        # Variadic arguments alone, where the order matters (`ordered`: they are
+        # donated): the first goes apart (`slots`).
+        self.apart = ordered and self.variadic and not named
+        # The argument position each slot holds (`None`: the function, the keyword
+        # arguments), for `donation.Donation.argnums`.
+        if not self.variadic:
+            self.positions = (*range(n)[:1], None, *range(1, n), None)
+        elif named or self.apart:
+            self.positions = (0, None, *range(1, named), max(named, 1), None)
+        else:
+            self.positions = (0, None, None)  # nothing donated
+
+    def slots(self, fun: Any, args: tuple, kwargs: Any) -> tuple:
+        """The arguments of `jax.jit`, in Equinox's order of donation, which decides
+        the donated inputs that XLA reuses (each output takes the first of its shape):
+        the first argument, the function, the other positional arguments (variadic
+        ones as one tuple), the keyword arguments."""
+        if not self.variadic:
+            return (*args[:1], fun, *args[1:], kwargs)
+        named = self.named
+        if named:
+            return (args[0], fun, *args[1:named], args[named:], kwargs)
+        if self.apart:  # each keeps its index
+            return (args[:1], fun, (None, *args[1:]), kwargs)
+        return (args, fun, kwargs)
 
     def pack(self, leaves: list) -> tuple:
-        """`(kwargs, *args)` to give `jax.jit`, from the leaves of `(args, kwargs)`
-        (or a leaf-for-leaf replacement of them, such as their shardings)."""
+        """`slots` to give `jax.jit` (`None` for the function), from the leaves of
+        `(args, kwargs)` (or a leaf-for-leaf replacement of them, such as their
+        shardings)."""
         args, kwargs = self.structure.unflatten(self.dynamic_leaves(leaves))
-        return (kwargs, *args)
+        return self.slots(None, args, kwargs)
 
     def arguments(self, fun: Any, args: tuple, kwargs: dict, leaves: list) -> tuple:
-        """`(fun, kwargs, *args)` to call `jax.jit` with: the call's own `args` and
-        `kwargs` where they go as they are (`trivial`; then `leaves` are theirs), else
-        packed from `leaves`."""
-        if self.trivial:
-            return (fun, kwargs, *args)
-        # As `pack`, inlined: one frame fewer on every cache hit (tools/hot_path.py).
-        args, kwargs = self.structure.unflatten(self.dynamic_leaves(leaves))
-        return (fun, kwargs, *args)
+        """`slots` to call `jax.jit` with: the call's own `args` and `kwargs` where they
+        go as they are (`trivial`; then `leaves` are theirs), else packed from
+        `leaves`."""
+        if not self.trivial:
+            # As `pack`, inlined: one frame fewer per cache hit (tools/hot_path.py).
+            args, kwargs = self.structure.unflatten(self.dynamic_leaves(leaves))
+        if not self.variadic:
+            return (*args[:1], fun, *args[1:], kwargs)
+        return self.slots(fun, args, kwargs)
 
-    def unpack(self, packed_kwargs: Any, packed_args: Sequence[Any]) -> list:
+    def unpack(self, slots: Sequence[Any]) -> list:
         """The traced leaves, in order, from what `pack` made (or `jax.jit` returned
         for it, such as its input shardings)."""
-        return self.structure.flatten_up_to((tuple(packed_args), packed_kwargs))
+        kwargs = slots[-1]
+        if not self.variadic:
+            args = (*slots[: self.fun_at], *slots[self.fun_at + 1 : -1])
+        elif self.named:
+            args = (slots[0], *slots[2:-2], *slots[-2])
+        elif self.apart:
+            args = (*slots[0], *slots[2][1:])
+        else:
+            args = tuple(slots[0])
+        return self.structure.flatten_up_to((args, kwargs))
 
 
 # Module class -> its field names -> a namedtuple class with those fields.

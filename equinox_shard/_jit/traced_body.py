@@ -17,7 +17,7 @@ from .._placement import check_shapes, place
 from .._spec.kinds import is_auto, kind_of
 from .._spec.language import for_jax, leaf_path, resolve, resolve_leaves
 from .._spec.leaves import is_rule, is_spec_leaf, PathRules, unset
-from .cache import ArgStructure, Cache
+from .cache import _unique, ArgStructure, Cache
 from .packing import mirror, mirror_combine, OutStatic
 
 
@@ -39,11 +39,12 @@ def traced_function(
     treedef = structure.treedef
     # A single spec leaf is a prefix of any output, also of its flat arrays.
     structured = out_specs is not unset and not _is_single(out_specs)
+    packing = structure.packing
 
-    def fun_wrapped(dynamic_fun, dynamic_kwargs, *dynamic_args):
-        fun = mirror_combine(dynamic_fun, static_fun)
+    def fun_wrapped(*slots):
+        fun = mirror_combine(slots[packing.fun_at], static_fun)
         flat = list(static_leaves)
-        dynamic = structure.packing.unpack(dynamic_kwargs, dynamic_args)
+        dynamic = packing.unpack(slots)
         for i, x in zip(structure.traced_indices, dynamic):
             flat[i] = x
         if targets and jax.config.jax_disable_jit:
@@ -75,18 +76,16 @@ def traced_function(
         # JAX's messages point at this function's source: the user's, not ours.
         ft.update_wrapper(fun_wrapped, cache.fun_source, assigned=(), updated=())
     # JAX names arguments by this signature in its errors: `model.layers[0].weight`.
-    n_args = len(treedef.children()[0].children()) if treedef.children() else 0
+    names = list(cache.names[: packing.named])
+    if packing.variadic:
+        var = cache.var_name or "args"
+        names.append(var)
+        if packing.apart:  # the rest of `Packing.slots`'s two: another name
+            names.append(_unique(var, {var, cache.fun_name, cache.kwargs_name}))
+    names.insert(packing.fun_at, cache.fun_name)
+    names.append(cache.kwargs_name)
     positional = inspect.Parameter.POSITIONAL_ONLY
-    params = [
-        inspect.Parameter(cache.fun_name, positional),
-        inspect.Parameter(cache.kwargs_name, positional),
-    ] + [inspect.Parameter(name, positional) for name in cache.names[:n_args]]
-    if n_args > len(cache.names):
-        params.append(
-            inspect.Parameter(
-                cache.var_name or "args", inspect.Parameter.VAR_POSITIONAL
-            )
-        )
+    params = [inspect.Parameter(name, positional) for name in names]
     fun_wrapped.__signature__ = inspect.Signature(params)  # pyright: ignore
     return fun_wrapped
 

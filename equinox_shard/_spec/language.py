@@ -37,8 +37,11 @@ from .leaves import (
 )
 
 
-def flatten_specs(specs: Any, name: str) -> tuple[list, PyTreeDef]:  # pyright: ignore[reportInvalidTypeForm]
-    """Flattens a specification to its spec leaves, checking each (`name` in errors)."""
+def flatten_specs(
+    specs: Any, name: str, where: Callable[[tuple], str] | None = None
+) -> tuple[list, PyTreeDef]:  # pyright: ignore[reportInvalidTypeForm]
+    """Flattens a specification to its spec leaves, checking each (`name` and the key
+    path in errors, or `where(path)`)."""
     leaves, treedef = jtu.tree_flatten(specs, is_leaf=is_spec_leaf)
     for leaf in leaves:
         if not is_spec_leaf(leaf):
@@ -46,7 +49,8 @@ def flatten_specs(specs: Any, name: str) -> tuple[list, PyTreeDef]:  # pyright: 
             for path, leaf2 in jtu.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)[
                 0
             ]:
-                check_spec_leaf(leaf2, name + jtu.keystr(path))
+                at = name + jtu.keystr(path) if where is None else where(path)
+                check_spec_leaf(leaf2, at)
     return leaves, treedef
 
 
