@@ -1,10 +1,16 @@
 import ast
 import pathlib
 import re
+import subprocess
+import sys
+import textwrap
 
 import equinox as eqx
 import equinox_shard as eqxs
+import jax
 import jax.numpy as jnp
+
+from .isolated import child_env, HANG_SECONDS
 
 
 _PACKAGE = pathlib.Path(eqxs.__file__).parent
@@ -102,3 +108,34 @@ def test_no_private_name_crosses_a_module_line():
             ):
                 crossings.append(f"{module}: {aliases[node.value.id]}.{node.attr}")
     assert crossings == []
+
+
+def test_runs_without_deprecated_jax_names():
+    """JAX warns of a deprecated name once per process, so only a fresh one shows that
+    the package uses none: JAX 0.12.1's deprecation of `SingleDeviceSharding` failed
+    `import equinox_shard` under `filterwarnings = error`."""
+    code = textwrap.dedent(
+        """
+        import warnings
+        warnings.simplefilter("error", DeprecationWarning)
+        import jax
+        jax.config.update("jax_num_cpu_devices", 2)
+        import jax.numpy as jnp
+        import equinox_shard as eqxs
+        x = eqxs.filter_device_put({"a": jnp.arange(4.0)}, jax.devices()[1])
+        print(x["a"].sharding == jax.sharding.make_single_device_sharding(
+            jax.devices()[1]))
+        print(eqxs.sharding_table(x))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=HANG_SECONDS,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, *table = out.stdout.splitlines()
+    assert first == "True"
+    assert any("['a']" in line and str(jax.devices()[1]) in line for line in table)

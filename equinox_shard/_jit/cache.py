@@ -99,8 +99,10 @@ class Cache:
         self.names = tuple(p.name for p in positional)
         self.var_name = var[0] if var else None
         taken = {p.name for p in params}
-        self.fun_name = _unique("fun", taken)
-        self.kwargs_name = var_keyword[0] if var_keyword else _unique("kwargs", taken)
+        self.fun_name = unique_name("fun", taken)
+        self.kwargs_name = (
+            var_keyword[0] if var_keyword else unique_name("kwargs", taken)
+        )
         # The numbers of positional arguments that bind without `inspect`'s help.
         self.arity = range(
             sum(p.default is p.empty for p in positional),
@@ -219,7 +221,7 @@ def _count(n: int, one: str, many: str) -> str:
     return f"{n} {one if n == 1 else many}"
 
 
-def _unique(name: str, taken: set) -> str:
+def unique_name(name: str, taken: set) -> str:
     while name in taken:
         name = name + "_"
     return name

@@ -17,7 +17,7 @@ from .._placement import check_shapes, place
 from .._spec.kinds import is_auto, kind_of
 from .._spec.language import for_jax, leaf_path, resolve, resolve_leaves
 from .._spec.leaves import is_rule, is_spec_leaf, PathRules, unset
-from .cache import _unique, ArgStructure, Cache
+from .cache import ArgStructure, Cache, unique_name
 from .packing import mirror, mirror_combine, OutStatic
 
 
@@ -81,7 +81,7 @@ def traced_function(
         var = cache.var_name or "args"
         names.append(var)
         if packing.apart:  # the rest of `Packing.slots`'s two: another name
-            names.append(_unique(var, {var, cache.fun_name, cache.kwargs_name}))
+            names.append(unique_name(var, {var, cache.fun_name, cache.kwargs_name}))
     names.insert(packing.fun_at, cache.fun_name)
     names.append(cache.kwargs_name)
     positional = inspect.Parameter.POSITIONAL_ONLY
