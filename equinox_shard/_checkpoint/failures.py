@@ -1,49 +1,42 @@
-"""What happens when a save fails or is interrupted: what it left beside its path is
-finished or removed (`tidy`); its error names the checkpoint, with the system's error
-number (`failed_save`, `save_error`); a `CheckpointManager` names a failed step once
-and wakes what is left of its save (`Pending.failed`); and managers left open are
-closed at exit (`OPEN`), where a failed background save would otherwise hang."""
+"""What happens when a save fails or is interrupted; each call that may fail is wrapped
+here in one line. What a save left beside its path is finished or removed (`tidy`); a
+failed `save` raises naming its path (`named`); a `CheckpointManager`'s failed save
+raises once, naming its step, and wakes what is left of it (`save`, `wait`, given its
+`pending` saves). Each error is an `OSError` with the system's error number where there
+is one."""
 
-import atexit
+import contextlib
 import errno
-import logging
 import os
 import pathlib
 import shutil
-import threading
-import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 
 from .orbax import release
+from .overwrite import found, OLD, SWAP
 
 
-logger = logging.getLogger("equinox_shard")
-# `overwrite=True` writes the new checkpoint beside `path` (`SWAP`), then swaps it in,
-# moving the old one aside (`OLD`).
-SWAP = ".eqxs-overwrite"
-OLD = ".eqxs-old"
-
-
-def sibling(path: pathlib.Path, suffix: str) -> pathlib.Path:
-    return path.with_name(path.name + suffix)
+def unfinished(path: pathlib.Path, *suffixes: str) -> list[pathlib.Path]:
+    """What an interrupted save to `path` left beside it: orbax's temporary
+    directories, and those of `overwrite` (`suffixes`)."""
+    if not path.parent.is_dir():
+        return []
+    names = tuple(path.name + s for s in (".orbax-checkpoint-tmp", *suffixes))
+    return sorted(p for p in path.parent.iterdir() if p.name.startswith(names))
 
 
 def tidy(path: pathlib.Path) -> None:
     """Finishes or removes what an interrupted save to `path` left beside it."""
-    if not path.parent.is_dir():
-        return
-    swap, old = sibling(path, SWAP), sibling(path, OLD)
-    if not path.exists() and swap.is_dir() and old.is_dir():
+    if (swap := found(path)) != path:
         os.rename(swap, path)  # killed between the two renames: `swap` is complete
-    for p in path.parent.iterdir():
-        if p.name.startswith(
-            (path.name + ".orbax-checkpoint-tmp", swap.name, old.name)
-        ):
-            shutil.rmtree(p, ignore_errors=True)
+    for p in unfinished(path, SWAP, OLD):
+        shutil.rmtree(p, ignore_errors=True)
 
 
-def save_error(e: BaseException, message: str) -> Exception:
+def _error(e: BaseException, message: str) -> Exception:
     """An `OSError` with the `errno` of `e` (an `OSError`, or a TensorStore error
     that says one), else a `RuntimeError`, saying `message`."""
     code = e.errno if isinstance(e, OSError) else None
@@ -52,83 +45,70 @@ def save_error(e: BaseException, message: str) -> Exception:
     return OSError(code, message) if code else RuntimeError(message)
 
 
-def failed_save(e: BaseException, path: pathlib.Path) -> Exception:
-    """The error of `save` to `path` failing with `e`, once what it wrote is removed
+@contextlib.contextmanager
+def named(path: pathlib.Path) -> Iterator[None]:
+    """Raises a failure of the save to `path` naming it, once what it wrote is removed
     (a checkpoint that `overwrite` was to replace stays)."""
-    if jax.process_index() == 0:
-        tidy(path)
-    return save_error(e, f"The save to {path} failed: {type(e).__name__}: {e}")
+    try:
+        yield
+    except Exception as e:
+        if jax.process_index() == 0:
+            tidy(path)
+        raise _error(e, f"The save to {path} failed: {type(e).__name__}: {e}") from e
 
 
-class Pending:
-    """A `CheckpointManager`'s saves started and not yet logged: each is logged once
-    its step directory is final, or named once if it fails."""
-
-    def __init__(self, directory: pathlib.Path):
-        self.directory = directory
-        # step -> (bytes, start, orbax's operation).
-        self.steps: dict[int, tuple[int, float, str]] = {}
-        self.lock = threading.Lock()
-        self.reported: set[str] = set()
-
-    def add(self, step: int, size: int, start: float, operation: str) -> None:
-        with self.lock:
-            self.steps[step] = (size, start, operation)
-
-    def finished(self) -> None:
-        """Logs each step started whose directory is final (orbax renames it when
-        complete): called by orbax once a save is finalised, and after a save."""
-        with self.lock:
-            done = [s for s in self.steps if (self.directory / str(s)).is_dir()]
-            for step in sorted(done):
-                size, start, _ = self.steps.pop(step)
-                logger.info(
-                    "saved step %d to %s: %d bytes in %.2f s",
-                    step, self.directory / str(step), size,
-                    time.perf_counter() - start,
-                )  # fmt: skip
-
-    def failed(self, e: BaseException, current: int | None) -> Exception | None:
-        """The error for a save that failed (found by orbax when `current`'s save
-        started, or by a wait): it names the step it belongs to and its directory.
-        Wakes what is left of that save in the background (see `release`). `None`
-        if that failure was raised already (orbax raises it again)."""
-        self.finished()
-        if str(e) in self.reported:
-            return None
-        self.reported.add(str(e))
-        with self.lock:
-            failed = sorted(s for s in self.steps if s != current)
-            if not failed and current is not None:
-                failed = [current]
-            operations = [self.steps.pop(s)[2] for s in failed]
-            self.steps.pop(current, None)  # type: ignore[arg-type]
-        for operation in operations:
-            release(operation)
-        step = failed[0] if failed else current
-        where = f"a step to {self.directory}"
-        if step is not None:
-            where = f"step {step} to {self.directory / str(step)}"
-        also = ""
-        if current is not None and step != current:
-            also = f" (so step {current} was not saved)"
-        message = (
-            f"The save of {where} failed{also}: {type(e).__name__}: {e}. The steps "
-            f"saved before it are complete and restorable."
-        )
-        return save_error(e, message)
+def save(pending: Any, save: Callable[..., bool], step: int, **kwargs) -> bool:
+    """orbax's `save(step, **kwargs)`; raises the failure of an earlier save, named."""
+    try:
+        return save(step, **kwargs)
+    except Exception as e:
+        if (error := _named(pending, e, step)) is not None:
+            raise error from e
+    # orbax raised again (once per thread) a failure named already: save once more.
+    try:
+        return save(step, **kwargs)
+    except Exception as e:
+        raise (_named(pending, e, step) or e) from e
 
 
-def _close_all() -> None:
-    for manager in list(OPEN):
+def wait(pending: Any, *calls: Callable[[], object]) -> None:
+    """Calls each of `calls`, even once one fails; raises the first failure, named,
+    else logs the saves finished."""
+    error = None
+    for call in calls:
         try:
-            manager.close()
-        except Exception:
-            logger.exception("closing the CheckpointManager of %s", manager.directory)
+            call()
+        except Exception as e:
+            error = error or e
+    if error is not None and (named := _named(pending, error, None)) is not None:
+        raise named from error
+    pending.finished()
 
 
-# Managers not closed yet (held: one dropped unclosed still has saves to finish),
-# closed before the interpreter joins orbax's non-daemon threads (`atexit` runs after
-# that join, which a failed save's threads would hang).
-OPEN: set = set()
-getattr(threading, "_register_atexit", atexit.register)(_close_all)
+def _named(pending: Any, e: BaseException, current: int | None) -> Exception | None:
+    """The error for a save that failed (found by orbax when `current`'s save
+    started, or by a wait): it names the step it belongs to and its directory.
+    Wakes what is left of that save in the background (see `release`). `None`
+    if that failure was raised already (orbax raises it again)."""
+    pending.finished()
+    if str(e) in pending.reported:
+        return None
+    pending.reported.add(str(e))
+    with pending.lock:
+        failed = sorted(s for s in pending.steps if s != current)
+        if not failed and current is not None:
+            failed = [current]
+        operations = [pending.steps.pop(s)[2] for s in failed]
+        pending.steps.pop(current, None)
+    for operation in operations:
+        release(operation)
+    where, also = f"a step to {pending.directory}", ""
+    if failed:
+        where = f"step {failed[0]} to {pending.directory / str(failed[0])}"
+    if current is not None and failed[0] != current:
+        also = f" (so step {current} was not saved)"
+    message = (
+        f"The save of {where} failed{also}: {type(e).__name__}: {e}. The steps "
+        f"saved before it are complete and restorable."
+    )
+    return _error(e, message)

@@ -4,10 +4,12 @@ keep; the writing in the background; the removal of what a killed save left); th
 module gives it the format of `save`/`restore`, their `like`/`shardings` language, one
 writer per directory, and errors that name the step."""
 
+import atexit
 import errno
 import os
 import pathlib
 import socket
+import threading
 import time
 from typing import Any
 
@@ -111,6 +113,31 @@ def _drop_lock(directory: pathlib.Path, fd: int) -> None:
     os.close(fd)
 
 
+class Pending:
+    """A manager's saves started and not yet logged: each is logged once its step
+    directory is final, or named once by `failures` if it fails (`reported`)."""
+
+    def __init__(self, directory: pathlib.Path):
+        self.directory = directory
+        # step -> (bytes, start, orbax's operation).
+        self.steps: dict[int, tuple[int, float, str]] = {}
+        self.lock = threading.Lock()
+        self.reported: set[str] = set()
+
+    def finished(self) -> None:
+        """Logs each step started whose directory is final (orbax renames it when
+        complete): called by orbax once a save is finalised, and after a save."""
+        with self.lock:
+            done = [s for s in self.steps if (self.directory / str(s)).is_dir()]
+            for step in sorted(done):
+                size, start, _ = self.steps.pop(step)
+                logger.info(
+                    "saved step %d to %s: %d bytes in %.2f s",
+                    step, self.directory / str(step), size,
+                    time.perf_counter() - start,
+                )  # fmt: skip
+
+
 class CheckpointManager:
     """The checkpoints of a training loop in one directory, one per step, on
     orbax-checkpoint's `CheckpointManager`: save every N steps and/or every T minutes,
@@ -170,7 +197,7 @@ class CheckpointManager:
         _positive("keep_every", keep_every, int)
         self._closed = True  # until it holds its directory
         self.directory = absolute_path(directory)
-        self._pending = failures.Pending(self.directory)
+        self._pending = Pending(self.directory)
         if os.path.lexists(self.directory) and not self.directory.is_dir():
             raise NotADirectoryError(
                 f"{self.directory} is a file, not a directory: a CheckpointManager "
@@ -214,7 +241,7 @@ class CheckpointManager:
                 _drop_lock(self.directory, self._lock)
             raise
         self._closed = False
-        failures.OPEN.add(self)
+        _OPEN.add(self)
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -290,20 +317,13 @@ class CheckpointManager:
         ocp = _orbax()
         record, arrays = manifest.build(state, "state")
         start = time.perf_counter()
-        size = nbytes(arrays)
-        saved = False
+        size, args = nbytes(arrays), composite(ocp, record, arrays)
         with LOCK:
-            for retry in (False, True):
-                try:
-                    saved = self._manager.save(
-                        step, args=composite(ocp, record, arrays), force=True
-                    )
-                    break
-                except Exception as e:
-                    error = self._pending.failed(e, step)
-                    if error is not None or retry:
-                        raise (error or e) from e
-            self._pending.add(step, size, start, operation_id())
+            saved = failures.save(
+                self._pending, self._manager.save, step, args=args, force=True
+            )
+            with self._pending.lock:
+                self._pending.steps[step] = (size, start, operation_id())
         if not self._background:
             self._pending.finished()
         else:
@@ -329,12 +349,7 @@ class CheckpointManager:
         """Returns once every save started is complete (and old ones removed).
         Raises, naming its step, if a save in the background failed."""
         self._check_open("wait_until_finished")
-        try:
-            self._manager.wait_until_finished()
-        except Exception as e:
-            if (error := self._pending.failed(e, None)) is not None:
-                raise error from e
-        self._pending.finished()
+        failures.wait(self._pending, self._manager.wait_until_finished)
 
     def restore(
         self, like: PyTree[Any], step: Any = None, shardings: Any = None
@@ -391,23 +406,13 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
-        failures.OPEN.discard(self)
-        error = None
+        _OPEN.discard(self)
         try:
-            self._manager.wait_until_finished()
-        except Exception as e:
-            error = e
-        try:
-            self._manager.close()
-        except Exception as e:
-            error = error or e
+            manager = self._manager
+            failures.wait(self._pending, manager.wait_until_finished, manager.close)
         finally:
             if self._lock is not None:
                 _drop_lock(self.directory, self._lock)
-        failed = None if error is None else self._pending.failed(error, None)
-        if failed is not None:
-            raise failed from error
-        self._pending.finished()
 
     def __enter__(self) -> "CheckpointManager":
         self._check_open("with")
@@ -421,3 +426,18 @@ class CheckpointManager:
                 raise
             # The exception leaving the `with` block is the one to see.
             logger.exception("closing the CheckpointManager of %s", self.directory)
+
+
+def _close_all() -> None:
+    for manager in list(_OPEN):
+        try:
+            manager.close()
+        except Exception:
+            logger.exception("closing the CheckpointManager of %s", manager.directory)
+
+
+# Managers not closed yet (held: one dropped unclosed still has saves to finish),
+# closed before the interpreter joins orbax's non-daemon threads (`atexit` runs after
+# that join, which a failed save's threads would hang).
+_OPEN: set[CheckpointManager] = set()
+getattr(threading, "_register_atexit", atexit.register)(_close_all)

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import pathlib
-import shutil
 import threading
 import time
 from typing import Any
@@ -21,8 +20,9 @@ from jaxtyping import PyTree
 
 from .._spec.language import check, resolve_leaves
 from . import data_files, manifest, progress
-from .failures import failed_save, OLD, sibling, SWAP, tidy
+from .failures import named, tidy, unfinished
 from .orbax import arrays_handler, composite, orbax as _orbax
+from .overwrite import found, sibling, SWAP, swap_in
 
 
 traceback_util.register_exclusion(__file__)
@@ -38,37 +38,9 @@ def absolute_path(path: str | os.PathLike) -> pathlib.Path:
     return pathlib.Path(os.path.abspath(os.fspath(path)))
 
 
-def _unfinished(path: pathlib.Path) -> list[str]:
-    if not path.parent.is_dir():
-        return []
-    prefix = path.name + ".orbax-checkpoint-tmp"
-    return sorted(p.name for p in path.parent.iterdir() if p.name.startswith(prefix))
-
-
-def _primary() -> bool:
-    return jax.process_index() == 0
-
-
 def _sync(ocp, name: str) -> None:
     if jax.process_count() > 1:
         ocp.multihost.sync_global_processes(name)
-
-
-def _swap_in(new: pathlib.Path, path: pathlib.Path) -> None:
-    """Replaces the checkpoint at `path` by the finished one at `new`. Between the two
-    renames the complete one is at `new`, where `restore` and the next `save` look."""
-    old = sibling(path, OLD)
-    os.rename(path, old)
-    os.rename(new, path)
-    shutil.rmtree(old)
-
-
-def _found(path: pathlib.Path) -> pathlib.Path:
-    """Where the checkpoint of `path` is (see `_swap_in`)."""
-    swap = sibling(path, SWAP)
-    if not path.is_dir() and swap.is_dir() and sibling(path, OLD).is_dir():
-        return swap
-    return path
 
 
 def is_checkpoint(path: pathlib.Path) -> bool:
@@ -182,29 +154,25 @@ def save(
             f"the path it names ({path.resolve()}) to replace that checkpoint, or "
             "remove the link."
         )
-    swap = sibling(path, SWAP)
-    if not overwrite and (path.exists() or (swap.is_dir() and _found(path) == swap)):
+    if not overwrite and (path.exists() or found(path) != path):
         raise FileExistsError(
             f"{path} already exists; pass `overwrite=True` to replace it."
         )
     _refuse_to_replace(path)
     start = time.perf_counter()
     with LOCK:
-        if _primary():
+        if jax.process_index() == 0:
             tidy(path)
         _sync(ocp, "equinox_shard.save.tidy")
-        target = swap if path.exists() else path
+        target = sibling(path, SWAP) if path.exists() else path
         handler = ocp.CompositeCheckpointHandler(
             leaves=ocp.JsonCheckpointHandler(), arrays=arrays_handler(ocp)
         )
-        try:
-            with ocp.Checkpointer(handler) as checkpointer:
-                checkpointer.save(target, composite(ocp, record, arrays))
-        except Exception as e:
-            raise failed_save(e, path) from e
+        with named(path), ocp.Checkpointer(handler) as checkpointer:
+            checkpointer.save(target, composite(ocp, record, arrays))
         if target != path:
-            if _primary():
-                _swap_in(target, path)
+            if jax.process_index() == 0:
+                swap_in(target, path)
             _sync(ocp, "equinox_shard.save.swap")
     logger.info(
         "saved %s: %d arrays, %d bytes in %.2f s",
@@ -214,11 +182,11 @@ def save(
 
 def _read_record(path: pathlib.Path) -> list[dict]:
     if not path.is_dir():
-        unfinished = _unfinished(path)
+        left = [p.name for p in unfinished(path)]
         hint = (
-            f" Found {', '.join(unfinished)} next to it: a save that was interrupted "
+            f" Found {', '.join(left)} next to it: a save that was interrupted "
             "before it finished; that checkpoint is incomplete and cannot be restored."
-            if unfinished
+            if left
             else ""
         )
         raise FileNotFoundError(f"No checkpoint at {path}.{hint}")
@@ -332,7 +300,7 @@ def restore(
     """
     start = time.perf_counter()
     path = absolute_path(path)
-    out, read = restore_from(_found(path), like, shardings)
+    out, read = restore_from(found(path), like, shardings)
     logger.info(
         "restored %s: %d arrays, %d bytes in %.2f s",
         path, len(read), nbytes(read), time.perf_counter() - start,
