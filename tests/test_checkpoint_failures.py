@@ -456,3 +456,21 @@ def test_deleted_array_raises_as_filter_jit_does(tmp_path):
         with pytest.raises(RuntimeError, match=r"state\['x'\]: this array has been"):
             manager.save(1, {"x": donated})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def test_full_disk_without_background_raises_naming_the_step(tmp_path, monkeypatch):
+    small = {"x": jnp.arange(16.0)}
+    directory = tmp_path / "run"
+    with eqxs.CheckpointManager(directory, background=False) as manager:
+        assert manager.save(1, small)
+        _full_disk_patch(monkeypatch)
+        with pytest.raises(OSError) as info:
+            manager.save(2, small)
+        assert info.value.errno == errno.ENOSPC
+        assert str(info.value).startswith(
+            f"[Errno {errno.ENOSPC}] The save of step 2 to {directory / '2'} failed: "
+        ), str(info.value)
+    monkeypatch.undo()
+    with eqxs.CheckpointManager(directory) as manager:
+        assert manager.all_steps() == [1]
+        assert_same_values(manager.restore(small), snapshot(small))

@@ -98,7 +98,8 @@ def _named(pending: Any, e: BaseException, current: int | None) -> Exception | N
         failed = sorted(s for s in pending.steps if s != current)
         if not failed and current is not None:
             failed = [current]
-        operations = [pending.steps.pop(s)[2] for s in failed]
+        # `current` is not pending yet where its own save raised (no background).
+        operations = [pending.steps.pop(s)[2] for s in failed if s in pending.steps]
         pending.steps.pop(current, None)
     for operation in operations:
         release(operation)
