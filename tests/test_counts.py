@@ -27,12 +27,12 @@ from tools import hot_path
 # case: (Python calls, bytecodes, passes over the leaves through JAX's tree functions,
 # Python calls into `_jit/packing.py`).
 _WORK = {
-    "plain": (17, 964, 2, 2),
-    "donating": (39, 1533, 3, 2),
-    "in_shardings": (28, 1079, 2, 2),
-    "in_shardings uncommitted": (40, 1169, 1, 2),
-    "in_shardings numpy": (42, 1201, 1, 2),
-    "callback": (28, 1122, 4, 2),
+    "plain": (16, 991, 2, 2),
+    "donating": (38, 1572, 3, 2),
+    "in_shardings": (25, 1049, 2, 2),
+    "in_shardings uncommitted": (38, 1188, 1, 2),
+    "in_shardings numpy": (40, 1220, 1, 2),
+    "callback": (27, 1149, 4, 2),
     "filter_device_put replicated uncommitted": (112, 2604, 2, 0),
     "filter_device_put replicated placed": (41, 932, 2, 0),
     "filter_device_put split uncommitted": (47, 1440, 2, 0),
