@@ -105,6 +105,41 @@ def test_jax_error_names_tracer_in_control_flow():
     assert "params['threshold']" in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize(
+    "make, path",
+    [
+        (lambda w: _Model((_Layer(w),)), "arg.layers[0].weight"),
+        (lambda w: (_Layer(w), 1.0), "arg[0].weight"),
+        (lambda w: [{"a": _Layer(w)}], "arg[0]['a'].weight"),
+    ],
+    ids=["module", "tuple", "list"],
+)
+def test_jax_error_names_a_leaf_of_each_packed_form(make, path):
+    # A parameter goes to `jax.jit` flat, as a namedtuple named by key paths or (paths
+    # not starting with an attribute) a `Named`: JAX's message names it either way.
+    @eqxs.filter_jit
+    def f(arg):
+        if jax.tree.leaves(arg)[0].sum() > 0:
+            return 1
+        return 0
+
+    with pytest.raises(jax.errors.TracerBoolConversionError) as info:
+        f(make(jnp.ones(2)))
+    assert path in str(info.value), str(info.value)
+
+
+def test_module_and_keyword_only_arguments_keep_their_values():
+    # Each parameter is packed from its own leaves; a keyword-only argument's come
+    # after every positional argument's, as `(args, kwargs)` flattens.
+    @eqxs.filter_jit
+    def f(model, x, *, y):
+        return model.layers[0].weight + 10 * x + 100 * y
+
+    model = _Model((_Layer(jnp.ones(2)),))
+    out = f(model, jnp.full(2, 2.0), y=jnp.full(2, 3.0))
+    assert out.tolist() == [321.0, 321.0]
+
+
 def test_jax_error_names_wrong_shape_to_compiled():
     f = eqxs.filter_jit(lambda model, x: model.layers[0].weight + x)
     model = _Model((_Layer(jnp.ones(8)),))

@@ -117,7 +117,7 @@ def build_entry(
         getattr(placed[i], "sharding", None) for i in structure.traced_indices
     ]
     serialized = launch.serialize_dispatch(shardings)
-    layers = [launch.paced] if serialized else []
+    layers = [launch.paced] if serialized and entry.donates else []
     if guards is not None:
         layers.append(ft.partial(callbacks.waiting, guards))
     if watch is not None:
@@ -125,7 +125,7 @@ def build_entry(
     if entry.donates:
         first = donation.launch(dynamic_fun, structure.packing.fun_at)
     else:
-        first = launch.serialized if serialized else launch.plain
+        first = launch.paced_serialized if serialized else launch.plain
     entry.dispatch = launch.stack(first, layers)
     return entry, placed, dynamic, entry.jitted if run is None else run
 
@@ -261,19 +261,25 @@ class Typed:
 #
 
 
-def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple:
+def prepare(
+    dynamic_fun, cache, entry, structure, args, kwargs, leaves, ready=None
+) -> tuple:
     """A call's checks and placements before `jax.jit`: the leaves as placed, the
-    dynamic trees to call, and what to call them with."""
+    dynamic trees to call, and what to call them with. `ready`: `all_placed`'s answer,
+    where the caller asked it after finding nothing deleted."""
     where = ft.partial(arg_path, cache, args, kwargs)
     # XLA crashes on a deleted multi-device input, donated or not.
-    if structure.deleted(leaves):
+    if ready is None and structure.deleted(leaves):
         raise_if_deleted(leaves, structure.traced_indices, where)
     placed = leaves
     if entry.donates:
         placed = entry.keep(leaves, dynamic_fun, where)
-    ready = (
-        all_placed(entry.get_targets(placed), entry.shardings) if entry.targets else 1
-    )
+    if ready is None:
+        ready = (
+            all_placed(entry.get_targets(placed), entry.shardings)
+            if entry.targets
+            else 1
+        )
     if not ready and entry.hands_over:
         ready = jit_takes(entry.get_targets(placed), entry.shardings)
     if not ready:

@@ -14,6 +14,7 @@ import jax.tree_util as jtu
 from equinox import field, is_array, Module, module_update_wrapper, Partial
 
 from .._arrays import is_array_or_struct
+from .._placement import all_placed
 from .._spec.leaves import unset
 from . import explain_misses
 from .cache import (
@@ -65,13 +66,18 @@ def _call(wrapper, args, kwargs, compiled=None):
         structure, entry, leaves, dynamic, run = _build(
             wrapper, cache, args, kwargs, leaves, key
         )
-    elif entry.lean and not structure.deleted(leaves):
-        # Nothing to place or donate: what `prepare` returns, without its frame.
+    elif entry.donates or structure.deleted(leaves):
+        leaves, dynamic, run = prepare(
+            dynamic_fun, cache, entry, structure, args, kwargs, leaves
+        )
+    elif entry.lean or all_placed(entry.get_targets(leaves), entry.shardings):
+        # Nothing to donate, nothing to place: what `prepare` returns, without its
+        # frame.
         dynamic = structure.packing.arguments(dynamic_fun, args, kwargs, leaves)
         run = entry.jitted
     else:
         leaves, dynamic, run = prepare(
-            dynamic_fun, cache, entry, structure, args, kwargs, leaves
+            dynamic_fun, cache, entry, structure, args, kwargs, leaves, ready=False
         )
     if compiled is not None:
         run = compiled.compiled
@@ -88,7 +94,9 @@ def _call(wrapper, args, kwargs, compiled=None):
     except Exception:
         diagnose(cache, args, kwargs, leaves, entry, dynamic_fun)
         raise
-    return _combine(out)
+    # Combine (`_combine`, without its frame).
+    dynamic, static = out
+    return dynamic if static is None else static.combine(dynamic)
 
 
 def _combine(out: tuple) -> Any:

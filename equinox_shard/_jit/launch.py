@@ -25,11 +25,6 @@ def plain(run, dynamic, deleted, leaves, jit_id):
     return run(*dynamic)
 
 
-def serialized(run, dynamic, deleted, leaves, jit_id):
-    with dispatch_lock:
-        return run(*dynamic)
-
-
 # Every PACE-th multi-device CPU launch waits for its outputs: with more queued, JAX
 # 0.10.2's CPU client can deadlock (upstream/jax-reports/cpu-inflight-limit-deadlock).
 PACE = 8
@@ -41,14 +36,28 @@ def paced(inner: Callable, run, dynamic, deleted, leaves, jit_id):
     """The layer of an entry on several CPU devices: every `PACE`-th launch waits."""
     out = inner(run, dynamic, deleted, leaves, jit_id)
     if next(launches) % PACE == 0:
-        # Outside the lock; tracers and arrays donated since have nothing to wait for.
-        arrays = [
-            x
-            for x in jax.tree_util.tree_leaves(out)
-            if isinstance(x, jax.Array) and not is_tracer(x) and not x.is_deleted()
-        ]
-        jax.block_until_ready(arrays)
+        _wait(out)
     return out
+
+
+def paced_serialized(run, dynamic, deleted, leaves, jit_id):
+    """`paced` over a launch under `dispatch_lock`, in one frame: the launch of an
+    entry on several CPU devices that donates nothing."""
+    with dispatch_lock:
+        out = run(*dynamic)
+    if next(launches) % PACE == 0:
+        _wait(out)
+    return out
+
+
+def _wait(out) -> None:
+    # Outside the lock; tracers and arrays donated since have nothing to wait for.
+    arrays = [
+        x
+        for x in jax.tree_util.tree_leaves(out)
+        if isinstance(x, jax.Array) and not is_tracer(x) and not x.is_deleted()
+    ]
+    jax.block_until_ready(arrays)
 
 
 def serialize_dispatch(shardings: list) -> bool:

@@ -1,16 +1,20 @@
 """The forms in which a call's PyTrees cross `jax.jit` cheaply but keep their names.
 
 `jax.jit` flattens its arguments on every call, calling back into Python for every
-Module node. So each parameter whose structure JAX cannot flatten in C++ goes as a
-`Named`: its traced leaves, flat, each with the user's key path, which JAX's errors
-print (`model.layers[0].weight`). An output under `out_shardings` goes as its
-`mirror`, in node types JAX flattens in C++ and with the output's key paths, so that
-the mirrored `out_shardings` is a prefix of it."""
+Module node. So each parameter whose structure JAX cannot flatten in C++ goes as its
+traced leaves, flat, each with the user's key path, which JAX's errors print
+(`model.layers[0].weight`): a namedtuple whose fields are those paths, which JAX
+flattens in C++, or, for paths that do not start with an attribute, a `Named`. An
+output under `out_shardings` goes as its `mirror`, in node types JAX flattens in C++
+and with the output's key paths, so that the mirrored `out_shardings` is a prefix of
+it."""
 
 import collections
+import functools as ft
 import operator
 import weakref
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import Any
 
 import jax._src.traceback_util as traceback_util
@@ -89,8 +93,10 @@ def _is_builtin(treedef: Any) -> bool:
 
 class Packing:
     """How one layout's traced leaves go to `jax.jit`, as `slots`: each parameter in
-    its own structure (with `None` at static leaves) if JAX flattens that in C++, else
-    as a `Named`. Packing is one unflattening."""
+    its own structure (with `None` at static leaves) if JAX flattens that in C++; else,
+    where every key path in it starts with an attribute, as a namedtuple of its traced
+    leaves whose field names are their key paths (`_flat_named`: JAX flattens it in C++
+    and prints `model` + `.layers[0].weight`); else as a `Named`."""
 
     def __init__(
         self,
@@ -102,24 +108,36 @@ class Packing:
     ):
         paths = [path for path, _ in jtu.tree_flatten_with_path((args, kwargs))[0]]
         parts = []
+        plan = []
         start = 0
         for value, skip in [(a, 2) for a in args] + [(kwargs, 1)]:
             treedef = jtu.tree_structure(value)
             indices = range(start, start + treedef.num_leaves)
             start += treedef.num_leaves
+            traced = tuple(i for i in indices if mask[i])
             if _is_builtin(treedef):
                 tree = treedef.unflatten([0 if mask[i] else None for i in indices])
+                make = jtu.tree_structure(tree).unflatten
             else:
                 # Key paths after `args[p]` / `kwargs`.
-                keys = [KeyPath(jtu.keystr(paths[i][skip:])) for i in indices]
-                keys = tuple(k for i, k in zip(indices, keys) if mask[i])
-                tree = Named((0,) * len(keys), Names(keys))
+                keys = [jtu.keystr(paths[i][skip:]) for i in traced]
+                if all(k.startswith(".") for k in keys):
+                    cls = _flat_named(type(value).__name__, [k[1:] for k in keys])
+                    tree = tuple.__new__(cls, (0,) * len(keys))
+                    make = ft.partial(tuple.__new__, cls)
+                else:
+                    names = Names(tuple(map(KeyPath, keys)))
+                    tree = Named((0,) * len(keys), names)
+                    make = ft.partial(_named, names)
             parts.append(tree)
+            plan.append((make, getter(traced)))
         packed = (tuple(parts[:-1]), parts[-1])
         self.structure = jtu.tree_structure(packed)
         # `(args, kwargs)` can go to `jax.jit` as they are.
         self.trivial = self.structure == jtu.tree_structure((args, kwargs))
-        self.dynamic_leaves = getter(tuple(i for i, m in enumerate(mask) if m))
+        # Per part of `(*args, kwargs)`: its traced leaves, gathered at C speed, and
+        # what makes the part from them (without a Python frame but for a `Named`).
+        self.makes, self.gets = (tuple(x) for x in zip(*plan))
         # The positional arguments of named parameters; whether there are variadic ones.
         n = len(args)
         self.named = named = min(n, n_named)
@@ -155,16 +173,19 @@ class Packing:
         """`slots` to give `jax.jit` (`None` for the function), from the leaves of
         `(args, kwargs)` (or a leaf-for-leaf replacement of them, such as their
         shardings)."""
-        args, kwargs = self.structure.unflatten(self.dynamic_leaves(leaves))
-        return self.slots(None, args, kwargs)
+        traced = map(_apply, self.gets, repeat(leaves))
+        parts = tuple(map(_apply, self.makes, traced))
+        return self.slots(None, parts[:-1], parts[-1])
 
     def arguments(self, fun: Any, args: tuple, kwargs: dict, leaves: list) -> tuple:
         """`slots` to call `jax.jit` with: the call's own `args` and `kwargs` where they
         go as they are (`trivial`; then `leaves` are theirs), else packed from
         `leaves`."""
         if not self.trivial:
-            # As `pack`, inlined: one frame fewer per cache hit (tools/hot_path.py).
-            args, kwargs = self.structure.unflatten(self.dynamic_leaves(leaves))
+            # As `pack`, at C speed: no frame (a comprehension is one on Python 3.11).
+            traced = map(_apply, self.gets, repeat(leaves))
+            parts = tuple(map(_apply, self.makes, traced))
+            args, kwargs = parts[:-1], parts[-1]
         if not self.variadic:
             return (*args[:1], fun, *args[1:], kwargs)
         return self.slots(fun, args, kwargs)
@@ -182,6 +203,22 @@ class Packing:
         else:
             args = tuple(slots[0])
         return self.structure.flatten_up_to((args, kwargs))
+
+
+# `f(x)` for `map(_apply, fs, xs)`, at C speed (typed `Any`: the stubs of `map` over
+# two iterables do not match `operator.call`'s).
+_apply: Any = operator.call
+
+
+def _named(names: Names, leaves) -> Named:
+    return Named(tuple(leaves), names)
+
+
+def _flat_named(name: str, fields: list[str]) -> type:
+    """A namedtuple class called `name` whose fields are `fields`, any strings: JAX
+    names a namedtuple's children by `_fields` (`GetAttrKey`, printed `.field`)."""
+    base = collections.namedtuple("Mirror", [f"f{k}" for k in range(len(fields))])
+    return type(name, (base,), {"__slots__": (), "_fields": tuple(fields)})
 
 
 # Module class -> its field names -> a namedtuple class with those fields.
