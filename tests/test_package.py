@@ -1,16 +1,13 @@
 import ast
 import pathlib
 import re
-import subprocess
-import sys
-import textwrap
 
 import equinox as eqx
 import equinox_shard as eqxs
 import jax
 import jax.numpy as jnp
 
-from .isolated import child_env, HANG_SECONDS
+from .isolated import run_isolated
 
 
 _PACKAGE = pathlib.Path(eqxs.__file__).parent
@@ -114,28 +111,22 @@ def test_runs_without_deprecated_jax_names():
     """JAX warns of a deprecated name once per process, so only a fresh one shows that
     the package uses none: JAX 0.12.1's deprecation of `SingleDeviceSharding` failed
     `import equinox_shard` under `filterwarnings = error`."""
-    code = textwrap.dedent(
+    out = run_isolated(
         """
         import warnings
         warnings.simplefilter("error", DeprecationWarning)
-        import jax
-        jax.config.update("jax_num_cpu_devices", 2)
         import jax.numpy as jnp
         import equinox_shard as eqxs
-        x = eqxs.filter_device_put({"a": jnp.arange(4.0)}, jax.devices()[1])
-        print(x["a"].sharding == jax.sharding.make_single_device_sharding(
-            jax.devices()[1]))
-        print(eqxs.sharding_table(x))
-        """
+        device = jax.devices()[1]
+        x = eqxs.filter_device_put({"a": jnp.arange(4.0)}, device)
+        single = jax.sharding.make_single_device_sharding(device)
+        report([x["a"].sharding == single, eqxs.sharding_table(x)])
+        """,
+        timeout=60,
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        timeout=HANG_SECONDS,
+    assert out.returncode == 0, out
+    same, table = out.result
+    assert same is True
+    assert any(
+        "['a']" in row and str(jax.devices()[1]) in row for row in table.split("\n")
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    first, *table = out.stdout.splitlines()
-    assert first == "True"
-    assert any("['a']" in line and str(jax.devices()[1]) in line for line in table)
