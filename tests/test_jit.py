@@ -317,6 +317,21 @@ def test_uncommitted_feedback_loop_compiles_once():
     assert_shardings(x, batch)
 
 
+def test_committed_input_without_target_after_uncommitted_calls():
+    # Found by a new user: after calls with an uncommitted `w` (no target: `None`), a
+    # committed `w` of another sharding raised "compiled for input shardings that
+    # disagree"; `jax.jit` compiles for it, as for any new committed sharding.
+    mesh = auto_mesh()
+    replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("x"))
+    ours = eqxs.filter_jit(lambda w, x: w * x, in_shardings=(None, split))
+    reference = jax.jit(lambda w, x: w * x, in_shardings=(None, split))
+    for w in (jnp.ones(8), jax.device_put(jnp.ones(8), replicated), np.ones(8)):
+        x = jnp.arange(8.0)
+        out, expected = ours(w, x), reference(w, x)
+        assert out.sharding == expected.sharding
+        np.testing.assert_array_equal(np.asarray(out), np.arange(8.0))
+
+
 def test_numpy_float64_batch_with_in_shardings_warns_nothing():
     # Found by a new user on JAX 0.12: a float64 NumPy input (x64 off) warned once per
     # leaf ("Explicitly requested dtype float64 ... is not available"), where

@@ -242,9 +242,13 @@ class Typed:
         if compiled is not None:
             try:
                 return compiled(*dynamic)
-            except TypeError as e:  # raised before it runs
+            except (TypeError, ValueError) as e:  # raised before it runs
                 if any(map(is_tracer, jtu.tree_leaves(dynamic))):
                     # The function's own arrays, inside an outer trace.
+                    return self.entry.jitted(*dynamic)
+                if "input shardings that disagree" in str(e):
+                    # An input without target, committed elsewhere: `jax.jit` compiles
+                    # for its sharding, as for any new committed one.
                     return self.entry.jitted(*dynamic)
                 if "Argument types differ" not in str(e):  # other shapes or dtypes
                     raise
