@@ -482,6 +482,23 @@ def test_same_buffer_donated_twice_raises():
     assert tree_allclose(a, jnp.arange(16.0))
 
 
+def test_uncommitted_array_kept_and_donated_beside_a_placed_one():
+    # Found by a new user: the private copy of `u` (kept in `keep`, donated in `give`)
+    # was committed to its device, which `v`'s 8 devices refused; `eqx.filter_jit` and
+    # `jax.jit` run it, leaving `u` uncommitted.
+    split = NamedSharding(auto_mesh(), P("x"))
+    u, v = jnp.arange(8.0), jax.device_put(jnp.ones(8), split)
+
+    @eqxs.filter_jit(donate="all-except-first")
+    def f(keep, give):
+        return keep["v"] * give + keep["u"]
+
+    out = f({"u": u, "v": v}, u)
+    np.testing.assert_array_equal(np.asarray(out), 2 * np.arange(8.0))
+    assert not u.is_deleted() and not v.is_deleted()
+    np.testing.assert_array_equal(np.asarray(u), np.arange(8.0))
+
+
 def test_tied_weights_donated_and_kept():
     mesh = auto_mesh()
     batch = NamedSharding(mesh, P("x"))
