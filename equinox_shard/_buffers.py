@@ -9,28 +9,24 @@ import jax
 import jax._src.traceback_util as traceback_util
 from jax.sharding import Sharding
 
-from ._arrays import is_committed, is_concrete
+from ._arrays import is_concrete
 
 
 traceback_util.register_exclusion(__file__)
 
 
 def private_copies(leaves: list, indices: list[int]) -> None:
-    """Replaces each `leaves[i]`, `i` in `indices`, by a copy with the same sharding,
-    committed as it was, that shares no buffer with it."""
-    committed = [i for i in indices if is_committed(leaves[i])]
-    # Uncommitted stays uncommitted: `jax.jit` may still move it beside other inputs.
-    uncommitted = [i for i in indices if i not in committed]
-    for group, targets in (
-        (committed, [leaves[i].sharding for i in committed]),
-        (uncommitted, None),
-    ):
-        if group:
-            copies = jax.device_put(
-                [leaves[i] for i in group], targets, may_alias=False
-            )
-            for i, x in zip(group, copies):
-                leaves[i] = x
+    """Replaces each `leaves[i]`, `i` in `indices`, by a copy with the same sharding
+    that shares no buffer with it."""
+    if not indices:
+        return
+    copies = jax.device_put(
+        [leaves[i] for i in indices],
+        [leaves[i].sharding for i in indices],
+        may_alias=False,
+    )
+    for i, x in zip(indices, copies):
+        leaves[i] = x
 
 
 def shares_single_device_buffer(sharding: Sharding) -> bool:

@@ -175,7 +175,12 @@ def keep_undonated(
         leaves = list(leaves)
         for i in tracers:  # under `grad` or `vmap` the primal values are donated
             leaves[i] = jax.numpy.array(leaves[i], copy=True)
-        private_copies(leaves, [i for i in copies if i not in tracers])
+        kept = [i for i in copies if i not in tracers]
+        # An uncommitted copy stays uncommitted, as `jax.jit` may move it with the rest.
+        uncommitted = [i for i in kept if not leaves[i].committed]
+        for i in uncommitted:
+            leaves[i] = jax.device_put(leaves[i], may_alias=False)
+        private_copies(leaves, [i for i in kept if i not in uncommitted])
     return leaves
 
 
