@@ -170,12 +170,12 @@ def keep_undonated(
         if counts[id(leaves[i])] > 1 and isinstance(leaves[i], jax.Array)
     ]
     tracers = [i for i in copies if is_tracer(leaves[i])]
-    _raise_if_donated_twice(leaves, [i for i in copies if i not in tracers], where)
+    kept = [i for i in copies if i not in tracers]
+    _raise_if_donated_twice(leaves, kept, where)
     if copies:
         leaves = list(leaves)
         for i in tracers:  # under `grad` or `vmap` the primal values are donated
             leaves[i] = jax.numpy.array(leaves[i], copy=True)
-        kept = [i for i in copies if i not in tracers]
         # An uncommitted copy stays uncommitted, as `jax.jit` may move it with the rest.
         uncommitted = [i for i in kept if not leaves[i].committed]
         for i in uncommitted:

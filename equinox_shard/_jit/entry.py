@@ -243,12 +243,11 @@ class Typed:
             try:
                 return compiled(*dynamic)
             except (TypeError, ValueError) as e:  # raised before it runs
-                if any(map(is_tracer, jtu.tree_leaves(dynamic))):
-                    # The function's own arrays, inside an outer trace.
-                    return self.entry.jitted(*dynamic)
-                if "input shardings that disagree" in str(e):
-                    # An input without target, committed elsewhere: `jax.jit` compiles
-                    # for its sharding, as for any new committed one.
+                # The function's own arrays inside an outer trace, or an input without
+                # target committed elsewhere (`jax.jit` compiles for its sharding).
+                if any(map(is_tracer, jtu.tree_leaves(dynamic))) or (
+                    "input shardings that disagree" in str(e)
+                ):
                     return self.entry.jitted(*dynamic)
                 if "Argument types differ" not in str(e):  # other shapes or dtypes
                     raise
