@@ -351,9 +351,12 @@ def _input_variants(tree, s):
 
 
 def run_inputs(cfg: dict) -> dict:
+    sample_async = (
+        h.sample_async_wall if cfg.get("async_clock") == "wall" else h.sample_async
+    )
     cells = {}
     keep_alive = []
-    for devices in cfg.get("devices", (1, len(jax.devices()))):
+    for devices in cfg.get("devices", sorted({1, len(jax.devices())})):
         s = _input_sharding(devices)
         for source in SOURCES:
             for kind in t.TREES:
@@ -365,7 +368,7 @@ def run_inputs(cfg: dict) -> dict:
                     for name, (fn, args) in variants.items():
                         inner = h.calibrate(fn, args, cfg["sample_s"], cfg["max_inner"])
                         samplers[(name, "async")] = (
-                            lambda fn=fn, args=args, inner=inner: h.sample_async(
+                            lambda fn=fn, args=args, inner=inner: sample_async(
                                 fn, args, inner
                             )
                         )
@@ -439,13 +442,18 @@ def render_inputs(result: dict) -> str:
 if __name__ == "__main__":
     import argparse
 
-    jax.config.update("jax_num_cpu_devices", 8)
-
     parser = argparse.ArgumentParser(description="issue 48's dispatch cells")
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--device", action="store_true", help="on JAX's default backend (wall clock)"
+    )
     options = parser.parse_args()
+    if not options.device:
+        jax.config.update("jax_num_cpu_devices", 8)
     config = {
+        # A TPU host's thread CPU clock read 0 for whole samples.
+        "async_clock": "wall" if options.device else "thread",
         "ns": (1, 10) if options.quick else (1, 10, 100),
         "sample_s": 0.002 if options.quick else 0.02,
         "max_inner": 50 if options.quick else 2000,

@@ -294,7 +294,7 @@ def run_feeds(cfg: dict) -> dict:
     rng = np.random.default_rng(1)
     shape = (cfg["batch"], cfg["length"] + 1)
     rows = []
-    for devices in (jax.device_count(), 1):
+    for devices in sorted({jax.device_count(), 1}, reverse=True):
         calls, states, _ = _setup(cfg, devices)
         for feed in FEEDS:
             times: dict[str, list[float]] = {v: [] for v in FEED_VARIANTS}
@@ -343,3 +343,18 @@ def render_feeds(result: dict) -> str:
         f"<= {TARGET_FEEDS}x)"
     )
     return title + "\n\n" + h.table(headers, rows)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    from .run import FULL, QUICK
+
+    parser = argparse.ArgumentParser(description="issue 48's fed training step")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", action="store_true", help="on JAX's default backend")
+    options = parser.parse_args()
+    if not options.device:
+        jax.config.update("jax_num_cpu_devices", 8)
+    config = QUICK if options.quick else FULL
+    print(render_feeds(run_feeds({**config, **config["step"]})))

@@ -7,6 +7,7 @@
 #     bash tools/tpu/run.sh bench [--quick]  # python -m benchmarks --device
 #     bash tools/tpu/run.sh tests [ARGS]     # README's tests on the chip's backend
 #         (ARGS: pytest's, e.g. a half of the files: tests/test_[a-j]*.py)
+#     bash tools/tpu/run.sh inputs           # issue 48's cells: inputs as users pass them
 #     bash tools/tpu/run.sh setup            # the installs only
 #
 # The installs (tools/tpu/install.py) go to $EQXS_TPU_SITE (default /tmp/eqxs-tpu),
@@ -45,6 +46,13 @@ case "$mode" in
     echo "bench: exit status $status" | tee -a "$OUT/device.md"
     exit $status
     ;;
+  inputs)
+    # Dispatch of uncommitted, NumPy and committed inputs, and the training step fed a
+    # fresh batch, on the chip (benchmarks/dispatch.py, benchmarks/step.py).
+    timeout --signal=INT 280 "$PYTHON" -m benchmarks.dispatch --device "$@" \
+      2>&1 | tee "$OUT/inputs.md"
+    timeout --signal=INT 280 "$PYTHON" -m benchmarks.step --device 2>&1 | tee "$OUT/feeds.md"
+    ;;
   tests)
     # README's test command on the chip's own backend (tests/conftest.py honours
     # JAX_PLATFORMS). SIGINT before the command's limit: pytest then still writes its
@@ -68,7 +76,7 @@ case "$mode" in
     exit $status
     ;;
   *)
-    echo "usage: bash tools/tpu/run.sh setup | bench [--quick] | tests [PYTEST ARGS]" >&2
+    echo "usage: bash tools/tpu/run.sh setup | bench [--quick] | inputs | tests [PYTEST ARGS]" >&2
     exit 2
     ;;
 esac
