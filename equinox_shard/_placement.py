@@ -83,16 +83,20 @@ def all_placed(values, expected: tuple) -> bool:
 
 def jit_takes(values, expected: tuple) -> int:
     """Whether `jax.jit` takes every value as it is for its target in `expected`:
-    `PLACED` (all committed there), `MOVES` (it moves the others itself), or `0`."""
+    `PLACED` (all committed there, or where `is_placed` says they stand for it),
+    `MOVES` (the committed ones there, and it moves the others itself), or `0`."""
     try:
         # Weak-typed inputs are `place`'s: executables of either type run the other.
         if any(map(getattr, values, _WEAK, _FALSE)):
             return 0
         committed = list(map(getattr, values, _COMMITTED, _FALSE))
-        held = map(_sharding, compress(values, committed))
-        if not all(map(operator.eq, held, compress(expected, committed))):
-            return 0
-        return PLACED if all(committed) else MOVES
+        held = list(compress(values, committed))
+        wanted = list(compress(expected, committed))
+        if all(map(operator.eq, map(_sharding, held), wanted)):
+            return PLACED if all(committed) else MOVES
+        # An equivalent sharding (a batch put on the one device of a one-device mesh)
+        # `jax.jit` runs as it is; `MOVES`' executable (`entry.Typed`) would refuse it.
+        return PLACED if all(map(is_placed, held, wanted)) else 0
     except Exception:  # a tracer: `place` leaves it to the enclosing call
         return 0
 

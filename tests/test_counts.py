@@ -1,7 +1,8 @@
 """Counts that do not vary from run to run, as ceilings, so that a slower hot path fails
 a test rather than hiding in a noisy timing (the timings are `python -m benchmarks`'s).
 The cases are `tools/hot_path.py`'s: `filter_jit` plain, donating, with `in_shardings`
-(inputs placed, uncommitted, and a NumPy batch) and with a callback in its body, and
+(inputs placed, uncommitted, and a NumPy batch; on a one-device mesh, donating, its
+batch put on the device) and with a callback in its body, and
 `filter_device_put` of ten arrays by layout (replicated, split) and source
 (uncommitted, placed). Per warm call (`tools/hot_path.py --boundary`: JAX's own Python
 counted at its boundary only):
@@ -32,6 +33,7 @@ _WORK = {
     "in_shardings": (25, 1049, 2, 2),
     "in_shardings uncommitted": (38, 1188, 1, 2),
     "in_shardings numpy": (40, 1220, 1, 2),
+    "one device, batch on it": (77, 1812, 3, 2),
     "callback": (27, 1149, 4, 2),
     "filter_device_put replicated uncommitted": (112, 2604, 2, 0),
     "filter_device_put replicated placed": (41, 932, 2, 0),
@@ -50,6 +52,8 @@ _COPIES = {
     # `jax.jit` moves uncommitted and NumPy inputs itself (issue 48).
     "in_shardings uncommitted": (0, 0),
     "in_shardings numpy": (0, 0),
+    # An equivalent sharding is not moved (`jax.jit` takes it as it is).
+    "one device, batch on it": (0, 0),
     "callback": (0, 0),
     "filter_device_put replicated uncommitted": (2, 20),
     "filter_device_put replicated placed": (0, 0),

@@ -124,6 +124,30 @@ def _cases():
     host = np.ones((16, 4), np.float32)
     yield "in_shardings numpy", sharded, lambda: (placed[0], host.copy())
 
+    # A many-device program run on one device, its batch put on that device (a
+    # `SingleDeviceSharding`, which `jax.jit` takes for the mesh's sharding), donating.
+    one = jax.make_mesh(
+        (1,),
+        ("data",),
+        axis_types=(jax.sharding.AxisType.Auto,),
+        devices=mesh.devices[:1],
+    )
+    step = eqxs.filter_jit(
+        loss,
+        in_shardings=(
+            jax.NamedSharding(one, jax.P()),
+            jax.NamedSharding(one, jax.P("data")),
+        ),
+        donate="all-except-first",
+    )
+    on_one = eqxs.filter_device_put(model, jax.NamedSharding(one, jax.P()))
+    device = jax.devices()[0]
+    yield (
+        "one device, batch on it",
+        step,
+        lambda: (on_one, jax.device_put(host, device)),
+    )
+
     def checked(model, x):
         out, model = loss(model, x)
         return eqx.error_if(out, jnp.isnan(out), "NaN loss"), model
