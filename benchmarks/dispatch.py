@@ -399,7 +399,11 @@ def run_inputs(cfg: dict) -> dict:
                 "jit_over_flat": ratios[("jit+shard", "async")],
             }
         )
-    return {"variants": list(INPUT_VARIANTS), "rows": rows}
+    return {
+        "variants": list(INPUT_VARIANTS),
+        "rows": rows,
+        "clock": cfg.get("async_clock", "thread"),
+    }
 
 
 def render_inputs(result: dict) -> str:
@@ -428,8 +432,9 @@ def render_inputs(result: dict) -> str:
                 _marked(ratio, TARGET_INPUTS),
             ]
         )
+    clock = "wall-clock" if result.get("clock") == "wall" else "calling-thread CPU"
     text = (
-        "### Dispatch of inputs as users pass them: calling-thread CPU µs per call, "
+        f"### Dispatch of inputs as users pass them: {clock} µs per call, "
         "asynchronous dispatch\n\n"
         "All three with `in_shardings` and `out_shardings` replicated on the devices "
         "given; `jax.jit` on the flat leaves moves a one-device uncommitted input at "

@@ -352,7 +352,9 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description="issue 48's fed training step")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--device", action="store_true", help="on JAX's default backend")
+    parser.add_argument(
+        "--device", action="store_true", help="on JAX's default backend"
+    )
     options = parser.parse_args()
     if not options.device:
         jax.config.update("jax_num_cpu_devices", 8)
