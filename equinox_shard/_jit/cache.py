@@ -253,6 +253,12 @@ def fn_source(fun) -> Any:
     return fun if hasattr(fun, "__code__") else None
 
 
+# The `StructureKey` fields that the compiled program does not depend on, given which
+# leaves are traced (the `mask`): a NumPy leaf and a JAX array of its shape share one
+# `jax.jit` (issue 48), and `.lower`'s entries are those of calls (`Lowered.compile`).
+_NOT_IN_PROGRAM = ("leaf_types", "is_traced")
+
+
 class ArgStructure:
     """What depends only on the structure and leaf types of the bound arguments."""
 
@@ -262,8 +268,8 @@ class ArgStructure:
         mask = tuple(map(is_traced, leaves))
         self.treedef = treedef
         self.traced_indices = tuple(i for i, m in enumerate(mask) if m)
-        self.static = tuple(i for i, m in enumerate(mask) if not m)
-        self.static_of = getter(self.static, key=True)
+        self.static_indices = tuple(i for i, m in enumerate(mask) if not m)
+        self.static_of = getter(self.static_indices, key=True)
         # One `Packing` per traced leaves, as the entries: any packs for any entry.
         packing = cache.packings.get((treedef, mask))
         if packing is None:
@@ -289,9 +295,10 @@ class ArgStructure:
         self.deleted = deleted_test(leaves, getter(self.traced_indices))
         # Tracers (inside an outer trace): `jax.jit` is called, not an executable.
         self.in_trace = any(is_tracer(leaves[i]) for i in self.traced_indices)
-        # Shared by structures with the same traced leaves: a `StructureKey` field that
-        # changes the program must join this key.
-        self.entries = cache.entries.setdefault((treedef, mask), {})
+        # Shared by structures that differ only in `_NOT_IN_PROGRAM`'s fields: any other
+        # `StructureKey` field, a new one too, keys the entries.
+        shared = tuple(v for f, v in key._asdict().items() if f not in _NOT_IN_PROGRAM)
+        self.entries = cache.entries.setdefault((*shared, mask), {})
 
     def entry_key(self, leaves: list) -> EntryKey:
         avals = tuple((leaves[i].shape, leaves[i].dtype) for i in self.rules)

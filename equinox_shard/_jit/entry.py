@@ -162,13 +162,14 @@ def _targets(structure: ArgStructure, leaves: list, where) -> list[tuple[int, An
     return targets
 
 
-def _trace(entry: Entry, typed: bool, dynamic: tuple, n_args: int, donation):
-    """Traces the entry's `jax.jit` for the call's inputs. Returns what this call runs
+def _trace(entry: Entry, typable: bool, dynamic: tuple, n_args: int, donation):
+    """Traces the entry's `jax.jit` for the call's inputs (`typable`: whether calls may
+    run a `Typed` executable, i.e. no `Layout.AUTO`). Returns what this call runs
     (`None`: `jitted`), the `callbacks.Guards` or `None`, and whether to place again."""
     structure = entry.structure
     jitted = entry.jitted
     casts = _auto_casts(structure, entry.targets) if entry.hands_over else []
-    if casts and typed:
+    if casts and typable:
         entry.typed = Typed(entry, casts, donation)
     # Traced for the types of committed inputs, which those `typed` runs take.
     at, moved = dynamic, False

@@ -91,7 +91,7 @@ def _describe(cache, structure, leaves: list, entry=None) -> dict:
 
 def _by_leaf(call: dict, field: str) -> dict:
     s, every = call["s"], range(len(call["names"]))
-    indices = {"static": s.static, "avals": s.rules}.get(field, every)
+    indices = {"static": s.static_indices, "avals": s.rules}.get(field, every)
     return dict(zip((call["names"][i] for i in indices), call["key"][field]))
 
 

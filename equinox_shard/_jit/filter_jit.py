@@ -116,7 +116,7 @@ def _build(wrapper, cache: Cache, args, kwargs, leaves, key) -> tuple:
         try:
             entry = structure.entries.get(entry_key)
         except TypeError:
-            raise_if_unhashable(cache, args, kwargs, leaves, structure.static)
+            raise_if_unhashable(cache, args, kwargs, leaves, structure.static_indices)
             raise
         if entry is not None:
             # Made meanwhile, or for other leaf types: keep this structure too.
@@ -197,7 +197,7 @@ class Compiled(Module):
         slots, _ = per_input
         structure = self._entry.structure
         leaves: list = [None] * structure.treedef.num_leaves
-        pairs = zip(structure.static, self._entry.static)
+        pairs = zip(structure.static_indices, self._entry.static)
         pairs = (
             *pairs,
             *zip(structure.traced_indices, structure.packing.unpack(slots)),
@@ -234,8 +234,10 @@ class Lowered(Module):
     ) -> Compiled:
         compiled = self.lowered.compile(compiler_options=compiler_options)
         if isinstance(self._entry.jitted, AutoLayouts):
-            # `jax.jit` refuses arrays for `Layout.AUTO`: calls run this executable.
-            self._entry.jitted.compiled = compiled
+            # `jax.jit` refuses arrays for `Layout.AUTO`: calls run this executable,
+            # changed under the lock that guards the cache's entries.
+            with self._wrapper._cache.lock:
+                self._entry.jitted.compiled = compiled
         return Compiled(compiled, self._wrapper, self._entry)
 
 
