@@ -243,6 +243,22 @@ def test_bare_partition_spec_under_set_mesh():
     assert tree_allclose(total, jnp.sum(jnp.arange(16.0)))
 
 
+def test_in_shardings_per_argument_of_a_variadic_call(getkey):
+    # With `*rest`, one entry per positional argument of the call, as `jax.jit`.
+    mesh = auto_mesh((8,), ("data",))
+    rep, row = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+
+    def g(a, *rest):
+        return a, rest
+
+    xs = [jr.normal(getkey(), (8,)) for _ in range(3)]
+    ours = eqxs.filter_jit(g, in_shardings=(rep, row, rep))(*xs)
+    theirs = jax.jit(g, in_shardings=(rep, row, rep))(*xs)
+    assert [x.sharding for x in jtu.tree_leaves(ours)] == [rep, row, rep]
+    assert [x.sharding for x in jtu.tree_leaves(theirs)] == [rep, row, rep]
+    assert_same_values(ours, theirs)
+
+
 @pytest.mark.parametrize("make_mesh", [auto_mesh, explicit_mesh])
 def test_auto_and_explicit_mesh_2d(make_mesh, getkey):
     mesh = make_mesh((4, 2), ("data", "model"))

@@ -352,7 +352,8 @@ def filter_jit(
     - `fun`: a pure function to JIT compile.
     - `in_shardings`: where the array arguments live: a single specification for every
         array argument, or a tuple (or list, as for `jax.jit`) with one PyTree prefix
-        per positional parameter of `fun` (after binding the call to its signature).
+        per positional parameter of `fun` (after binding the call to its signature);
+        with `*args`, one per positional argument of the call, as for `jax.jit`.
         Spec leaves are those of [`equinox_shard.filter_device_put`][]: a
         `jax.sharding.Sharding`, a `jax.Device`, a bare `jax.sharding.PartitionSpec`, a
         `jax.experimental.layout.Format` (whose `Layout.AUTO` leaves the layout to
