@@ -294,7 +294,7 @@ class ArgStructure:
         )
         self.deleted = deleted_test(leaves, getter(self.traced_indices))
         # Tracers (inside an outer trace): `jax.jit` is called, not an executable.
-        self.in_trace = any(is_tracer(leaves[i]) for i in self.traced_indices)
+        self.has_tracers = any(is_tracer(leaves[i]) for i in self.traced_indices)
         # Shared by structures that differ only in `_NOT_IN_PROGRAM`'s fields: any other
         # `StructureKey` field, a new one too, keys the entries.
         shared = tuple(v for f, v in key._asdict().items() if f not in _NOT_IN_PROGRAM)

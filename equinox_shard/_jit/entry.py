@@ -173,7 +173,7 @@ def _trace(entry: Entry, typable: bool, dynamic: tuple, n_args: int, donation):
         entry.typed = Typed(entry, casts, donation)
     # Traced for the types of committed inputs, which those `typed` runs take.
     at, moved = dynamic, False
-    if entry.typed is not None and not structure.in_trace:
+    if entry.typed is not None and not structure.has_tracers:
         at, moved = entry.typed.types(dynamic)
     with donation.tracing():
         if isinstance(jitted, ResolveRules):
@@ -304,7 +304,7 @@ def prepare(
         args, kwargs = structure.treedef.unflatten(placed)
     dynamic = packing.arguments(dynamic_fun, args, kwargs, placed)
     # Inside an outer trace (tracers) there is no executable to call.
-    if ready == MOVES and entry.typed is not None and not structure.in_trace:
+    if ready == MOVES and entry.typed is not None and not structure.has_tracers:
         return placed, dynamic, entry.typed
     return placed, dynamic, entry.jitted
 
