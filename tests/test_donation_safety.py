@@ -422,6 +422,63 @@ def test_donated_input_that_moves_is_freed_as_jax_jit_frees_it(where, committed)
     assert_shardings(out, jax_sharding)
 
 
+@pytest.mark.parametrize(
+    "source, target",
+    [
+        ("first four", "all"),
+        ("first four", "all reversed"),
+        ("first four reversed", "all"),
+        ("all reversed", "all"),
+        ("all", "all reversed"),
+        ("device 3", "all reversed"),
+    ],
+)
+def test_donated_replicated_input_freed_where_jax_hands_over_its_buffers(
+    source, target
+):
+    # The oracle: whether `jax.device_put(..., may_alias=True)` gives the result every
+    # buffer of an equal array. It does onto more devices, in any order, but copies onto
+    # the same devices in another order: there the donated input stays alive.
+    devices = jax.devices()
+    orders = {
+        "first four": devices[:4],
+        "first four reversed": devices[:4][::-1],
+        "all": devices,
+        "all reversed": devices[::-1],
+    }
+
+    def replicated(name):
+        if name == "device 3":
+            return jax.sharding.make_single_device_sharding(devices[3])
+        mesh = jax.make_mesh(
+            (len(orders[name]),),
+            ("x",),
+            axis_types=(AxisType.Auto,),
+            devices=orders[name],
+        )
+        return NamedSharding(mesh, P())
+
+    x = jax.device_put(jnp.arange(8.0), replicated(source))
+    reference = jax.device_put(jnp.arange(8.0), replicated(source))
+    expected = snapshot(x)
+    moved = jax.device_put(reference, replicated(target), may_alias=True)
+    pointers = lambda a: {s.data.unsafe_buffer_pointer() for s in a.addressable_shards}
+    hands_over = pointers(reference) <= pointers(moved)
+    f = eqxs.filter_jit(
+        lambda a: a * 2,
+        in_shardings=replicated(target),
+        out_shardings=replicated(target),
+        donate="all",
+    )
+    out = f(x)
+    assert x.is_deleted() == hands_over, (x.is_deleted(), hands_over)
+    assert hands_over == (source != "all reversed" and source != "all")
+    if not hands_over:
+        assert_same_values(x, expected)
+    assert_same_values(out, expected * 2)
+    assert_shardings(out, replicated(target))
+
+
 def test_donating_one_value_twice_inside_an_outer_trace():
     f = eqxs.filter_jit(lambda a, b: a + b, donate="all")
     x = jnp.arange(8.0)

@@ -365,7 +365,8 @@ def filter_jit(
         sharding (which `jax.jit` refuses) is moved first, as a copy that leaves the
         caller's array alive, unless it is donated: then it is freed wherever
         `jax.jit` would free it (a move onto its own device, or a replication over
-        devices that include its own).
+        more devices that include its own; over the same devices in another order,
+        JAX copies, and it stays alive).
     - `out_shardings`: a PyTree prefix of the output, in the same language, given to
         `jax.jit`'s own `out_shardings`; a `jax.memory.Space` is taken here too, and
         applied inside the function. Non-array outputs are returned untouched.
