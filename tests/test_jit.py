@@ -1060,6 +1060,29 @@ def test_uncommitted_feedback_loop_traces_once_moving_nothing(monkeypatch, devic
     assert_shardings(x, split)
 
 
+def test_input_on_an_equivalent_sharding_compiles_as_under_jax_jit():
+    # A batch put on the device of a one-device mesh (a `SingleDeviceSharding`) is
+    # handed to `jax.jit` as it is: one compile more, as `jax.jit` makes, not a copy.
+    split = NamedSharding(_input_mesh(1, "Auto"), P("x"))
+    counts = {"ours": 0, "oracle": 0}
+
+    def counted(name):
+        def f(x):
+            counts[name] += 1
+            return x + 1
+
+        return f
+
+    ours = eqxs.filter_jit(counted("ours"), in_shardings=split, out_shardings=split)
+    oracle = jax.jit(counted("oracle"), in_shardings=split, out_shardings=split)
+    host = np.arange(16.0, dtype=np.float32)
+    for make in (jnp.asarray, lambda x: jax.device_put(x, jax.devices()[0]), np.copy):
+        x, y = make(host), make(host)
+        _same_as(ours(ours(x)), oracle(oracle(y)))
+        assert_same_values(x, host)
+    assert counts["ours"] == counts["oracle"] == 2
+
+
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 @pytest.mark.parametrize("source", ["uncommitted", "numpy", "committed"])
 @pytest.mark.parametrize(
