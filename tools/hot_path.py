@@ -130,7 +130,7 @@ def _cases():
         (1,),
         ("data",),
         axis_types=(jax.sharding.AxisType.Auto,),
-        devices=mesh.devices[:1],
+        devices=jax.devices()[:1],
     )
     step = eqxs.filter_jit(
         loss,
