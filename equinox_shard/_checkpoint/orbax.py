@@ -1,5 +1,4 @@
-"""How `save`, `restore` and `CheckpointManager` call orbax-checkpoint: its import, the
-two items of a checkpoint (`leaves`, `arrays`), and the handler that writes `arrays`."""
+"""How the checkpoints call orbax-checkpoint."""
 
 import threading
 
@@ -30,9 +29,7 @@ def composite(ocp, record: dict, arrays: dict):
 
 def arrays_handler(ocp):
     """orbax's PyTree handler for the `arrays` item. In one process, without
-    "replica-parallel" writing: that splits each replicated array into one slice per
-    replica (eager slicing on the caller's thread, before `save` returns) so that
-    several hosts share its writing; one process writes every slice anyway."""
+    "replica-parallel" writing: eager slicing on the caller's thread, for nothing."""
     if jax.process_count() > 1:
         return ocp.PyTreeCheckpointHandler()
     handlers = ocp.type_handlers
@@ -51,11 +48,9 @@ def operation_id() -> str:
 
 
 def release(operation: str) -> None:
-    """Wakes the background threads of orbax's save `operation` that are still
-    waiting: once one of its threads fails (a read-only directory, a full disk), the
-    others wait for a signal the failed one never sends, until orbax's coordination
-    timeout, and Python waits for them at exit (the process hangs). Each is sent the
-    signal it waits for, runs, and fails on its own (its step is already lost)."""
+    """Wakes the threads of orbax's failed save `operation` still waiting for a signal
+    the failed one never sends (Python would wait for them at exit: RFC.md, 15). Each
+    is sent its signal, runs, and fails on its own (its step is already lost)."""
     if jax.process_count() > 1:
         return  # the signals are the job's: its other processes wait on them too
     try:
