@@ -55,17 +55,14 @@ def release(operation: str) -> None:
         return  # the signals are the job's: its other processes wait on them too
     try:
         from orbax.checkpoint._src.futures import future, signaling_client
-    except ImportError:
-        return
-    thread_type = getattr(future, "_SignalingThread", None)
-    contract = getattr(future, "AwaitableSignalsContract", None)
-    if thread_type is None or contract is None:
+
+        thread_type, contract = future._SignalingThread, future.AwaitableSignalsContract
+    except (ImportError, AttributeError):
         return
     client = signaling_client.get_signaling_client()
     for thread in threading.enumerate():
-        if not isinstance(thread, thread_type) or not thread.is_alive():
-            continue
-        if getattr(thread, "_operation_id", None) != operation:
+        waiting = isinstance(thread, thread_type) and thread.is_alive()
+        if not waiting or getattr(thread, "_operation_id", None) != operation:
             continue
         for signal in getattr(thread, "_receive_signals", ()):
             key = contract.get_unique_awaitable_singal_key(signal, operation)

@@ -36,11 +36,6 @@ def absolute_path(path: str | os.PathLike) -> pathlib.Path:
     return pathlib.Path(os.path.abspath(os.fspath(path)))
 
 
-def _sync(ocp, name: str) -> None:
-    if jax.process_count() > 1:
-        ocp.multihost.sync_global_processes(name)
-
-
 def _refuse_to_replace(path: pathlib.Path) -> None:
     """Raises unless `path` is absent, an empty directory or a checkpoint."""
     if not os.path.lexists(path):
@@ -146,7 +141,7 @@ def save(
     with LOCK:
         if jax.process_index() == 0:
             tidy(path)
-        _sync(ocp, "equinox_shard.save.tidy")
+        ocp.multihost.sync_global_processes("equinox_shard.save.tidy")
         target = sibling(path, SWAP) if path.exists() else path
         handler = ocp.CompositeCheckpointHandler(
             leaves=ocp.JsonCheckpointHandler(), arrays=arrays_handler(ocp)
@@ -156,7 +151,7 @@ def save(
         if target != path:
             if jax.process_index() == 0:
                 swap_in(target, path)
-            _sync(ocp, "equinox_shard.save.swap")
+            ocp.multihost.sync_global_processes("equinox_shard.save.swap")
     logger.info(
         "saved %s: %d arrays, %d bytes in %.2f s",
         path, len(arrays), nbytes(arrays), time.perf_counter() - start,
