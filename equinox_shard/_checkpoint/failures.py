@@ -1,7 +1,7 @@
 """What happens when a save fails or is interrupted: what it left is finished or removed
-(`tidy`); a failed `save` raises naming its path (`named`); a `CheckpointManager`'s
-raises once, naming its step (`save`, `wait`). Each error is an `OSError` with the
-system's error number where there is one."""
+(`tidy`); a failed `save` raises naming its path (`named`); a failed save of a
+`CheckpointManager` raises once, naming its step (`save`, `wait`). Each error is an
+`OSError` with the system's error number where there is one."""
 
 import contextlib
 import errno

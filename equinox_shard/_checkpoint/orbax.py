@@ -29,7 +29,8 @@ def composite(ocp, record: dict, arrays: dict):
 
 def arrays_handler(ocp):
     """orbax's PyTree handler for the `arrays` item. In one process, without
-    "replica-parallel" writing: eager slicing on the caller's thread, for nothing."""
+    "replica-parallel" writing, which there only slices each replicated array eagerly
+    on the caller's thread (docs/checkpoints.md)."""
     if jax.process_count() > 1:
         return ocp.PyTreeCheckpointHandler()
     handlers = ocp.type_handlers
