@@ -1,17 +1,16 @@
 """Checks, before any array is read, that the data files of orbax's OCDBT index are
-there and long enough, naming the leaf whose data is not (TensorStore's own error names
-none). Reads the index and `os.stat`s each data file once."""
+there and long enough, naming the leaf whose data is not (TensorStore's don't)."""
 
-import os
+import functools
 import pathlib
 from typing import Any
 from urllib.parse import unquote
 
 
 def check(path: pathlib.Path, names: dict[str, str | None], where: str) -> int | None:
-    """Raises `ValueError`, naming the first leaf (as `where<key path>`, in `names`'
-    order: key path -> stored name) whose stored data is missing or truncated.
-    Returns the bytes stored in data files (`None` where orbax did not use OCDBT)."""
+    """Raises `ValueError` naming the first leaf (`where<key path>`, in `names`: key
+    path -> stored name) whose data is missing or truncated. Returns the bytes of the
+    values (`None` where orbax did not use OCDBT)."""
     root = path / "arrays"
     if not (root / "manifest.ocdbt").is_file():
         return None  # not an OCDBT database: orbax's own errors
@@ -22,9 +21,9 @@ def check(path: pathlib.Path, names: dict[str, str | None], where: str) -> int |
     except (ImportError, AttributeError):
         return None
     base = ts.KvStore.open({"driver": "file", "path": str(root) + "/"}).result()
-    sizes: dict[pathlib.Path, int | None] = {}
+    size = functools.cache(lambda f: f.stat().st_size if f.exists() else None)
     found: dict[bytes, str] = {}
-    total = 0  # bytes of the values: what a restore reads
+    total = 0
 
     def damage(reference: str) -> str | None:
         # `kind:base_path:relative_path:offset:length`, the paths percent-encoded.
@@ -34,13 +33,11 @@ def check(path: pathlib.Path, names: dict[str, str | None], where: str) -> int |
         file = root / (unquote(base_path) + unquote(relative))
         end = int(offset) + int(length)
         total += int(length) if reference.startswith("value:") else 0
-        if file not in sizes:
-            sizes[file] = os.stat(file).st_size if file.exists() else None
-        if (size := sizes[file]) is None:
+        if (n := size(file)) is None:
             return f"its data file {file} is missing"
-        if end > size:
+        if end > n:
             return (
-                f"its data file {file} is truncated ({size} bytes; this "
+                f"its data file {file} is truncated ({n} bytes; this "
                 f"leaf's data reaches byte {end})"
             )
         return None

@@ -1,9 +1,7 @@
-"""What happens when a save fails or is interrupted; each call that may fail is wrapped
-here in one line. What a save left beside its path is finished or removed (`tidy`); a
-failed `save` raises naming its path (`named`); a `CheckpointManager`'s failed save
-raises once, naming its step, and wakes what is left of it (`save`, `wait`, given its
-`pending` saves). Each error is an `OSError` with the system's error number where there
-is one."""
+"""What happens when a save fails or is interrupted: what it left is finished or removed
+(`tidy`); a failed `save` raises naming its path (`named`); a failed save of a
+`CheckpointManager` raises once, naming its step (`save`, `wait`). Each error is an
+`OSError` with the system's error number where there is one."""
 
 import contextlib
 import errno
@@ -20,8 +18,7 @@ from .overwrite import found, OLD, SWAP
 
 
 def unfinished(path: pathlib.Path, *suffixes: str) -> list[pathlib.Path]:
-    """What an interrupted save to `path` left beside it: orbax's temporary
-    directories, and those of `overwrite` (`suffixes`)."""
+    """The temporary directories an interrupted save to `path` left beside it."""
     if not path.parent.is_dir():
         return []
     names = tuple(path.name + s for s in (".orbax-checkpoint-tmp", *suffixes))
@@ -37,8 +34,8 @@ def tidy(path: pathlib.Path) -> None:
 
 
 def _error(e: BaseException, message: str) -> Exception:
-    """An `OSError` with the `errno` of `e` (an `OSError`, or a TensorStore error
-    that says one), else a `RuntimeError`, saying `message`."""
+    """An `OSError` with the `errno` of `e` (or that its message says), else a
+    `RuntimeError`."""
     code = e.errno if isinstance(e, OSError) else None
     for known in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT):
         code = code or (known if os.strerror(known) in str(e) else None)
@@ -47,8 +44,7 @@ def _error(e: BaseException, message: str) -> Exception:
 
 @contextlib.contextmanager
 def named(path: pathlib.Path) -> Iterator[None]:
-    """Raises a failure of the save to `path` naming it, once what it wrote is removed
-    (a checkpoint that `overwrite` was to replace stays)."""
+    """Raises a failure of the save to `path` naming it, once its writing is removed."""
     try:
         yield
     except Exception as e:
@@ -72,8 +68,7 @@ def save(pending: Any, save: Callable[..., bool], step: int, **kwargs) -> bool:
 
 
 def wait(pending: Any, *calls: Callable[[], object]) -> None:
-    """Calls each of `calls`, even once one fails; raises the first failure, named,
-    else logs the saves finished."""
+    """Calls each of `calls`; raises the first failure, named."""
     error = None
     for call in calls:
         try:
@@ -86,10 +81,9 @@ def wait(pending: Any, *calls: Callable[[], object]) -> None:
 
 
 def _named(pending: Any, e: BaseException, current: int | None) -> Exception | None:
-    """The error for a save that failed (found by orbax when `current`'s save
-    started, or by a wait): it names the step it belongs to and its directory.
-    Wakes what is left of that save in the background (see `release`). `None`
-    if that failure was raised already (orbax raises it again)."""
+    """The error for a failed save (found when `current`'s save started, or by a
+    wait), naming its step; wakes what is left of it (`release`). `None` if that
+    failure was raised already (orbax raises it again)."""
     pending.finished()
     if str(e) in pending.reported:
         return None

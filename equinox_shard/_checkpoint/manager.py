@@ -1,8 +1,5 @@
-"""`CheckpointManager`: the checkpoints of a training loop, on orbax's own. orbax
-manages the steps (a directory per step, renamed when complete; when to save; what to
-keep; the writing in the background; the removal of what a killed save left); this
-module gives it the format of `save`/`restore`, their `like`/`shardings` language, one
-writer per directory, and errors that name the step."""
+"""`CheckpointManager`: orbax's own, given the format of `save`/`restore`, their
+`like`/`shardings` language, one writer per directory, and errors naming the step."""
 
 import atexit
 import errno
@@ -19,19 +16,8 @@ import numpy as np
 from jaxtyping import PyTree
 
 from . import failures, manifest
-from .orbax import (
-    arrays_handler,
-    composite,
-    operation_id,
-    orbax as _orbax,
-)
-from .save_restore import (
-    absolute_path,
-    LOCK,
-    logger,
-    nbytes,
-    restore_from,
-)
+from .orbax import arrays_handler, composite, operation_id, orbax as _orbax
+from .save_restore import absolute_path, LOCK, logger, nbytes, restore_from
 
 
 traceback_util.register_exclusion(__file__)
@@ -44,27 +30,23 @@ def _positive(name: str, value: Any, types: type | tuple[type, ...]) -> None:
         raise ValueError(f"`{name}` must be a positive number or None, not {value!r}.")
 
 
-def _step(step: Any, name: str = "step") -> int:
-    """`step` as an `int`: a non-negative Python or NumPy integer (not a `bool`)."""
+def _step(step: Any) -> int:
     if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
         raise TypeError(
-            f"`{name}` must be a non-negative int (a Python or NumPy integer), not "
+            "`step` must be a non-negative int (a Python or NumPy integer), not "
             f"{step!r} of type {type(step).__name__}."
         )
     if step < 0:
-        raise ValueError(f"`{name}` must be a non-negative int, not {step}.")
+        raise ValueError(f"`step` must be a non-negative int, not {step}.")
     return int(step)
 
 
-# The file in a manager's directory that its writer holds locked (`flock`).
 LOCK_FILE = ".eqxs-writer"
 
 
 def _take_lock(directory: pathlib.Path) -> int | OSError | None:
-    """Locks `directory` for one writer: the open lock file (the system releases its
-    `flock` when the process ends, however it ends), an `OSError` where the directory
-    cannot be written, or `None` on a process other than the first (process 0 writes
-    for a `jax.distributed` program). Raises naming the process that holds it."""
+    """The open lock file, `flock`ed (the system releases it when the process ends);
+    an `OSError` where `directory` cannot be written; `None` but on process 0."""
     import fcntl  # POSIX only: imported here so that the package imports anywhere
 
     if jax.process_index() != 0:
@@ -101,8 +83,7 @@ def _take_lock(directory: pathlib.Path) -> int | OSError | None:
 
 
 def _drop_lock(directory: pathlib.Path, fd: int) -> None:
-    """Releases the lock; a lock file that cannot be removed (the directory made
-    read-only since) is logged and left, unlocked."""
+    """Releases the lock; a lock file that cannot be removed is logged and left."""
     try:
         (directory / LOCK_FILE).unlink()
     except OSError as e:
@@ -114,8 +95,8 @@ def _drop_lock(directory: pathlib.Path, fd: int) -> None:
 
 
 class Pending:
-    """A manager's saves started and not yet logged: each is logged once its step
-    directory is final, or named once by `failures` if it fails (`reported`)."""
+    """A manager's saves not yet logged: each is logged once its step directory is
+    final, or named once by `failures` if it fails (`reported`)."""
 
     def __init__(self, directory: pathlib.Path):
         self.directory = directory
@@ -125,8 +106,7 @@ class Pending:
         self.reported: set[str] = set()
 
     def finished(self) -> None:
-        """Logs each step started whose directory is final (orbax renames it when
-        complete): called by orbax once a save is finalised, and after a save."""
+        """Logs each step whose directory is final (orbax renames it when complete)."""
         with self.lock:
             done = [s for s in self.steps if (self.directory / str(s)).is_dir()]
             for step in sorted(done):
@@ -139,38 +119,30 @@ class Pending:
 
 
 class CheckpointManager:
-    """The checkpoints of a training loop in one directory, one per step, on
-    orbax-checkpoint's `CheckpointManager`: save every N steps and/or every T minutes,
-    in the background; keep the last K and every M-th; resume from the latest
-    complete one, on any layout.
+    """The checkpoints of a training loop, one per step, on orbax-checkpoint's
+    `CheckpointManager`: save every N steps and/or T minutes, in the background; keep
+    the last K and every M-th; resume from the latest complete one, on any layout.
 
-    Each checkpoint is `directory/<step>`, in the format of [`equinox_shard.save`][]
-    (so [`equinox_shard.restore`][] reads it too). A save killed at any moment is
-    never listed: orbax writes into a temporary directory and renames it when
-    complete (and removes such leftovers when a manager is created).
-
-    One manager writes to a directory at a time: it holds the lock file
-    `directory/.eqxs-writer` (`flock`, naming its process and host) until `close()`,
-    and a second manager on the directory (by any path to it), in any process, is
-    refused; the system releases the lock of a process that has died. The processes
-    of one `jax.distributed` program share the directory: process 0 holds the lock
-    for all. A manager left open is closed when the program exits.
+    Each checkpoint is `directory/<step>`, as [`equinox_shard.save`][] writes it. A
+    save killed at any moment is never listed. One manager writes to a directory at
+    a time: it holds the lock file `directory/.eqxs-writer` (`flock`) until `close()`
+    (process 0 holds it for a `jax.distributed` program). A manager left open is
+    closed when the program exits.
 
     **Arguments:**
 
     - `directory`: where the step directories go (created if needed). In a
-        multi-process program every process creates a manager on the same directory
-        of a shared file system, and calls `save` and `restore` with the same steps.
+        multi-process program every process creates a manager on the same directory,
+        and calls `save` and `restore` with the same steps.
     - `every_steps`: `should_save(step)` is true when `step` is a multiple of it.
     - `every_minutes`: `should_save(step)` is true when this long has passed since
-        the latest checkpoint (or there is none), and no save is running.
-        With neither `every_steps` nor `every_minutes`, every step is saved.
+        the latest checkpoint, and no save is running. With neither, every step is
+        saved.
     - `keep_last`: keep the latest `keep_last` checkpoints...
     - `keep_every`: ...and every checkpoint whose step is a multiple of it. With
         neither, every checkpoint is kept.
-    - `background`: write in the background (orbax's asynchronous checkpointing):
-        `save` returns once every array it writes has been copied off its device
-        (see `save`). `False`: `save` returns once the checkpoint is complete.
+    - `background`: write in the background (see `save`). `False`: `save` returns
+        once the checkpoint is complete.
 
     **Raises:**
 
@@ -251,28 +223,19 @@ class CheckpointManager:
             )
 
     def should_save(self, step: Any) -> bool:
-        """Whether the policies (`every_steps`, `every_minutes`) save `step`: never a
-        step at or before the latest checkpoint."""
+        """Whether the policies save `step` (never one at or before the latest)."""
         self._check_open("should_save")
         return self._manager.should_save(_step(step))
 
     def save(self, step: Any, state: PyTree[Any], *, force: bool = False) -> bool:
         """Saves `state` as `directory/<step>` if `should_save(step)` (or `force`),
-        in the format of [`equinox_shard.save`][].
+        as [`equinox_shard.save`][] does.
 
         In the background (the default), this returns once orbax has copied every
-        shard it writes off its device (orbax waits for those copies before
-        returning), and the files are written while training goes on. So the next
-        step may donate `state` right away (`filter_jit(..., donate="all")`): on an
-        accelerator the saved values are already in host memory; on CPU orbax's
-        host copy is a view of the device buffer, which XLA then does not donate
-        (it copies instead), so the values saved are still those of `step`.
-
-        A background save that fails (a full disk, a read-only directory) raises at
-        the next `save`, `wait_until_finished` or `close`, naming its step and
-        directory (an `OSError` with the system's error number where there is one,
-        else a `RuntimeError`); the "saved step N" log line comes only once
-        `directory/<step>` is complete.
+        shard it writes off its device, so the next step may donate `state` right
+        away. A background save that fails raises at the next `save`,
+        `wait_until_finished` or `close`, naming its step and directory (an `OSError`
+        with the system's error number where there is one, else a `RuntimeError`).
 
         **Arguments:**
 
@@ -288,11 +251,10 @@ class CheckpointManager:
         **Raises:**
 
         Before anything is written: `TypeError` if `step` is not an integer,
-        `ValueError` if it is negative, or if it is at or below the latest step
-        and `force` (without `force`, the policies never save such a step, and this
-        returns `False`): a step is never saved again, so that `latest_step()` is
-        always the checkpoint `restore()` reads; as [`equinox_shard.save`][]
-        (naming the leaf as `state<key path>`). `RuntimeError` on a closed manager.
+        `ValueError` if it is negative, or at or below the latest step and `force`
+        (without `force` this returns `False`), so that `latest_step()` is always the
+        checkpoint `restore()` reads; as [`equinox_shard.save`][] (naming the leaf as
+        `state<key path>`). `RuntimeError` on a closed manager.
         """
         self._check_open("save")
         step = _step(step)
@@ -334,9 +296,7 @@ class CheckpointManager:
         return saved
 
     def latest_step(self) -> int | None:
-        """The latest step saved (including one still being written in the
-        background by this manager), or `None`. A save that was killed is never
-        one."""
+        """The latest step saved (or being saved by this manager), or `None`."""
         self._check_open("latest_step")
         return self._manager.latest_step()
 
@@ -346,8 +306,7 @@ class CheckpointManager:
         return sorted(self._manager.all_steps())
 
     def wait_until_finished(self) -> None:
-        """Returns once every save started is complete (and old ones removed).
-        Raises, naming its step, if a save in the background failed."""
+        """Waits for every save started; raises, naming its step, if one failed."""
         self._check_open("wait_until_finished")
         failures.wait(self._pending, self._manager.wait_until_finished)
 
@@ -355,15 +314,13 @@ class CheckpointManager:
         self, like: PyTree[Any], step: Any = None, shardings: Any = None
     ) -> PyTree[Any]:
         """Restores the checkpoint of `step` (by default the latest), as
-        [`equinox_shard.restore`][] does: `like` gives the structure (and, where
-        `shardings` is `None`, the shardings), `shardings` any layout. It first waits
-        for the saves still running.
+        [`equinox_shard.restore`][] does, once the saves still running are done.
 
         **Raises:**
 
         `FileNotFoundError` if there is no such checkpoint, or it is partly deleted
-        (a deletion of old steps that was interrupted); otherwise as
-        [`equinox_shard.restore`][], naming the leaf before any array is read.
+        (an interrupted deletion of old steps); otherwise as
+        [`equinox_shard.restore`][].
         """
         self._check_open("restore")
         if step is not None:
@@ -399,10 +356,9 @@ class CheckpointManager:
         return out
 
     def close(self) -> None:
-        """Waits for the saves still running, releases orbax's resources and the
-        directory (for another manager). Raises, naming its step, if a save in the
-        background failed; the manager is closed either way. Closing twice is
-        fine; any other method of a closed manager raises `RuntimeError`."""
+        """Waits for the saves still running and releases the directory. Raises,
+        naming its step, if a background save failed; the manager is closed either
+        way. Any method but `close` of a closed manager raises `RuntimeError`."""
         if self._closed:
             return
         self._closed = True
@@ -424,7 +380,6 @@ class CheckpointManager:
         except Exception:
             if exc[0] is None:
                 raise
-            # The exception leaving the `with` block is the one to see.
             logger.exception("closing the CheckpointManager of %s", self.directory)
 
 
@@ -436,8 +391,7 @@ def _close_all() -> None:
             logger.exception("closing the CheckpointManager of %s", manager.directory)
 
 
-# Managers not closed yet (held: one dropped unclosed still has saves to finish),
-# closed before the interpreter joins orbax's non-daemon threads (`atexit` runs after
-# that join, which a failed save's threads would hang).
+# Open managers, closed before Python joins orbax's threads (`atexit` runs after that
+# join, which a failed save's threads would hang).
 _OPEN: set[CheckpointManager] = set()
 getattr(threading, "_register_atexit", atexit.register)(_close_all)

@@ -1,7 +1,6 @@
-"""The record of leaves that a checkpoint carries: what each saved leaf is, under which
-name its array is stored, and a checksum of its values (docs/checkpoints.md,
-"Checksums"); built by `build` on save, checked against `like` by `match` before any
-array is read, and its checksums by `verify` once they are read."""
+"""The record of leaves a checkpoint carries: what each saved leaf is, its array's
+stored name and checksum (docs/checkpoints.md, "Checksums"). `build` makes it on save;
+`match` checks `like` against it before any array is read, `verify` the arrays read."""
 
 import math
 import zlib
@@ -21,20 +20,15 @@ traceback_util.register_exclusion(__file__)
 
 
 FORMAT = "equinox_shard.checkpoint"
-# 2: each array entry names its stored array ("name", `None` for a zero-size array,
-# which is not stored) and carries its "checksum". Version 1 records are still read.
+# 2: each array entry has its stored "name" (`None`: zero-size) and "checksum".
 VERSION = 2
 _SCALARS = (bool, int, float, complex)
-
-
-def is_shape_dtype_struct(x: Any) -> bool:
-    return isinstance(x, jax.ShapeDtypeStruct)
 
 
 def saved_form(x: Any) -> str | None:
     """What is saved of a leaf: `array`, `key` (a typed PRNG key array), `numpy`,
     `scalar` (a Python bool/int/float/complex), or `None` (taken from `like`)."""
-    if isinstance(x, jax.Array) or is_shape_dtype_struct(x):
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
         return "key" if is_key_array(x) else "array"
     if is_array(x):  # NumPy arrays and NumPy scalars
         return "numpy"
@@ -47,10 +41,8 @@ def describe(entry: dict) -> str:
     if entry["kind"] == "scalar":
         return f"a Python {entry['type']} ({entry['value']!r})"
     what = {"array": "an array", "key": "a PRNG key array", "numpy": "a NumPy array"}
-    return (
-        f"{what[entry['kind']]} of shape {tuple(entry['shape'])} and dtype "
-        + (entry["dtype"])
-    )
+    shape, dtype = tuple(entry["shape"]), entry["dtype"]
+    return f"{what[entry['kind']]} of shape {shape} and dtype {dtype}"
 
 
 def entry(form: str, x: Any) -> dict:
@@ -69,8 +61,7 @@ _CHUNK = 1 << 16  # elements per step on the host: NumPy's temporaries stay in c
 
 
 def _fmix(h):
-    # MurmurHash3's 32-bit finaliser: a bijection, so one changed element always
-    # changes the sum.
+    # MurmurHash3's finaliser: a bijection, so one changed element changes the sum.
     u = h.dtype.type  # uint32: a Python int this large would not fit JAX's int32
     h = (h ^ (h >> 16)) * u(0x85EBCA6B)
     h = (h ^ (h >> 13)) * u(0xC2B2AE35)
@@ -88,28 +79,20 @@ def _mixed_sum(xp, lanes, offset: int, starts, strides, iota):
 
 def _lanes(x: np.ndarray) -> np.ndarray:
     """Each element's bits as uint32 (a 64-bit element as two, along a new axis)."""
-    dtype = x.dtype
-    if dtype == np.bool_:
-        return x.astype(np.uint32)
-    if np.issubdtype(dtype, np.complexfloating):
+    if np.issubdtype(x.dtype, np.complexfloating):
         parts = [np.ascontiguousarray(np.real(x)), np.ascontiguousarray(np.imag(x))]
         return np.stack([_lanes(p) for p in parts], axis=-1)
-    if jnp.issubdtype(dtype, jnp.floating):
-        bits, wide = jnp.finfo(dtype).bits, np.float32
-    else:
-        bits, wide = jnp.iinfo(dtype).bits, np.int32
-    if bits == 64:
+    if x.dtype.itemsize == 8:
         return x.view(np.uint32).reshape(x.shape + (2,))
-    if bits in (8, 16, 32):
-        unsigned = {8: np.uint8, 16: np.uint16, 32: np.uint32}[bits]
-        return x.view(unsigned).astype(np.uint32, copy=False)
+    if (bits := _bits(x.dtype)) is not None:  # a bool as its byte: 0 or 1
+        return x.view(f"uint{bits}").astype(np.uint32, copy=False)
     # 4- and 6-bit types: their values, exactly, in a 32-bit type.
+    wide = np.float32 if jnp.issubdtype(x.dtype, jnp.floating) else np.int32
     return x.astype(wide).view(np.uint32)
 
 
 def _host_sum(data: np.ndarray, offset: int, starts: list, strides: list) -> int:
-    """`_mixed_sum` over `data` (at `starts`), in pieces of at most `_CHUNK` elements
-    along its leading axes."""
+    """`_mixed_sum` over `data` (at `starts`), in pieces of at most `_CHUNK`."""
     if data.size <= _CHUNK:
         lanes = _lanes(data)
         shape = lambda a: [-1 if b == a else 1 for b in range(lanes.ndim)]
@@ -137,7 +120,7 @@ def _partial_sum(data: np.ndarray, index: tuple, shape: tuple) -> int:
 
 
 def _bits(dtype) -> int | None:
-    """The width of an element the device pass reads as one 32-bit lane, or `None`."""
+    """The width of an element of 8, 16 or 32 bits (one lane), else `None`."""
     if dtype == np.bool_:
         return 8
     if jnp.issubdtype(dtype, jnp.floating):
@@ -150,14 +133,13 @@ def _bits(dtype) -> int | None:
     return bits if whole else None
 
 
-# Where the device's memory is the host's: an array there is summed on the host, where
-# it already is (nothing compiled).
+# Where the device's memory is the host's: summed on the host (nothing compiled).
 HOST_PLATFORMS = ("cpu",)
 
 
 def on_device(x: Any) -> bool:
-    """Whether the checksum of `x` is computed on its devices: a JAX array in the
-    device memory of an accelerator, of a type `_bits` takes."""
+    """Whether `x` is summed on its devices: in an accelerator's memory, of a type
+    `_bits` takes."""
     if not isinstance(x, jax.Array):
         return False
     if x.sharding.memory_kind not in (None, "device"):
@@ -185,8 +167,8 @@ _device_sums = jax.jit(lambda arrays: [_device_sum(x) for x in arrays])
 
 
 def checksums(arrays: list) -> list[int]:
-    """The checksum of each array: on its devices on an accelerator (only the sums come
-    back), else on the host from this process's shards (nothing compiled)."""
+    """The checksum of each array: on its devices on an accelerator, else on the host
+    from this process's shards."""
     arrays = [jax.random.key_data(x) if is_key_array(x) else x for x in arrays]
     out: list = [None] * len(arrays)  # the sums, `None` until computed
     # One call per set of devices: one over several would move arrays between them.
@@ -242,12 +224,12 @@ def numpy_checksum(x: Any) -> int:
 
 
 def build(tree: Any, name: str) -> tuple[dict, dict]:
-    """The record of `tree`'s saved leaves and the arrays to store under their names.
-    Raises (naming the leaf as `name<key path>`) before anything is written."""
+    """The record of `tree`'s saved leaves, and the arrays to store by name. Raises
+    naming the leaf as `name<key path>`."""
     entries, arrays, jax_entries = [], {}, []
     for key_path, x in jtu.tree_flatten_with_path(tree)[0]:
         where = name + jtu.keystr(key_path)
-        if is_tracer(x) or is_shape_dtype_struct(x):
+        if is_tracer(x) or isinstance(x, jax.ShapeDtypeStruct):
             raise ValueError(
                 f"{where}: cannot save the abstract value {x!r}; `save` needs concrete "
                 "arrays (call it outside `jax.jit`)."
@@ -289,14 +271,6 @@ def _json(x: Any) -> str:
     return names.get(type(x), "null")
 
 
-def _int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 def _dtype(x: Any) -> bool:
     try:
         return isinstance(x, str) and np.dtype(x) is not None
@@ -304,12 +278,14 @@ def _dtype(x: Any) -> bool:
         return False
 
 
+_int = lambda x: isinstance(x, int) and not isinstance(x, bool)
+_float = lambda x: isinstance(x, float) or _int(x)
 _str = lambda x: isinstance(x, str)
 _FITS = {  # a scalar entry's "type" -> whether its "value" is one
     "bool": lambda v: isinstance(v, bool),
     "int": _int,
-    "float": lambda v: isinstance(v, float) or _int(v),
-    "complex": lambda v: isinstance(v, list) and len(v) == 2 and all(map(_number, v)),
+    "float": _float,
+    "complex": lambda v: isinstance(v, list) and len(v) == 2 and all(map(_float, v)),
 }
 
 
@@ -349,8 +325,7 @@ def _entry_problem(e: Any, version: int) -> str | None:
 
 
 def problem(record: Any) -> str | None:
-    """What is wrong with the structure of a record read back, or `None` (a newer
-    version's record is not checked here)."""
+    """What is wrong with a record read back, or `None` (a newer version: unchecked)."""
     for field in ("format", "version", "leaves"):
         if field not in record:
             return f"it has no {field!r}"
@@ -380,11 +355,9 @@ def names(entries: list[dict]) -> dict[str, str | None]:
 
 
 def match(path: Any, entries: list[dict], like: list) -> None:
-    """Raises, naming the first leaf that differs, unless `like` (a list of
-    `(key path, saved form, leaf)`) has exactly the saved leaves' paths, forms, shapes
-    and dtypes."""
+    """Raises, naming the first leaf that differs, unless `like` (`(key path, saved
+    form, leaf)`s) has exactly the saved leaves' paths, forms, shapes and dtypes."""
     saved = {e["path"]: e for e in entries}
-    wanted = {p: (k, x) for p, k, x in like}
     for p, k, x in like:
         if p not in saved:
             raise ValueError(
@@ -392,23 +365,16 @@ def match(path: Any, entries: list[dict], like: list) -> None:
                 f"checkpoint at {path} has no saved leaf at this key path (its first "
                 f"leaves: {', '.join(list(saved)[:5]) or 'none'})."
             )
-        e = saved[p]
-        mine = entry(k, x)
-        if k == "numpy" and e["kind"] == "array":
-            mine["kind"] = "array"  # a NumPy leaf of `like` may take a saved jax.Array
-        if e["kind"] == "numpy" and k == "array":
-            e = dict(e, kind="array")
-        same = (
-            e["kind"] == mine["kind"]
-            and e.get("shape") == mine.get("shape")
-            and e.get("dtype") == mine.get("dtype")
-            and e.get("type") == mine.get("type")
-        )
-        if not same:
+        e, mine = saved[p], entry(k, x)
+        # A NumPy leaf of `like` may take a saved jax.Array, and the other way round.
+        kinds = {e["kind"], mine["kind"]}
+        same = len(kinds) == 1 or kinds == {"numpy", "array"}
+        if not same or any(e.get(f) != mine.get(f) for f in ("shape", "dtype", "type")):
             raise ValueError(
-                f"like{p}: the checkpoint at {path} has {describe(saved[p])} here, "
-                f"but `like` has {describe(entry(k, x))}."
+                f"like{p}: the checkpoint at {path} has {describe(e)} here, "
+                f"but `like` has {describe(mine)}."
             )
+    wanted = {p for p, _, _ in like}
     for p, e in saved.items():
         if p not in wanted:
             raise ValueError(
@@ -418,8 +384,8 @@ def match(path: Any, entries: list[dict], like: list) -> None:
 
 
 def verify(path: Any, entries: list[dict], stored: dict) -> None:
-    """Raises, naming the leaf, where a restored array (`stored`: by name) does not
-    have the checksum saved with it (by the algorithm of the kind it was saved as)."""
+    """Raises, naming the leaf, where an array read (`stored`: by name) does not have
+    the checksum saved with it."""
     checked = [e for e in entries if e.get("checksum") is not None]
     on_device = [e for e in checked if e["kind"] != "numpy"]
     values = [stored[e["name"]] for e in on_device]

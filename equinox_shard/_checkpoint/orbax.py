@@ -1,5 +1,4 @@
-"""How `save`, `restore` and `CheckpointManager` call orbax-checkpoint: its import, the
-two items of a checkpoint (`leaves`, `arrays`), and the handler that writes `arrays`."""
+"""How the checkpoints call orbax-checkpoint."""
 
 import threading
 
@@ -30,9 +29,8 @@ def composite(ocp, record: dict, arrays: dict):
 
 def arrays_handler(ocp):
     """orbax's PyTree handler for the `arrays` item. In one process, without
-    "replica-parallel" writing: that splits each replicated array into one slice per
-    replica (eager slicing on the caller's thread, before `save` returns) so that
-    several hosts share its writing; one process writes every slice anyway."""
+    "replica-parallel" writing, which there only slices each replicated array eagerly
+    on the caller's thread (docs/checkpoints.md)."""
     if jax.process_count() > 1:
         return ocp.PyTreeCheckpointHandler()
     handlers = ocp.type_handlers
@@ -51,26 +49,21 @@ def operation_id() -> str:
 
 
 def release(operation: str) -> None:
-    """Wakes the background threads of orbax's save `operation` that are still
-    waiting: once one of its threads fails (a read-only directory, a full disk), the
-    others wait for a signal the failed one never sends, until orbax's coordination
-    timeout, and Python waits for them at exit (the process hangs). Each is sent the
-    signal it waits for, runs, and fails on its own (its step is already lost)."""
+    """Wakes the threads of orbax's failed save `operation` still waiting for a signal
+    the failed one never sends (Python would wait for them at exit: RFC.md, 15). Each
+    is sent its signal, runs, and fails on its own (its step is already lost)."""
     if jax.process_count() > 1:
         return  # the signals are the job's: its other processes wait on them too
     try:
         from orbax.checkpoint._src.futures import future, signaling_client
-    except ImportError:
-        return
-    thread_type = getattr(future, "_SignalingThread", None)
-    contract = getattr(future, "AwaitableSignalsContract", None)
-    if thread_type is None or contract is None:
+
+        thread_type, contract = future._SignalingThread, future.AwaitableSignalsContract
+    except (ImportError, AttributeError):
         return
     client = signaling_client.get_signaling_client()
     for thread in threading.enumerate():
-        if not isinstance(thread, thread_type) or not thread.is_alive():
-            continue
-        if getattr(thread, "_operation_id", None) != operation:
+        waiting = isinstance(thread, thread_type) and thread.is_alive()
+        if not waiting or getattr(thread, "_operation_id", None) != operation:
             continue
         for signal in getattr(thread, "_receive_signals", ()):
             key = contract.get_unique_awaitable_singal_key(signal, operation)

@@ -1,10 +1,10 @@
-"""A `rich` progress bar on a terminal's stderr for a restore that runs past
-`DELAY_SECONDS`. orbax reports nothing while it reads, so the bar counts the bytes read
-since (Linux's `/proc/self/io`); elsewhere it shows only that the restore runs."""
+"""A `rich` progress bar on a terminal's stderr for a restore past `DELAY_SECONDS`:
+orbax reports nothing, so it counts the bytes read (Linux's `/proc/self/io`)."""
 
 import contextlib
 import sys
 import threading
+from importlib.util import find_spec
 
 import jax
 
@@ -23,17 +23,15 @@ def _bytes_read() -> int:
 
 @contextlib.contextmanager
 def bar(description: str, total: int | None):
-    """Around a restore: a bar on stderr, once it has run `DELAY_SECONDS`, if stderr
-    is a terminal. `total`: the bytes it reads from files, or `None` if not known."""
+    """Around a restore: a bar on a terminal's stderr after `DELAY_SECONDS`. `total`:
+    the bytes it reads, or `None` if not known."""
     isatty = getattr(sys.stderr, "isatty", None)
-    try:
-        import rich.console
-        import rich.progress as rp
-    except ImportError:  # no bar: as without a terminal
-        isatty = rich = rp = None
-    if rp is None or rich is None or not (isatty and isatty()) or jax.process_index():
+    if not (isatty and isatty()) or jax.process_index() or not find_spec("rich"):
         yield
         return
+    import rich.console
+    import rich.progress as rp
+
     start = _bytes_read()
     total = total if start else None  # not counted: the bar shows that it runs
 

@@ -1,7 +1,6 @@
 """`save` and `restore`: a checkpoint is one orbax checkpoint directory with two items,
-`arrays` (the array leaves, by orbax's PyTree handler: each process writes and reads
-only the shards it holds) and `leaves` (the JSON record of every saved leaf:
-`manifest`), which lets `restore` check `like` before a single array is read."""
+`arrays` (orbax's PyTree handler) and `leaves` (the JSON record of `manifest`, which
+lets `restore` check `like` before a single array is read)."""
 
 import json
 import logging
@@ -29,8 +28,7 @@ traceback_util.register_exclusion(__file__)
 
 
 logger = logging.getLogger("equinox_shard")
-# orbax signals "directories created" by a per-process operation number, not per save:
-# two composite saves at once in one process took each other's signals.
+# orbax's "directories created" signals are per process: two saves at once mixed them.
 LOCK = threading.RLock()
 
 
@@ -38,19 +36,8 @@ def absolute_path(path: str | os.PathLike) -> pathlib.Path:
     return pathlib.Path(os.path.abspath(os.fspath(path)))
 
 
-def _sync(ocp, name: str) -> None:
-    if jax.process_count() > 1:
-        ocp.multihost.sync_global_processes(name)
-
-
-def is_checkpoint(path: pathlib.Path) -> bool:
-    """Whether the directory `path` holds a checkpoint (of `save`, or an orbax one)."""
-    return (path / "_CHECKPOINT_METADATA").is_file() or (path / "leaves").is_dir()
-
-
 def _refuse_to_replace(path: pathlib.Path) -> None:
-    """Raises unless `path` is absent, an empty directory or a checkpoint: what
-    `overwrite=True` may replace."""
+    """Raises unless `path` is absent, an empty directory or a checkpoint."""
     if not os.path.lexists(path):
         return
     if not path.is_dir():
@@ -58,7 +45,8 @@ def _refuse_to_replace(path: pathlib.Path) -> None:
             f"{path} is a file, not a checkpoint directory; `save` does not replace "
             "it (even with `overwrite=True`). Remove it, or save elsewhere."
         )
-    if any(path.iterdir()) and not is_checkpoint(path):
+    checkpoint = (path / "_CHECKPOINT_METADATA").is_file() or (path / "leaves").is_dir()
+    if any(path.iterdir()) and not checkpoint:
         raise FileExistsError(
             f"{path} is a directory that is not a checkpoint (it has neither "
             "'_CHECKPOINT_METADATA' nor 'leaves'); `save` does not replace it (even "
@@ -76,9 +64,7 @@ def damaged(path: pathlib.Path, file: pathlib.Path, why: str) -> ValueError:
 
 
 def read_json(path: pathlib.Path, file: pathlib.Path) -> Any:
-    """The JSON object in the metadata `file` of the checkpoint `path`; `ValueError`
-    naming both if it is not one (orbax's own errors are a bare `JSONDecodeError`,
-    or an `AttributeError`)."""
+    """The JSON object in `file`, else `ValueError` naming it (orbax's errors don't)."""
     try:
         value = json.loads(file.read_bytes())
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
@@ -90,7 +76,7 @@ def read_json(path: pathlib.Path, file: pathlib.Path) -> Any:
 
 
 def nbytes(arrays: dict) -> int:
-    return sum(int(np.prod(np.shape(x))) * x.dtype.itemsize for x in arrays.values())
+    return sum(x.nbytes for x in arrays.values())
 
 
 def save(
@@ -99,14 +85,10 @@ def save(
     """Saves every array of a PyTree, and its Python scalars, to a checkpoint directory
     with orbax-checkpoint. Each process writes only the shards it holds.
 
-    Array leaves (`equinox.is_array`: JAX arrays, typed PRNG key arrays, NumPy arrays)
-    and Python `bool`/`int`/`float`/`complex` leaves are saved; every other leaf
-    (functions, strings, `None`, Equinox's static fields, ...) is not: it comes back
-    from `like` in [`equinox_shard.restore`][], as in `equinox.tree_serialise_leaves`.
-
-    The checkpoint is complete only once this returns: orbax writes into a temporary
-    directory and renames it to `path` at the end, so a save that is interrupted
-    (killed, out of disk) leaves no `path` behind, and `restore` raises on it.
+    Array leaves (`equinox.is_array`, typed PRNG keys included) and Python
+    `bool`/`int`/`float`/`complex` leaves are saved; every other leaf comes back from
+    `like` in [`equinox_shard.restore`][], as in `equinox.tree_serialise_leaves`. A
+    save that is interrupted leaves no `path` behind.
 
     **Arguments:**
 
@@ -124,15 +106,12 @@ def save(
 
     Before anything is written: `FileExistsError` if `path` exists and not
     `overwrite`, or (even with `overwrite`) if `path` is a file, a symbolic link, or
-    a non-empty directory that is not a checkpoint (its files are never deleted);
-    `ValueError` (naming the leaf by its key path) for an abstract leaf (a
-    `jax.ShapeDtypeStruct` or a tracer); `RuntimeError`, as
-    [`equinox_shard.filter_jit`][] raises it, for an array that was deleted
-    (donated). `ImportError` if orbax-checkpoint is not
-    installed. While writing (a full disk, a read-only directory): `OSError` (with
-    the system's error number; `RuntimeError` where there is none) naming `path`,
-    once what the failed save wrote is removed (a checkpoint that `overwrite` was to
-    replace is kept).
+    a non-empty directory that is not a checkpoint; `ValueError` (naming the leaf by
+    its key path) for an abstract leaf; `RuntimeError`, as
+    [`equinox_shard.filter_jit`][] raises it, for a deleted (donated) array;
+    `ImportError` without orbax-checkpoint. While writing: `OSError` (with the
+    system's error number; else `RuntimeError`) naming `path`, once what the failed
+    save wrote is removed (a checkpoint that `overwrite` was to replace is kept).
 
     !!! example
 
@@ -146,8 +125,7 @@ def save(
     path = absolute_path(path)
     record, arrays = manifest.build(tree, "tree")
     if path.is_symlink():
-        # Replaced, the link would become a directory; written through, the
-        # checkpoint it names (shared by other links, say) would be lost.
+        # Replaced, it would become a directory; written through, its target is lost.
         raise FileExistsError(
             f"{path} is a symbolic link (to {os.readlink(path)}); `save` neither "
             "replaces it nor writes through it (even with `overwrite=True`). Save to "
@@ -163,7 +141,7 @@ def save(
     with LOCK:
         if jax.process_index() == 0:
             tidy(path)
-        _sync(ocp, "equinox_shard.save.tidy")
+        ocp.multihost.sync_global_processes("equinox_shard.save.tidy")
         target = sibling(path, SWAP) if path.exists() else path
         handler = ocp.CompositeCheckpointHandler(
             leaves=ocp.JsonCheckpointHandler(), arrays=arrays_handler(ocp)
@@ -173,7 +151,7 @@ def save(
         if target != path:
             if jax.process_index() == 0:
                 swap_in(target, path)
-            _sync(ocp, "equinox_shard.save.swap")
+            ocp.multihost.sync_global_processes("equinox_shard.save.swap")
     logger.info(
         "saved %s: %d arrays, %d bytes in %.2f s",
         path, len(arrays), nbytes(arrays), time.perf_counter() - start,
@@ -212,20 +190,16 @@ def _read_record(path: pathlib.Path) -> list[dict]:
 
 
 def _concrete(sharding: Sharding, where: str) -> Sharding:
-    """A sharding on an `AbstractMesh` (as `jax.eval_shape` reports inside
-    `jax.set_mesh`) mapped to the concrete mesh set with `jax.set_mesh`, when that
-    mesh has the same axis names and sizes."""
+    """A sharding on an `AbstractMesh` taken to the mesh of `jax.set_mesh`, when that
+    has the same axis names and sizes."""
     if not isinstance(sharding, NamedSharding):
         return sharding
     mesh = sharding.mesh
     if isinstance(mesh, jax.sharding.Mesh):
         return sharding
     concrete = jax.sharding.get_mesh()
-    if not concrete.empty and dict(concrete.shape) == dict(mesh.shape):
-        if tuple(concrete.axis_names) == tuple(mesh.axis_names):
-            return NamedSharding(
-                concrete, sharding.spec, memory_kind=sharding.memory_kind
-            )
+    if not concrete.empty and list(concrete.shape.items()) == list(mesh.shape.items()):
+        return sharding.update(mesh=concrete)
     raise ValueError(
         f"{where}: its sharding {sharding} is on an abstract mesh (as `jax.eval_shape` "
         "reports it), which has no devices to restore onto. Call `restore` inside "
@@ -239,16 +213,13 @@ def restore(
     path: str | os.PathLike, like: PyTree[Any], shardings: Any = None
 ) -> PyTree[Any]:
     """Restores a checkpoint written by [`equinox_shard.save`][], reading every array
-    straight into its target sharding: each device receives only its own shards, read
-    from disk by orbax-checkpoint, and no device ever holds a whole array that its
-    target sharding splits.
+    straight into its target sharding: each device receives only its own shards, and
+    no device ever holds a whole array that its target sharding splits.
 
-    `like` gives the structure: every leaf that `save` did not save (functions,
-    strings, static fields, ...) is returned as the very same object of `like`, as in
-    `equinox.tree_deserialise_leaves`. It may be a PyTree built the usual way, or an
-    abstract one from `equinox.filter_eval_shape`, `jax.eval_shape` or
-    `equinox_shard.filter_jit(...).eval_shape(...)` with `jax.ShapeDtypeStruct`s in
-    place of arrays.
+    `like` gives the structure: every leaf that `save` did not save is returned as the
+    very object of `like`, as in `equinox.tree_deserialise_leaves`. It may be built
+    the usual way, or be abstract (`equinox.filter_eval_shape`, `jax.eval_shape`,
+    `equinox_shard.filter_jit(...).eval_shape(...)`).
 
     **Arguments:**
 
@@ -258,17 +229,12 @@ def restore(
         shapes and dtypes for every saved array and Python scalar. Its arrays'
         values are never read.
     - `shardings`: where each array goes, in the spec language of
-        [`equinox_shard.filter_device_put`][]: a PyTree prefix of `like` whose leaves
-        are a `Sharding`, a `jax.Device`, a bare `PartitionSpec` (under
-        `jax.set_mesh`), a callable `leaf -> spec`, an `equinox_shard.PathRules`, or
-        `None`. Where it is `None` (the default), an array goes where the leaf of
-        `like` says: a JAX array's own sharding, a `jax.ShapeDtypeStruct`'s
-        `.sharding` (one on an abstract mesh, as `jax.eval_shape` reports inside
-        `jax.set_mesh`, is taken to the mesh set with `jax.set_mesh`); a leaf
-        without one (a `jax.ShapeDtypeStruct` whose sharding is `None`, an
-        uncommitted array) comes back uncommitted on the default device, as
-        `jnp.asarray` puts an array, so that JAX moves it where a later computation
-        needs it. The layout may differ from the one saved.
+        [`equinox_shard.filter_device_put`][] (a PyTree prefix of `like`). Where it is
+        `None` (the default), an array goes where the leaf of `like` says: a JAX
+        array's own sharding, a `jax.ShapeDtypeStruct`'s `.sharding` (one on an
+        abstract mesh is taken to the mesh of `jax.set_mesh`); a leaf without one
+        comes back uncommitted on the default device, as `jnp.asarray` puts it. The
+        layout may differ from the one saved.
 
     **Returns:**
 
@@ -279,13 +245,11 @@ def restore(
     **Raises:**
 
     Before any array is read, naming the leaf by its key path: `FileNotFoundError` if
-    there is no checkpoint at `path` (also saying so when an interrupted save left an
-    unfinished one); `ValueError` if `like` differs from the checkpoint (a leaf missing
-    on either side, or another shape, dtype or kind, with both values), if a sharding
-    does not divide the saved shape, or if a sharding is on an abstract mesh with no
-    matching concrete mesh set, or if a data file holding the leaf is missing or
-    truncated. Once the arrays are read: `ValueError`, naming the leaf, if one does
-    not match the checksum saved with it (a damaged file).
+    there is no checkpoint at `path`; `ValueError` if `like` differs from the
+    checkpoint (with both values), if a sharding does not divide the saved shape or
+    is on an abstract mesh with no matching mesh set, or if a data file holding the
+    leaf is missing or truncated. Once read: `ValueError`, naming the leaf, if an
+    array does not match the checksum saved with it.
 
     !!! example
 
@@ -311,8 +275,7 @@ def restore(
 def restore_from(
     path: pathlib.Path, like: Any, shardings: Any, what: str | None = None
 ) -> tuple[Any, dict]:
-    """`restore`, and the arrays it read (by name); `what` names the checkpoint on
-    its progress bar (default: the directory's name)."""
+    """`restore`, and the arrays it read (by name); `what` names it on the bar."""
     ocp = _orbax()
     leaves, treedef = jtu.tree_flatten(like)
     paths = [jtu.keystr(p) for p, _ in jtu.tree_flatten_with_path(like)[0]]
@@ -322,15 +285,13 @@ def restore_from(
     manifest.match(path, entries, like_leaves)
     saved = {e["path"]: e for e in entries}
     names = manifest.names(entries)
-    # Each array's target sharding: from `shardings`, else from `like`'s own leaf.
-    targets: dict[int, Sharding] = {}
+    targets: dict[int, Sharding] = {}  # else the sharding of `like`'s own leaf
     if shardings is not None:
         dynamic = lambda x: manifest.saved_form(x) in ("array", "key")
-        todo = resolve_leaves(
+        targets = dict(resolve_leaves(
             like, leaves, shardings, "shardings", "like", abstract_ok=False,
             dynamic=dynamic,
-        )  # fmt: skip
-        targets = dict(todo)
+        ))  # fmt: skip
     items, restore_args, placed = {}, {}, {}
     for i, (p, form, x) in enumerate(zip(paths, forms, leaves)):
         if form not in ("array", "key", "numpy"):
@@ -367,21 +328,15 @@ def restore_from(
             progress.bar(f"restoring {what or path.name}", stored),
             ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer,
         ):
+            arrays = ocp.args.PyTreeRestore(items, restore_args=restore_args)  # pyright: ignore[reportCallIssue]
             try:
-                read = checkpointer.restore(
-                    path,
-                    ocp.args.Composite(
-                        arrays=ocp.args.PyTreeRestore(  # pyright: ignore[reportCallIssue]
-                            items, restore_args=restore_args
-                        )
-                    ),
-                )["arrays"]
+                read = checkpointer.restore(path, ocp.args.Composite(arrays=arrays))
             except (AttributeError, KeyError, TypeError) as e:
-                # orbax reads the `arrays` metadata; these are its errors for a
-                # structure it did not expect.
+                # orbax's errors for an `arrays` metadata it did not expect.
                 file = path / "arrays" / "_METADATA"
                 why = f"is not as orbax writes it ({type(e).__name__}: {e})"
                 raise damaged(path, file, why) from e
+            read = read["arrays"]
     manifest.verify(path, entries, read)
     new = list(leaves)
     for i, (p, form) in enumerate(zip(paths, forms)):
@@ -389,22 +344,21 @@ def restore_from(
             e = saved[p]
             new[i] = complex(*e["value"]) if e["type"] == "complex" else e["value"]
         elif form in ("array", "key", "numpy"):
-            shape, dtype, sharding = placed[p]
             value = read.get(names[p])
-            new[i] = _value(form, leaves[i], value, shape, dtype, sharding, saved[p])
+            new[i] = _value(form, leaves[i], value, placed[p], saved[p])
     return jtu.tree_unflatten(treedef, new), read
 
 
 def _placed(x: Any) -> Sharding | None:
-    """Where `like`'s leaf says its array goes; `None` (uncommitted, as `jnp.asarray`
-    puts it) for a `jax.ShapeDtypeStruct` without a sharding or an uncommitted array."""
+    """Where `like`'s leaf says its array goes; `None`: uncommitted."""
     if isinstance(x, jax.Array):
         return x.sharding if x.committed else None
     return getattr(x, "sharding", None)
 
 
-def _value(form, leaf, value, shape, dtype, sharding, e) -> Any:
-    """The restored leaf, from what orbax `read` (`None` for a zero-size array)."""
+def _value(form, leaf, value, placed, e) -> Any:
+    """The restored leaf, from what orbax read (`None` for a zero-size array)."""
+    shape, dtype, sharding = placed
     if value is None:
         zeros = value = np.zeros(shape, dtype)
         if sharding is not None:
