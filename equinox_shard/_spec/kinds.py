@@ -1,12 +1,8 @@
-"""The kinds of spec leaf, in one table (`KINDS`): for each, its type and name in
-messages, its validity, its resolution against an array (`Kind.resolve`), the
-`Sharding` its placement gives (`sharding_of`), its eager placement where that is not
-onto a `Sharding` (`Kind.target`), which functions take it, and how it is applied in a
-trace and by `filter_jit`. Every module that treats kinds apart reads this table.
+"""The kinds of spec leaf, in one table (`KINDS`) that every module treating kinds
+apart reads: how each is named, checked, resolved, placed and applied in a trace.
 
-Not kinds: `Layout.AUTO` (`is_auto`, the compiler's layout, `filter_jit` only), the
-`PartitionSpec`s of `filter_shard_map`, and a callable rule or a `PathRules` (each
-chooses a spec leaf of one of these kinds per array: `leaves`).
+Not kinds: `Layout.AUTO` (`is_auto`, `filter_jit` only), the `PartitionSpec`s of
+`filter_shard_map`, and a rule or a `PathRules` (each chooses a kind per array).
 """
 
 import enum
@@ -23,16 +19,13 @@ from .._arrays import is_key_array
 class InTrace(enum.Enum):
     """How a kind is applied inside a trace."""
 
-    # `jax.sharding.reshard` or `jax.lax.with_sharding_constraint`.
-    CONSTRAIN = "constrain"
-    # `jax.device_put`, as JAX does in a trace.
-    TRANSFER = "transfer"
-    # Refused, with `Kind.in_trace_hint`.
-    REFUSED = "refused"
+    CONSTRAIN = "constrain"  # `reshard` or `with_sharding_constraint`
+    TRANSFER = "transfer"  # `jax.device_put`, as JAX does in a trace
+    REFUSED = "refused"  # with `Kind.in_trace_hint`
 
 
 class Kind(NamedTuple):
-    """One kind of spec leaf (see the module's docstring)."""
+    """One kind of spec leaf."""
 
     # Its Python type, and how messages name it.
     type: type
@@ -69,7 +62,6 @@ class Kind(NamedTuple):
 
 
 def _on_mesh(spec: PartitionSpec, mesh: Callable[[], Any], where) -> NamedSharding:
-    """A bare `PartitionSpec` on the mesh to resolve against."""
     on = mesh()
     if on is None:
         raise ValueError(
