@@ -116,13 +116,11 @@ def sharding_table(tree: PyTree[Any], *, name: str = "", rules: Any = None) -> s
     - `rules`: an [`equinox_shard.PathRules`][], or any specification of `tree`
         holding some (e.g. `(rules, rules, P("data"))` for a tuple `(model,
         opt_state, batch)`), matched as [`equinox_shard.explain_rules`][] matches it.
-        If given, a last column shows which rule places each array: `#k pattern` for
-        rule `k` of its `PathRules` (followed by `(over #j)` when rule `j` matched
-        too but lost), `default`, `no rule` (no rule matched and there is no
-        default: placing `tree` would raise), or `-` for an array beneath no
-        `PathRules`. Below the table follow, if there are any, the rules that matched
-        no array, the arrays that more than one rule matched, and those that no rule
-        matched.
+        A last column then shows which rule places each array: `#k pattern` for rule
+        `k` of its `PathRules` (then `(over #j)` if rule `j` matched too but lost),
+        `default`, `no rule` (no rule and no default: placing `tree` would raise),
+        or `-` beneath no `PathRules`. Below the table follow, if any, the rules that
+        matched no array and the arrays that several rules, or no rule, matched.
 
     **Returns:**
 
@@ -199,10 +197,7 @@ def sharding_table(tree: PyTree[Any], *, name: str = "", rules: Any = None) -> s
     total = _format_bytes(max(per_device.values())) if per_device else "-"
     header = _HEADER if rules is None else (*_HEADER, "rule")
     total_row = ("total", "", "", "", total) + (() if rules is None else ("",))
-    widths = [
-        max(len(row[i]) for row in [header, *rows, total_row])
-        for i in range(len(header))
-    ]
+    widths = [max(map(len, column)) for column in zip(header, *rows, total_row)]
 
     def line(row):
         left, right, rest = row[:4], row[4], row[5:]
@@ -212,8 +207,7 @@ def sharding_table(tree: PyTree[Any], *, name: str = "", rules: Any = None) -> s
         return "  ".join(cells).rstrip()
 
     rule = "-" * (sum(widths) + 2 * (len(widths) - 1))
-    lines = [line(header), rule, *map(line, rows), rule]
-    lines.append(line(total_row))
+    lines = [line(header), rule, *map(line, rows), rule, line(total_row)]
     if report is not None:
         lines += _rule_notes(report)
     return "\n".join(lines)

@@ -92,11 +92,9 @@ class RulesReport:
         ]
         for match in self.unused:
             line = f"unused: rule {match.index} `{match.pattern}` matched no array"
-            suggestion = self.did_you_mean.get(match.pattern)
-            if suggestion is not None:
-                line += (
-                    f"; key paths start with `.` or `[`: did you mean `{suggestion}`?"
-                )
+            if match.pattern in self.did_you_mean:
+                mean = self.did_you_mean[match.pattern]
+                line += f"; key paths start with `.` or `[`: did you mean `{mean}`?"
             lines.append(line)
         for path, (won, lost) in self.overlaps.items():
             losers = ", ".join(str(m.index) for m in lost)
@@ -117,7 +115,6 @@ def explain_rules(
     a PyTree: which rule places each array, which rules match nothing, and which
     arrays more than one rule matches. It matches as placing `tree` with `specs` would
     (by the same code), but raises nothing it reports, places nothing, needs no mesh.
-
 
     **Arguments:**
 
@@ -167,21 +164,21 @@ def explain_rules(
     spread(
         specs, tree, leaves, "specs", name or "tree", where, is_array_or_struct, usage
     )
+    placed: dict[str, RuleMatch] = {}
     overlaps: dict[str, RuleOverlap] = {}
     unmatched: list[str] = []
     unused: list[RuleMatch] = []
     suggestions: dict[str, str] = {}
-    found = []
     for rules, _, seen in usage.groups.values():
         for where, _, matches in seen:
             path = where()
             if matches:
                 won, *lost = (RuleMatch(k, *rules.rules[k]) for k in matches)
-                found.append((path, won))
+                placed[path] = won
                 if lost:
                     overlaps[path] = RuleOverlap(won, tuple(lost))
             elif rules.default is not unset:
-                found.append((path, RuleMatch(None, "default", rules.default)))
+                placed[path] = RuleMatch(None, "default", rules.default)
             else:
                 unmatched.append(path)
         for k, suggestion in unused_rules(rules, seen):
@@ -189,8 +186,8 @@ def explain_rules(
             if suggestion is not None:
                 suggestions[rules.rules[k][0]] = suggestion
     # In the order of the tree's leaves (groups gather equal rules from anywhere).
-    order = {path: i for i, path in enumerate(names)}
-    placed = dict(sorted(found, key=lambda item: order[item[0]]))
-    overlaps = dict(sorted(overlaps.items(), key=lambda item: order[item[0]]))
-    unmatched.sort(key=order.__getitem__)
+    order = {path: i for i, path in enumerate(names)}.__getitem__
+    placed = {k: placed[k] for k in sorted(placed, key=order)}
+    overlaps = {k: overlaps[k] for k in sorted(overlaps, key=order)}
+    unmatched.sort(key=order)
     return RulesReport(placed, tuple(unused), overlaps, tuple(unmatched), suggestions)

@@ -33,8 +33,7 @@ class Kind(NamedTuple):
     # `resolve(x, mesh, where)`, the same for every array: a `Sharding`, a value of a
     # kind that needs no resolving, or `None` (leave it); `None` here: `x` itself.
     resolve: Callable[[Any, Callable[[], Any], Callable[[], str]], Any] | None = None
-    # Whether resolving it depends on the context mesh (`jax.set_mesh`).
-    needs_mesh: bool = False
+    needs_mesh: bool = False  # whether resolving reads the `jax.set_mesh` mesh
     # The `Sharding` its placement gives an array (`None`: the array's own, moved
     # otherwise, e.g. to another memory, which `jax.device_put` always copies).
     sharding: Callable[[Any], Any] = lambda x: x
@@ -42,8 +41,7 @@ class Kind(NamedTuple):
     target: Callable[[Any, Any, Callable[[], str]], Any] | None = None
     # Whether a committed array on its `sharding` may stand for one placed on it.
     is_placed: Callable[[Any, Any], bool] = lambda x, target: True
-    # Whether `jax.device_put` needs the array on the `sharding` first.
-    sharding_first: bool = False
+    sharding_first: bool = False  # `jax.device_put` needs the array on it first
     # Whether a value of `type` is a spec leaf, and the hint of the error if not.
     valid: Callable[[Any], bool] = lambda x: True
     invalid: str = ""

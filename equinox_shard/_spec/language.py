@@ -76,7 +76,7 @@ def _first_mismatch(spec: Any, value: Any, path: tuple) -> tuple[tuple, str] | N
     differs = f"{found} whereas the value has {_describe_node(value)}"
     if not is_pytree_node(value) and value is not None:
         return path, differs
-    if type(spec) is type(value) and isinstance(spec, dict):
+    if type(spec) is type(value) and isinstance(spec, dict) and isinstance(value, dict):
         missing = sorted(value.keys() - spec.keys(), key=repr)
         extra = sorted(spec.keys() - value.keys(), key=repr)
         if missing:  # both sides are named: a key on each is usually one misspelt
