@@ -1,7 +1,7 @@
-"""`filter_device_put` and `filter_shard`: the array leaves of a PyTree placed (eagerly)
-or constrained (inside a trace) on what its specification resolves to
-(`_spec.language`)."""
+"""`filter_device_put` and `filter_shard`: a PyTree's arrays placed (eagerly) or
+constrained (in a trace) on what its specification resolves to (`_spec.language`)."""
 
+import functools as ft
 from collections.abc import Callable
 from typing import Any
 
@@ -9,13 +9,7 @@ import jax
 import jax._src.traceback_util as traceback_util
 import jax.lax as lax
 import jax.tree_util as jtu
-from jax.sharding import (
-    AxisType,
-    Mesh,
-    NamedSharding,
-    PartitionSpec,
-    Sharding,
-)
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
 from jaxtyping import PyTree
 
 from ._arrays import in_default_memory, is_tracer
@@ -38,13 +32,12 @@ traceback_util.register_exclusion(__file__)
 def _broadcast_flags(
     flags: Any, value: Any, leaves: list, name: str
 ) -> list | bool | None:
-    if isinstance(flags, bool) or flags is None:
+    is_flag = lambda x: x is None or isinstance(x, bool)
+    if is_flag(flags):
         return flags  # pyright: ignore[reportReturnType]
-    flag_leaves, flag_def = jtu.tree_flatten(
-        flags, is_leaf=lambda x: x is None or isinstance(x, bool)
-    )
+    flag_leaves, flag_def = jtu.tree_flatten(flags, is_leaf=is_flag)
     for leaf in flag_leaves:
-        if not (leaf is None or isinstance(leaf, bool)):
+        if not is_flag(leaf):
             raise TypeError(
                 f"`{name}` must be a bool or a PyTree prefix of `x` with bool leaves; "
                 f"got a leaf {leaf!r}."
@@ -57,12 +50,8 @@ def _constraint_function(sharding: Sharding, where: Callable[[], str]) -> str:
         return "with_sharding_constraint"
     mesh = sharding.mesh
     axis_types = dict(zip(mesh.axis_names, mesh.axis_types))
-    used = set()
-    for entry in sharding.spec:
-        if isinstance(entry, tuple):
-            used.update(entry)
-        elif isinstance(entry, str):
-            used.add(entry)
+    # The mesh axes the spec names (`tree_leaves` drops its `None`s).
+    used = {n for n in jtu.tree_leaves(tuple(sharding.spec)) if isinstance(n, str)}
     explicit = sorted(n for n in used if axis_types[n] == AxisType.Explicit)
     auto = sorted(n for n in used if axis_types[n] == AxisType.Auto)
     if explicit and auto:
@@ -72,11 +61,7 @@ def _constraint_function(sharding: Sharding, where: Callable[[], str]) -> str:
             "constrained on one kind only (`jax.sharding.reshard` for Explicit, "
             "`jax.lax.with_sharding_constraint` for Auto)."
         )
-    if explicit:
-        return "reshard"
-    if auto:
-        return "with_sharding_constraint"
-    if any(t == AxisType.Explicit for t in mesh.axis_types):
+    if explicit or (not auto and AxisType.Explicit in mesh.axis_types):
         return "reshard"
     return "with_sharding_constraint"
 
@@ -102,11 +87,9 @@ def _in_host_memory(x: Any) -> bool:
 def constrain_leaves(
     value: Any, leaves: list, todo: list[tuple[int, Any]], value_name: str
 ) -> None:
-    """Constrains `leaves[i]` (inside a trace) to `sharding` for each `(i, sharding)`
-    in `todo`, in place: `jax.sharding.reshard` on Explicit mesh axes,
-    `jax.lax.with_sharding_constraint` on Auto axes, followed by `jax.device_put`
-    where the memory kind changes (which those two ignore, and which
-    `jax.device_put` alone would not partition on Auto axes)."""
+    """Constrains `leaves[i]` to `sharding` for each `(i, sharding)` in `todo`, in
+    place, in a trace: `reshard` on Explicit axes, `with_sharding_constraint` on Auto
+    ones, then `jax.device_put` where the memory kind changes (which they ignore)."""
     groups: dict[str, tuple[list, list]] = {}
     memory = []
     for i, sharding in todo:
@@ -145,6 +128,11 @@ def constrain_leaves(
             leaves[i] = leaf
 
 
+_resolve = ft.partial(
+    resolve_leaves, spec_name="device_or_shardings", value_name="x", formats=True
+)
+
+
 def filter_device_put(
     x: PyTree[Any],
     device_or_shardings: Any,
@@ -155,60 +143,56 @@ def filter_device_put(
     """Filtered version of `jax.device_put`: transfers every array in a PyTree to a
     device or sharding, and returns every non-array leaf as the very same object.
 
-    Outside a trace this calls `jax.device_put` once, batched over the array leaves that
-    actually need to move. It does not compile or run a computation of its own (unlike
-    an eager `jax.lax.with_sharding_constraint` or `jax.jit`); the only compilation is
-    what `jax.device_put` itself does, e.g. a small slicing helper, cached per shape,
-    the first time an array that lives on a single device is split across several. An
-    array that already carries an equivalent sharding (`Sharding.is_equivalent_to`)
-    and is committed is returned as the same object, without calling
-    `jax.device_put` at all.
+    Outside a trace this is one `jax.device_put`, batched over the arrays that need to
+    move. It compiles and runs nothing of its own (unlike an eager
+    `jax.lax.with_sharding_constraint` or `jax.jit`): only what `jax.device_put` does,
+    e.g. a small slicing helper, cached per shape, the first time a single-device
+    array is split across several. A committed array that already has an equivalent
+    sharding (`Sharding.is_equivalent_to`) is returned as the same object, without
+    calling `jax.device_put` at all.
 
     **Arguments:**
 
     - `x`: any PyTree. Its array leaves (`equinox.is_array`: JAX arrays, NumPy arrays,
-        NumPy scalars and typed PRNG key arrays) are placed. Everything else (Python
-        scalars, strings, functions, `jax.ShapeDtypeStruct`s, ...) is returned as-is.
-    - `device_or_shardings`: a PyTree prefix of `x`. Each of its leaves is a
+        NumPy scalars and typed PRNG key arrays) are placed; everything else (Python
+        scalars, functions, `jax.ShapeDtypeStruct`s, ...) is returned as-is.
+    - `device_or_shardings`: a PyTree prefix of `x` whose leaves are each a
         `jax.sharding.Sharding`, a `jax.Device`, a bare `jax.sharding.PartitionSpec`
-        (resolved against the mesh set with `jax.set_mesh`), `None` (leave that
-        subtree exactly as it is), or a callable `leaf -> spec` that is called on each
-        array leaf beneath it and returns one of the former. A
+        (on the mesh set with `jax.set_mesh`), `None` (leave that subtree as it is),
+        or a callable `leaf -> spec` called on each array beneath it. A
         `jax.experimental.layout.Format(layout, sharding)` places on `sharding` in
-        `layout`, e.g. the leaves of `Compiled.input_formats` (whose non-array
-        leaves, the same as those of `x`, are accepted); `Layout.AUTO` cannot be
-        placed (a `ValueError`: lower and compile first), and a typed PRNG key array
-        is placed on the sharding alone. A `jax.memory.Space` (`Space.Host`) moves
-        the array to that memory, keeping its sharding.
+        `layout`, e.g. the leaves of `Compiled.input_formats` (whose non-array leaves,
+        those of `x`, are accepted); `Layout.AUTO` cannot be placed (a `ValueError`:
+        lower and compile first), and a typed PRNG key array is placed on the
+        sharding alone. A `jax.memory.Space` (`Space.Host`) moves the array to that
+        memory, keeping its sharding.
     - `donate`: passed to `jax.device_put`; a bool or a PyTree prefix of `x` of bools.
         Donation is best-effort, as in JAX: a donated input may hand its buffers to
         the result (whatever `may_alias` says), so it must not be used again.
     - `may_alias`: a bool, `None`, or a PyTree prefix of `x`. `None` (the default)
         returns an array that is already placed as the same object and copies every
-        other one, unless it is donated. `False` always copies an array that is not
-        donated, even one that is already placed. `True` lets a result share its
-        buffers with its input, as `jax.device_put` may: donating that result later
-        may then delete the input. `donate` and `may_alias` both `True` for one array
-        is a `ValueError`. An array that appears twice in `x` (tied weights) is placed
+        other one not donated; `False` copies even those; `True` lets a result share
+        its input's buffers, as `jax.device_put` may, so donating that result later
+        may delete the input. `donate` and `may_alias` both `True` for one array is a
+        `ValueError`. An array that appears twice in `x` (tied weights) is placed
         once: both places hold the one result.
 
     **Returns:**
 
     A PyTree with the structure of `x`: array leaves placed (committed), with the same
     shapes and dtypes; other leaves the same objects. An array already placed is the
-    very object of `x`, so donating it later donates the array of `x`; every other
-    array owns its buffers (unless `may_alias=True`), so donating it later never
-    deletes an array of `x`.
+    very object of `x` (donating it later donates the array of `x`); every other
+    array owns its buffers unless `may_alias=True` (donating it never deletes an array
+    of `x`).
 
     **Raises:**
 
-    Before any transfer, naming the offending leaf by its key path (`x[0]['w']`):
-    `ValueError` if `device_or_shardings` is not a prefix of `x`, a `PartitionSpec`
-    has more entries than the array has dimensions, a dimension is not divisible by its
-    mesh axes, a bare `PartitionSpec` is given with no mesh set, or a mesh axis is
-    unknown; `TypeError` for a spec leaf of the wrong type or a callable that returns
-    one. `RuntimeError` (with the key path) if an input array was already deleted
-    (e.g. donated to an earlier call).
+    Before any transfer, naming the leaf by its key path (`x[0]['w']`): `ValueError`
+    if `device_or_shardings` is not a prefix of `x`, a `PartitionSpec` has more
+    entries than the array has dimensions, a dimension is not divisible by its mesh
+    axes, a bare `PartitionSpec` has no mesh, or a mesh axis is unknown; `TypeError`
+    for a spec leaf of the wrong type or a callable that returns one. `RuntimeError`
+    if an input array was already deleted (e.g. donated to an earlier call).
 
     !!! info "Inside a trace"
 
@@ -230,15 +214,7 @@ def filter_device_put(
     """
     leaves, treedef = jtu.tree_flatten(x)
     traced = any(map(is_tracer, leaves))
-    todo = resolve_leaves(
-        x,
-        leaves,
-        device_or_shardings,
-        "device_or_shardings",
-        "x",
-        abstract_ok=traced,
-        formats=True,
-    )
+    todo = _resolve(x, leaves, device_or_shardings, abstract_ok=traced)
     if not todo:
         return x
     place(
@@ -259,19 +235,17 @@ def filter_shard(x: PyTree[Any], device_or_shardings: Any) -> PyTree[Any]:
     context:
 
     - **Outside a trace** (including under `jax.disable_jit()`): exactly
-        [`equinox_shard.filter_device_put`][], i.e. one batched `jax.device_put`. No
-        computation of its own is compiled, and already-placed arrays come back as the
-        same object.
+        [`equinox_shard.filter_device_put`][], one batched `jax.device_put`: nothing
+        of its own compiled, already-placed arrays returned as the same object.
     - **Inside a trace** (`jax.jit`, `equinox.filter_jit`, `jax.vmap`, `jax.grad`,
-        `jax.eval_shape`, ...), per array leaf:
-        `jax.lax.with_sharding_constraint` when the spec uses Auto mesh axes, or
-        `jax.sharding.reshard` when it uses Explicit mesh axes (the default of
-        `jax.make_mesh`; an array on no mesh, outside `jax.set_mesh`, is first put
-        on the sharding's mesh, replicated, which `reshard` needs inside `jax.jit`);
-        then, if the sharding has a non-default memory kind such as
-        `"pinned_host"` (which those two ignore), also `jax.device_put`. This also
-        applies to array leaves that are not tracers, such as constants closed over
-        by a jitted function. Under `jax.disable_jit()` those are placed instead.
+        `jax.eval_shape`, ...), per array leaf: `jax.lax.with_sharding_constraint` on
+        Auto mesh axes, or `jax.sharding.reshard` on Explicit ones (the default of
+        `jax.make_mesh`; an array on no mesh, outside `jax.set_mesh`, is first put on
+        the sharding's mesh, replicated, as `reshard` needs inside `jax.jit`); then,
+        for a non-default memory kind such as `"pinned_host"` (which those two
+        ignore), also `jax.device_put`. This applies to arrays that are not tracers
+        too, such as constants closed over by a jitted function (under
+        `jax.disable_jit()` those are placed instead).
 
     **Arguments:**
 
@@ -289,12 +263,11 @@ def filter_shard(x: PyTree[Any], device_or_shardings: Any) -> PyTree[Any]:
 
     **Raises:**
 
-    As [`equinox_shard.filter_device_put`][], and additionally, inside a trace, a
-    `ValueError` naming the key path if one `PartitionSpec` mixes Auto and Explicit
-    mesh axes, and a `TypeError` naming it for a `Format` (constrain
-    `format.sharding`, and the layout with
-    `jax.experimental.layout.with_layout_constraint`). Checks happen before anything
-    is transferred or traced.
+    As [`equinox_shard.filter_device_put`][]; inside a trace also a `ValueError`
+    naming the key path if one `PartitionSpec` mixes Auto and Explicit mesh axes, and
+    a `TypeError` naming it for a `Format` (constrain `format.sharding`, and the
+    layout with `jax.experimental.layout.with_layout_constraint`). Checks happen
+    before anything is transferred or traced.
 
     !!! example
 
@@ -312,22 +285,13 @@ def filter_shard(x: PyTree[Any], device_or_shardings: Any) -> PyTree[Any]:
         ```
     """
     leaves, treedef = jtu.tree_flatten(x)
-    # Inside a trace also for leaves that are not tracers (constants closed over by a
-    # jitted function): `jax.device_put` there would not be a constraint. Under
-    # `jax.disable_jit()` such constants are placed instead, as
-    # `with_sharding_constraint` would do nothing.
+    # Closed-over constants are constrained in a trace (`device_put` would not be a
+    # constraint), but placed under `jax.disable_jit()` (nothing would constrain them).
+
     traced = any(map(is_tracer, leaves)) or (
         in_trace() and not jax.config.jax_disable_jit  # pyright: ignore
     )
-    todo = resolve_leaves(
-        x,
-        leaves,
-        device_or_shardings,
-        "device_or_shardings",
-        "x",
-        abstract_ok=traced,
-        formats=True,
-    )
+    todo = _resolve(x, leaves, device_or_shardings, abstract_ok=traced)
     if not todo:
         return x
     if traced:

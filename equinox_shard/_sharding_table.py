@@ -18,6 +18,7 @@ from ._arrays import (
     is_tracer,
 )
 from ._spec.explain_rules import explain_rules, RuleMatch, RulesReport
+from ._spec.language import devices_along
 
 
 _HEADER = ("path", "shape", "dtype", "sharding", "bytes/device")
@@ -29,14 +30,6 @@ def _format_bytes(n: int) -> str:
         return f"{n} B"
     exponent = min(int(math.log(n, 1024)), len(_UNITS) - 1)
     return f"{n / 1024**exponent:.1f} {_UNITS[exponent]}"
-
-
-def _itemsize(x: Any) -> int:
-    try:
-        return np.dtype(x.dtype).itemsize
-    except TypeError:
-        # Extended dtypes (typed PRNG keys): `jax.dtypes` knows their size.
-        return x.dtype.itemsize
 
 
 def _describe_sharding(sharding: Sharding, committed: bool) -> str:
@@ -62,9 +55,7 @@ def _shard_sizes(sharding: Sharding, shape: tuple[int, ...]) -> dict[Any, int]:
         mesh_shape = dict(sharding.mesh.shape)
         size = 1
         for dim, entry in zip(shape, sharding.spec):
-            names = entry if isinstance(entry, tuple) else (entry,)
-            parts = math.prod(mesh_shape[n] for n in names if isinstance(n, str))
-            size *= -(-dim // parts)
+            size *= -(-dim // devices_along(entry, mesh_shape))
         size *= math.prod(shape[len(sharding.spec) :])
         return dict.fromkeys(sharding.device_set, size)
     return {
@@ -110,12 +101,10 @@ def _rule_notes(report: RulesReport) -> list[str]:
 def sharding_table(tree: PyTree[Any], *, name: str = "", rules: Any = None) -> str:
     """Describes how every array in a PyTree is laid out across devices, as a table
     with one row per array: its key path, shape, dtype, sharding, and how many bytes
-    of it each device holds.
+    of it each device holds: e.g. to check at a glance that a model's parameters are
+    split across a mesh axis. Only metadata is read (each array's `.sharding`, shape
+    and dtype): nothing is transferred, compiled or waited for.
 
-    Useful to check a parallelism strategy at a glance, e.g. that the parameters of a
-    model are really split across a mesh axis, and how much memory that saves per
-    device. Only metadata is read (each array's `.sharding`, shape and dtype): nothing
-    is transferred, compiled or waited for.
 
     **Arguments:**
 
@@ -127,13 +116,11 @@ def sharding_table(tree: PyTree[Any], *, name: str = "", rules: Any = None) -> s
     - `rules`: an [`equinox_shard.PathRules`][], or any specification of `tree`
         holding some (e.g. `(rules, rules, P("data"))` for a tuple `(model,
         opt_state, batch)`), matched as [`equinox_shard.explain_rules`][] matches it.
-        If given, a last column shows which rule places each array: `#k pattern` for
-        rule `k` of its `PathRules` (followed by `(over #j)` when rule `j` matched
-        too but lost), `default`, `no rule` (no rule matched and there is no
-        default: placing `tree` would raise), or `-` for an array beneath no
-        `PathRules`. Below the table follow, if there are any, the rules that matched
-        no array, the arrays that more than one rule matched, and those that no rule
-        matched.
+        A last column then shows which rule places each array: `#k pattern` for rule
+        `k` of its `PathRules` (then `(over #j)` if rule `j` matched too but lost),
+        `default`, `no rule` (no rule and no default: placing `tree` would raise),
+        or `-` beneath no `PathRules`. Below the table follow, if any, the rules that
+        matched no array and the arrays that several rules, or no rule, matched.
 
     **Returns:**
 
@@ -184,26 +171,24 @@ def sharding_table(tree: PyTree[Any], *, name: str = "", rules: Any = None) -> s
         if not is_array_or_struct(leaf):
             continue
         shape = tuple(leaf.shape)
-        itemsize = _itemsize(leaf)
+        itemsize = leaf.dtype.itemsize  # also of extended dtypes (typed PRNG keys)
+        size_text = "-"
         if is_tracer(leaf):
-            sharding_text, size_text = "traced", "-"
+            sharding_text = "traced"
         elif isinstance(leaf, (np.ndarray, np.generic)):
-            sharding_text, size_text = "host", "-"
+            sharding_text = "host"
+        elif leaf.sharding is None:  # a `ShapeDtypeStruct` without a sharding
+            sharding_text = "unspecified"
         else:
-            sharding = leaf.sharding
-            if sharding is None:  # A `ShapeDtypeStruct` without a sharding.
-                sharding_text, size_text = "unspecified", "-"
+            committed = getattr(leaf, "committed", True)
+            sharding_text = _describe_sharding(leaf.sharding, committed)
+            if is_deleted(leaf):  # its buffers are gone (e.g. donated)
+                sharding_text += " deleted"
             else:
-                committed = getattr(leaf, "committed", True)
-                sharding_text = _describe_sharding(sharding, committed)
-                if is_deleted(leaf):
-                    # Its buffers are gone (e.g. donated): it holds no memory.
-                    sharding_text, size_text = f"{sharding_text} deleted", "-"
-                else:
-                    sizes = _shard_sizes(sharding, shape)
-                    for device, size in sizes.items():
-                        per_device[device] += size * itemsize
-                    size_text = _format_bytes(max(sizes.values()) * itemsize)
+                sizes = _shard_sizes(leaf.sharding, shape)
+                for device, size in sizes.items():
+                    per_device[device] += size * itemsize
+                size_text = _format_bytes(max(sizes.values()) * itemsize)
         key = name + jtu.keystr(path)
         row = (key or "(root)", str(shape), str(leaf.dtype), sharding_text, size_text)
         if report is not None:
@@ -212,10 +197,7 @@ def sharding_table(tree: PyTree[Any], *, name: str = "", rules: Any = None) -> s
     total = _format_bytes(max(per_device.values())) if per_device else "-"
     header = _HEADER if rules is None else (*_HEADER, "rule")
     total_row = ("total", "", "", "", total) + (() if rules is None else ("",))
-    widths = [
-        max(len(row[i]) for row in [header, *rows, total_row])
-        for i in range(len(header))
-    ]
+    widths = [max(map(len, column)) for column in zip(header, *rows, total_row)]
 
     def line(row):
         left, right, rest = row[:4], row[4], row[5:]
@@ -225,8 +207,7 @@ def sharding_table(tree: PyTree[Any], *, name: str = "", rules: Any = None) -> s
         return "  ".join(cells).rstrip()
 
     rule = "-" * (sum(widths) + 2 * (len(widths) - 1))
-    lines = [line(header), rule, *map(line, rows), rule]
-    lines.append(line(total_row))
+    lines = [line(header), rule, *map(line, rows), rule, line(total_row)]
     if report is not None:
         lines += _rule_notes(report)
     return "\n".join(lines)

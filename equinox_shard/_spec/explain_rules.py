@@ -8,7 +8,7 @@ from jaxtyping import PyTree
 
 from .._arrays import is_array_or_struct
 from .language import spread
-from .leaves import did_you_mean, RulesUsage, unset
+from .leaves import RulesUsage, some, unset, unused_rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,15 +74,13 @@ class RulesReport:
     did_you_mean: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
-        counts: list[list] = []  # [rule, arrays it places], in order of first use
-        for match in self.placed.values():
-            row = next((row for row in counts if row[0] == match), None)
-            if row is None:
-                counts.append([match, 1])
-            else:
-                row[1] += 1
+        placed = list(self.placed.values())
+        used: list[RuleMatch] = []  # in order of first use; specs may not hash
+        for match in placed:
+            if match not in used:
+                used.append(match)
+        counts = [(m, placed.count(m)) for m in used] + [(m, 0) for m in self.unused]
         rows = [("rule", "pattern", "spec", "arrays")]
-        counts += [[match, 0] for match in self.unused]
         counts.sort(key=lambda row: (row[0].index is None, row[0].index or 0))
         for match, n in counts:
             index = "" if match.index is None else str(match.index)
@@ -94,11 +92,9 @@ class RulesReport:
         ]
         for match in self.unused:
             line = f"unused: rule {match.index} `{match.pattern}` matched no array"
-            suggestion = self.did_you_mean.get(match.pattern)
-            if suggestion is not None:
-                line += (
-                    f"; key paths start with `.` or `[`: did you mean `{suggestion}`?"
-                )
+            if match.pattern in self.did_you_mean:
+                mean = self.did_you_mean[match.pattern]
+                line += f"; key paths start with `.` or `[`: did you mean `{mean}`?"
             lines.append(line)
         for path, (won, lost) in self.overlaps.items():
             losers = ", ".join(str(m.index) for m in lost)
@@ -107,17 +103,9 @@ class RulesReport:
                 f"matched by rule {losers}"
             )
         if self.unmatched:
-            some = ", ".join(p or "(root)" for p in self.unmatched[:8])
-            more = len(self.unmatched) - 8
-            lines.append(
-                f"no rule and no default: {some}" + f" (and {more} more)" * (more > 0)
-            )
+            unmatched = some([p or "(root)" for p in self.unmatched])
+            lines.append(f"no rule and no default: {unmatched}")
         return "\n".join(lines)
-
-
-def _rule(rules, k: int) -> RuleMatch:
-    pattern, spec = rules.rules[k]
-    return RuleMatch(k, pattern, spec)
 
 
 def explain_rules(
@@ -125,9 +113,8 @@ def explain_rules(
 ) -> RulesReport:
     r"""Says what the [`equinox_shard.PathRules`][] in a sharding specification do to
     a PyTree: which rule places each array, which rules match nothing, and which
-    arrays more than one rule matches. It matches exactly as placing `tree` with
-    `specs` would (by the same code), but never raises for what it reports, places
-    nothing, and needs no mesh.
+    arrays more than one rule matches. It matches as placing `tree` with `specs` would
+    (by the same code), but raises nothing it reports, places nothing, needs no mesh.
 
     **Arguments:**
 
@@ -144,13 +131,11 @@ def explain_rules(
 
     **Returns:**
 
-    A [`equinox_shard.RulesReport`][]. A rule is *unused* if its pattern is found in
-    no array's key path in any of the subtrees it covers in this one
-    specification: rules equal to each other (`==`, as `filter_jit` caches them) are
-    counted as one, so rules written for a model and applied to a model, its
-    optimiser state and a batch are not unused because nothing in the batch matches
-    them. Arrays beneath other spec leaves (a `PartitionSpec`, `None`, ...) are not
-    in the report.
+    A [`equinox_shard.RulesReport`][]. Rules equal to each other (`==`, as
+    `filter_jit` caches them) count as one: rules written for a model and applied to
+    a model, its optimiser state and a batch are not unused because nothing in the
+    batch matches them. Arrays beneath other spec leaves (a `PartitionSpec`, `None`,
+    ...) are not in the report.
 
     !!! example
 
@@ -175,45 +160,34 @@ def explain_rules(
     leaves = [leaf for _, leaf in paths]
     names = [name + jtu.keystr(path) for path, _ in paths]
     usage = RulesUsage(everything=True)
+    where = names.__getitem__
     spread(
-        specs,
-        tree,
-        leaves,
-        "specs",
-        name or "tree",
-        lambda i: names[i],
-        is_array_or_struct,
-        usage,
+        specs, tree, leaves, "specs", name or "tree", where, is_array_or_struct, usage
     )
     placed: dict[str, RuleMatch] = {}
     overlaps: dict[str, RuleOverlap] = {}
     unmatched: list[str] = []
     unused: list[RuleMatch] = []
     suggestions: dict[str, str] = {}
-    found = []
     for rules, _, seen in usage.groups.values():
         for where, _, matches in seen:
             path = where()
             if matches:
-                won, *lost = (_rule(rules, k) for k in matches)
-                found.append((path, won))
+                won, *lost = (RuleMatch(k, *rules.rules[k]) for k in matches)
+                placed[path] = won
                 if lost:
                     overlaps[path] = RuleOverlap(won, tuple(lost))
             elif rules.default is not unset:
-                found.append((path, RuleMatch(None, "default", rules.default)))
+                placed[path] = RuleMatch(None, "default", rules.default)
             else:
                 unmatched.append(path)
-        used = {k for _, _, matches in seen for k in matches}
-        for k in range(len(rules.rules)):
-            if k in used:
-                continue
-            unused.append(_rule(rules, k))
-            suggestion = did_you_mean(rules, k, [path for _, path, _ in seen])
+        for k, suggestion in unused_rules(rules, seen):
+            unused.append(RuleMatch(k, *rules.rules[k]))
             if suggestion is not None:
                 suggestions[rules.rules[k][0]] = suggestion
     # In the order of the tree's leaves (groups gather equal rules from anywhere).
-    order = {path: i for i, path in enumerate(names)}
-    placed = dict(sorted(found, key=lambda item: order[item[0]]))
-    overlaps = dict(sorted(overlaps.items(), key=lambda item: order[item[0]]))
-    unmatched.sort(key=order.__getitem__)
+    order = {path: i for i, path in enumerate(names)}.__getitem__
+    placed = {k: placed[k] for k in sorted(placed, key=order)}
+    overlaps = {k: overlaps[k] for k in sorted(overlaps, key=order)}
+    unmatched.sort(key=order)
     return RulesReport(placed, tuple(unused), overlaps, tuple(unmatched), suggestions)

@@ -1,12 +1,8 @@
-"""The kinds of spec leaf, in one table (`KINDS`): for each, its type and name in
-messages, its validity, its resolution against an array (`Kind.resolve`), the
-`Sharding` its placement gives (`sharding_of`), its eager placement where that is not
-onto a `Sharding` (`Kind.target`), which functions take it, and how it is applied in a
-trace and by `filter_jit`. Every module that treats kinds apart reads this table.
+"""The kinds of spec leaf, in one table (`KINDS`) that every module treating kinds
+apart reads: how each is named, checked, resolved, placed and applied in a trace.
 
-Not kinds: `Layout.AUTO` (`is_auto`, the compiler's layout, `filter_jit` only), the
-`PartitionSpec`s of `filter_shard_map`, and a callable rule or a `PathRules` (each
-chooses a spec leaf of one of these kinds per array: `leaves`).
+Not kinds: `Layout.AUTO` (`is_auto`, `filter_jit` only), the `PartitionSpec`s of
+`filter_shard_map`, and a rule or a `PathRules` (each chooses a kind per array).
 """
 
 import enum
@@ -23,16 +19,13 @@ from .._arrays import is_key_array
 class InTrace(enum.Enum):
     """How a kind is applied inside a trace."""
 
-    # `jax.sharding.reshard` or `jax.lax.with_sharding_constraint`.
-    CONSTRAIN = "constrain"
-    # `jax.device_put`, as JAX does in a trace.
-    TRANSFER = "transfer"
-    # Refused, with `Kind.in_trace_hint`.
-    REFUSED = "refused"
+    CONSTRAIN = "constrain"  # `reshard` or `with_sharding_constraint`
+    TRANSFER = "transfer"  # `jax.device_put`, as JAX does in a trace
+    REFUSED = "refused"  # with `Kind.in_trace_hint`
 
 
 class Kind(NamedTuple):
-    """One kind of spec leaf (see the module's docstring)."""
+    """One kind of spec leaf."""
 
     # Its Python type, and how messages name it.
     type: type
@@ -40,8 +33,7 @@ class Kind(NamedTuple):
     # `resolve(x, mesh, where)`, the same for every array: a `Sharding`, a value of a
     # kind that needs no resolving, or `None` (leave it); `None` here: `x` itself.
     resolve: Callable[[Any, Callable[[], Any], Callable[[], str]], Any] | None = None
-    # Whether resolving it depends on the context mesh (`jax.set_mesh`).
-    needs_mesh: bool = False
+    needs_mesh: bool = False  # whether resolving reads the `jax.set_mesh` mesh
     # The `Sharding` its placement gives an array (`None`: the array's own, moved
     # otherwise, e.g. to another memory, which `jax.device_put` always copies).
     sharding: Callable[[Any], Any] = lambda x: x
@@ -49,8 +41,7 @@ class Kind(NamedTuple):
     target: Callable[[Any, Any, Callable[[], str]], Any] | None = None
     # Whether a committed array on its `sharding` may stand for one placed on it.
     is_placed: Callable[[Any, Any], bool] = lambda x, target: True
-    # Whether `jax.device_put` needs the array on the `sharding` first.
-    sharding_first: bool = False
+    sharding_first: bool = False  # `jax.device_put` needs the array on it first
     # Whether a value of `type` is a spec leaf, and the hint of the error if not.
     valid: Callable[[Any], bool] = lambda x: True
     invalid: str = ""
@@ -69,7 +60,6 @@ class Kind(NamedTuple):
 
 
 def _on_mesh(spec: PartitionSpec, mesh: Callable[[], Any], where) -> NamedSharding:
-    """A bare `PartitionSpec` on the mesh to resolve against."""
     on = mesh()
     if on is None:
         raise ValueError(

@@ -1,7 +1,5 @@
-"""Spec leaves: what a leaf of a sharding specification may be (a leaf of one of the
-kinds of `kinds`, `None`, a rule `leaf -> spec leaf`, or a `PathRules`), and
-`PathRules`, the leaf that chooses each array's spec by its key path (see `language` for
-the language as a whole)."""
+"""What a spec leaf may be (a kind of `kinds`, `None`, a rule `leaf -> spec leaf`, or a
+`PathRules`), and `PathRules`, which chooses each array's spec by its key path."""
 
 import re
 from collections.abc import Callable, Sequence
@@ -81,22 +79,21 @@ class PathRules:
     r"""A sharding specification leaf that chooses each array's spec by its key path.
 
     Holds an ordered list of `(pattern, spec)` pairs. For each array leaf beneath it,
-    the first pattern that `re.search` finds in the leaf's key path gives that leaf's
-    spec; if none does, `default` does. The key path is printed as
-    `jax.tree_util.keystr` prints it, *relative to the subtree that this `PathRules`
-    covers*: for `filter_device_put(model, rules)` the weight of an `eqx.nn.MLP`'s
-    first layer is `.layers[0].weight`, and so it is for
-    `filter_jit(in_shardings=(rules, ...))` and for `in_specs=(rules, ...)`. A PyTree
-    that holds copies of the parameters, such as an `optax.adamw` state, puts them
-    under longer paths that end the same way (`[0].mu.layers[0].weight`), so one list
-    of patterns anchored at the end (`r"layers\[\d+\]\.weight$"`) places a model and
+    the first pattern that `re.search` finds in the leaf's key path gives its spec;
+    if none does, `default` does. The key path is as `jax.tree_util.keystr` prints
+    it, *relative to the subtree that this `PathRules` covers*: the weight of an
+    `eqx.nn.MLP`'s first layer is `.layers[0].weight` for
+    `filter_device_put(model, rules)`, `filter_jit(in_shardings=(rules, ...))` and
+    `in_specs=(rules, ...)` alike. An `optax.adamw` state holds copies of the
+    parameters under longer paths that end the same way (`[0].mu.layers[0].weight`),
+    so patterns anchored at the end (`r"layers\[\d+\]\.weight$"`) place a model and
     its optimiser state alike; the step count matches nothing and falls to `default`.
 
-    It works wherever a spec leaf works: in [`equinox_shard.filter_device_put`][],
+    It works wherever a spec leaf works: [`equinox_shard.filter_device_put`][],
     [`equinox_shard.filter_shard`][], `in_shardings`/`out_shardings` of
     [`equinox_shard.filter_jit`][], and `in_specs`/`out_specs` of
-    [`equinox_shard.filter_shard_map`][] (where its specs are `PartitionSpec`s).
-    Only array leaves are matched; other leaves are never placed.
+    [`equinox_shard.filter_shard_map`][] (with `PartitionSpec`s). Only array leaves
+    are matched; other leaves are never placed.
 
     **Arguments:**
 
@@ -108,18 +105,17 @@ class PathRules:
         `leaf -> spec`.
     - `default`: the spec leaf for an array that no pattern matches. Without it, such
         an array is a `ValueError` naming its key path.
-    - `strict`: if `True`, every call that applies these rules first checks that
-        each rule matches at least one array and that no array is matched by more
-        than one rule, and raises a `ValueError` naming the patterns and the key
-        paths if not; before anything is placed or traced. Both are counted over
-        every subtree that equal rules cover in that call: `in_shardings=(rules,
-        rules, P("data"))` or `in_shardings=rules` over a model, its optimiser state
-        and a batch is fine when each rule matches somewhere in the model, though
-        none matches in the batch. In `filter_jit` the check runs once per argument
-        structure, with the rest of `in_shardings`, so a cached call pays nothing
-        for it (`out_shardings` are checked when the output is first traced). See
-        [`equinox_shard.explain_rules`][] for the same information as data, without
-        raising.
+    - `strict`: if `True`, every call that applies these rules first checks, before
+        anything is placed or traced, that each rule matches at least one array and
+        no array more than one rule, and raises a `ValueError` naming the patterns
+        and the key paths if not. Both count over every subtree that equal rules
+        cover in the call: `in_shardings=(rules, rules, P("data"))` or
+        `in_shardings=rules` over a model, its optimiser state and a batch is fine
+        when each rule matches somewhere in the model. `filter_jit` checks once per
+        argument structure (`out_shardings` when the output is first traced), so a
+        cached call pays nothing. [`equinox_shard.explain_rules`][] gives the same
+        information as data, without raising.
+
 
     !!! example
 
@@ -155,8 +151,7 @@ class PathRules:
         default: Any = unset,
         strict: bool = False,
     ):
-        patterns = []
-        specs = []
+        patterns, pairs = [], []
         for k, rule in enumerate(rules):
             if not (isinstance(rule, tuple) and len(rule) == 2):
                 raise TypeError(
@@ -164,12 +159,7 @@ class PathRules:
                     f"{describe_leaf(rule)}."
                 )
             pattern, spec = rule
-            if not isinstance(pattern, re.Pattern):
-                if not isinstance(pattern, str):
-                    raise TypeError(
-                        f"PathRules: the pattern of rule {k} must be a string or a "
-                        f"compiled regular expression; got {describe_leaf(pattern)}."
-                    )
+            if isinstance(pattern, str):
                 try:
                     pattern = re.compile(pattern)
                 except re.error as e:
@@ -177,17 +167,21 @@ class PathRules:
                         f"PathRules: the pattern {pattern!r} of rule {k} is not a "
                         f"regular expression: {e}"
                     ) from e
-            _check_rule_spec(
-                spec, f"PathRules: the spec of rule {k} ({pattern.pattern!r})"
-            )
+            elif not isinstance(pattern, re.Pattern):
+                raise TypeError(
+                    f"PathRules: the pattern of rule {k} must be a string or a "
+                    f"compiled regular expression; got {describe_leaf(pattern)}."
+                )
+            where = f"PathRules: the spec of rule {k} ({pattern.pattern!r})"
+            _check_rule_spec(spec, where)
             patterns.append(pattern)
-            specs.append(spec)
+            pairs.append((pattern.pattern, spec))
         if default is not unset:
             _check_rule_spec(default, "PathRules: `default`")
         if not isinstance(strict, bool):
             raise TypeError(f"PathRules: `strict` must be a bool; got {strict!r}.")
         self._patterns = tuple(patterns)
-        self._rules = tuple(zip((p.pattern for p in patterns), specs))
+        self._rules = tuple(pairs)
         self._default = default
         self._strict = strict
 
@@ -205,8 +199,7 @@ class PathRules:
         return self._strict
 
     def matches(self, path: str) -> tuple[int, ...]:
-        """The indices of every rule whose pattern is found in `path`, in order: the
-        first places the array, the others lose to it."""
+        """The indices of every rule whose pattern is found in `path`, in order."""
         return tuple(
             k for k, pattern in enumerate(self._patterns) if pattern.search(path)
         )
@@ -221,7 +214,6 @@ class PathRules:
         return len(self._rules) if self._default is not unset else None
 
     def lookup(self, path: str, where: Callable[[], str]) -> Any:
-        """The spec leaf for the array whose relative key path is `path`."""
         k = self.match(path)
         if k is None:
             raise ValueError(
@@ -231,19 +223,16 @@ class PathRules:
             )
         return self._default if k == len(self._rules) else self._rules[k][1]
 
+    def _key(self) -> tuple:
+        # Patterns compare with their flags: `re.I` makes another rule.
+        flags = tuple(p.flags for p in self._patterns)
+        return self._rules, flags, self._default, self._strict
+
     def __eq__(self, other):
-        return (
-            type(other) is PathRules
-            and self._rules == other._rules
-            # Patterns compare with their flags: `re.I` makes another rule.
-            and [p.flags for p in self._patterns] == [p.flags for p in other._patterns]
-            and self._default == other._default
-            and self._strict == other._strict
-        )
+        return type(other) is PathRules and self._key() == other._key()
 
     def __hash__(self):
-        flags = tuple(p.flags for p in self._patterns)
-        return hash((PathRules, self._rules, flags, self._default, self._strict))
+        return hash(self._key())
 
     def __repr__(self):
         default = "" if self._default is unset else f", default={self._default!r}"
@@ -258,12 +247,9 @@ def _check_rule_spec(spec: Any, where: str) -> None:
 
 
 class RulesUsage:
-    """What the `PathRules` of one call matched, gathered by `match_path_rules` over
-    every subtree they cover in that call (one `spread`, or every argument of a
-    `filter_jit` layout), then checked (`check`, for strict rules) or reported
-    (`equinox_shard.explain_rules`, with `everything=True`). Equal `PathRules` are
-    counted as one. Nothing is gathered for rules that are not strict unless
-    `everything`: a call without strict rules does no extra work."""
+    """What the `PathRules` of one call matched, over every subtree they cover (equal
+    ones counted as one): checked (`check`) for strict rules, or, if `everything`,
+    gathered for all rules for `explain_rules`."""
 
     def __init__(self, *, everything: bool = False):
         self.everything = everything
@@ -274,7 +260,7 @@ class RulesUsage:
         return self.everything or rules.strict
 
     def add(self, rules: "PathRules", spec_name: str) -> list:
-        """The list of `(where, path, matches)` to append rules' leaves to."""
+        """The list to append `(where, path, matches)` of rules' leaves to."""
         try:
             group = self.groups.setdefault(rules, [rules, [], []])
         except TypeError:  # an unhashable spec inside: counted by identity
@@ -284,10 +270,8 @@ class RulesUsage:
         return group[2]
 
     def check(self) -> None:
-        """Raises for every strict `PathRules` with a rule that matched no array, or
-        an array that more than one rule matched."""
-        problems = []
-        names = []
+        """Raises if a strict rule matched no array or an array matched two rules."""
+        problems, names = [], []
         for rules, spec_names, seen in self.groups.values():
             if not rules.strict:
                 continue
@@ -310,21 +294,17 @@ class RulesUsage:
             )
 
 
-_SHOWN = 8
-
-
-def _some(names: list[str]) -> str:
-    more = len(names) - _SHOWN
-    text = ", ".join(names[:_SHOWN])
-    return text + f" (and {more} more)" if more > 0 else text
+def some(names: list[str], shown: int = 8) -> str:
+    """The first `shown` of `names`, and how many more."""
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + f" (and {more} more)" * (more > 0)
 
 
 def did_you_mean(rules: "PathRules", k: int, paths: Sequence[str]) -> str | None:
-    """For rule `k`, which matched none of `paths` (key paths relative to the subtree
-    the rules cover): a pattern anchored at the start (`^embed`) never matches a name
-    there, as every key path starts with `.` or `[` (`.embed.weight`,
-    `[0].embed.weight`). The pattern anchored after the shortest such start that makes
-    it match one of `paths` (`^\\.embed`), or `None`."""
+    """For rule `k`, which matched none of `paths`: a pattern anchored at the start
+    (`^embed`) never matches, as key paths start with `.` or `[`; the pattern anchored
+    after the shortest such start that matches one of `paths` (`^\\.embed`), or
+    `None`."""
     pattern = rules._patterns[k]
     if not pattern.pattern.startswith("^"):
         return None
@@ -341,22 +321,26 @@ def did_you_mean(rules: "PathRules", k: int, paths: Sequence[str]) -> str | None
     return None
 
 
+def unused_rules(rules: "PathRules", seen: list) -> list[tuple[int, str | None]]:
+    """`(k, did_you_mean(...))` for each rule `k` that matched none of `seen`."""
+    used = {k for _, _, matches in seen for k in matches}
+    paths = [path for _, path, _ in seen]
+    unused = [k for k in range(len(rules.rules)) if k not in used]
+    return [(k, did_you_mean(rules, k, paths)) for k in unused]
+
+
 def _strict_problems(rules: "PathRules", seen: list) -> list[str]:
     problems = []
-    used = {k for _, _, matches in seen for k in matches}
     fallen = [where() for where, _, matches in seen if not matches]
-    for k, (pattern, _) in enumerate(rules.rules):
-        if k in used:
-            continue
-        if fallen:
-            to = "the default" if rules.default is not unset else "no rule"
-            hint = f"; the arrays that fell to {to}: {_some(fallen)}"
-        elif seen:
-            hint = f"; every one of its {len(seen)} arrays is placed by another rule"
-        else:
-            hint = "; it covers no array"
-        problem = f"rule {k} {pattern!r} matched no key path{hint}."
-        suggestion = did_you_mean(rules, k, [path for _, path, _ in seen])
+    if fallen:
+        to = "the default" if rules.default is not unset else "no rule"
+        hint = f"; the arrays that fell to {to}: {some(fallen)}"
+    elif seen:
+        hint = f"; every one of its {len(seen)} arrays is placed by another rule"
+    else:
+        hint = "; it covers no array"
+    for k, suggestion in unused_rules(rules, seen):
+        problem = f"rule {k} {rules.rules[k][0]!r} matched no key path{hint}."
         if suggestion is not None:
             problem += f" Key paths start with `.` or `[`: did you mean {suggestion!r}?"
         problems.append(problem)
@@ -369,7 +353,7 @@ def _strict_problems(rules: "PathRules", seen: list) -> list[str]:
         them = "it" if len(names) == 1 else "them"
         every = "both" if len(matches) == 2 else "all"
         problems.append(
-            f"{won} and {' and '.join(lost)} {every} match {_some(names)}; {won} "
+            f"{won} and {' and '.join(lost)} {every} match {some(names)}; {won} "
             f"places {them} (first match wins)."
         )
     return problems
@@ -386,13 +370,11 @@ def match_path_rules(
     spec_name: str = "",
     usage: RulesUsage | None = None,
 ) -> list:
-    """Replaces every `PathRules` in `per_leaf` (one spec leaf per leaf of `value`, as
-    `broadcast_specs` returns them) by the spec leaf it chooses for that leaf, from the
-    leaf's key path relative to the subtree that the `PathRules` covers. Leaves that
-    are not `dynamic` get `None`. `where(i)` names leaf `i` in error messages. What
-    the strict rules (all rules, if `usage.everything`) match is added to `usage`;
-    then a leaf that no rule matches, with no default, gets `None` if
-    `usage.everything` (it is reported, not raised)."""
+    """`per_leaf` (from `broadcast_specs`) with each `PathRules` replaced by its
+    choice for the leaf's key path relative to the subtree it covers (`None` where
+    not `dynamic`; `where(i)` names leaf `i`). What the rules `usage` wants match is
+    added to it; if `usage.everything`, an unmatched leaf gets `None` (reported, not
+    raised)."""
     if not any(isinstance(s, PathRules) for s in spec_leaves):
         return per_leaf
     if spec_def.num_leaves == 1 and spec_def.num_nodes == 1:
@@ -405,12 +387,9 @@ def match_path_rules(
         if not isinstance(spec, PathRules):
             start += len(jtu.tree_leaves(subtree))
             continue
-        seen = None
-        if usage is not None and usage.wants(spec):
-            seen = usage.add(spec, spec_name)
-        for path, _ in jtu.tree_flatten_with_path(subtree)[0]:
-            i = start
-            start += 1
+        seen = usage.add(spec, spec_name) if usage and usage.wants(spec) else None
+        paths = jtu.tree_flatten_with_path(subtree)[0]
+        for i, (path, _) in enumerate(paths, start):
             if not dynamic(leaves[i]):
                 out[i] = None
                 continue
@@ -425,4 +404,5 @@ def match_path_rules(
                     out[i] = None
                     continue
             out[i] = spec.lookup(key, lambda i=i: where(i))
+        start += len(paths)
     return out
