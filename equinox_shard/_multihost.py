@@ -20,11 +20,7 @@ traceback_util.register_exclusion(__file__)
 
 def is_host_local(x: Any) -> bool:
     """Whether `x` is a concrete array whose whole value lives in this process."""
-    if isinstance(x, NUMPY):
-        return True
-    if is_concrete(x):
-        return x.is_fully_addressable
-    return False
+    return isinstance(x, NUMPY) or (is_concrete(x) and x.is_fully_addressable)
 
 
 def to_host(x: Any, where: Callable[[], str]) -> tuple[np.ndarray, Any]:
@@ -37,21 +33,15 @@ def to_host(x: Any, where: Callable[[], str]) -> tuple[np.ndarray, Any]:
             impl = jax.random.key_impl(x)
             x = jax.random.key_data(x)
     data = np.asarray(x)
-    dtype = jax.dtypes.canonicalize_dtype(data.dtype)
-    if data.dtype != dtype:
-        data = data.astype(dtype)
-    return data, impl
+    return data.astype(jax.dtypes.canonicalize_dtype(data.dtype), copy=False), impl
 
 
 def processes_of(sharding: Sharding) -> frozenset[int]:
     return frozenset(d.process_index for d in sharding.device_set)
 
 
-def _hash64(*parts: bytes) -> np.ndarray:
-    h = hashlib.blake2b(digest_size=8)
-    for part in parts:
-        h.update(part)
-    return np.frombuffer(h.digest(), dtype=np.uint32)
+def _hash64(data: bytes) -> np.ndarray:
+    return np.frombuffer(hashlib.blake2b(data, digest_size=8).digest(), np.uint32)
 
 
 def _sharding_identity(sharding: Sharding) -> str:
@@ -76,9 +66,9 @@ def check_identical(items: list[tuple[str, np.ndarray, Any, Sharding]]) -> None:
     between processes: one allgather of five `uint32`s (a second to name it)."""
     per_leaf = np.empty((len(items), 4), np.uint32)  # structure, then content
     for k, (path, data, impl, sharding) in enumerate(items):
-        description = repr((path, data.shape, str(data.dtype), str(impl)))
         identity = _sharding_identity(sharding)
-        per_leaf[k, :2] = _hash64(description.encode(), identity.encode())
+        description = repr((path, data.shape, str(data.dtype), str(impl), identity))
+        per_leaf[k, :2] = _hash64(description.encode())
         per_leaf[k, 2:] = _hash64(np.ascontiguousarray(data).tobytes())
     structure, content = per_leaf[:, :2].tobytes(), per_leaf[:, 2:].tobytes()
     count = np.array([len(items)], np.uint32)

@@ -196,18 +196,6 @@ def _check_positive(value: Any, name: str) -> int:
     raise ValueError(f"{name} must be a positive integer; got {value!r}.")
 
 
-def _cut(x: Any, microbatches: int) -> Any:
-    """Microbatch `m` is `x[m::M]`: a batch split over other mesh axes on its leading
-    axis stays split the same way within every microbatch."""
-    return jtu.tree_map(
-        lambda a: a.reshape(-1, microbatches, *a.shape[1:]).swapaxes(0, 1), x
-    )
-
-
-def _uncut(x: Any) -> Any:
-    return jtu.tree_map(lambda a: a.swapaxes(0, 1).reshape(-1, *a.shape[2:]), x)
-
-
 def _default_fn(layer, x, **kwargs):
     return layer(x, **kwargs)
 
@@ -422,10 +410,9 @@ def filter_pipeline(
         a = a.reshape(repeats, stages, chunk, *a.shape[1:])
         return jnp.swapaxes(a, 0, 1)
 
-    def per_layer_keys(key):
-        keys = jax.vmap(lambda k: jr.split(k, n_layers))(jr.split(key, microbatches))
-        keys = keys.reshape(microbatches, repeats, stages, chunk, *keys.shape[2:])
-        return jnp.moveaxis(keys, 2, 0)  # `(S, M, R, C, ...)`
+    def per_layer_keys(key):  # `(S, M, R, C, ...)`
+        keys = lambda k: by_stage(jr.split(k, n_layers))
+        return jax.vmap(keys, out_axes=1)(jr.split(key, microbatches))
 
     table = schedule(stages, microbatches, repeats)
 
@@ -493,8 +480,12 @@ def filter_pipeline(
         )
         stacked = jtu.tree_map(by_stage, arrays)
         keys = None if key is None else per_layer_keys(key)
-        out = run(stacked, _cut(x, microbatches), keys, fn_arrays)
-        return _uncut(jtu.tree_map(lambda a: a[stages - 1], out))
+        # Microbatch `m` is `x[m::M]`: a batch split over other mesh axes on its
+        # leading axis stays split the same way within every microbatch.
+        cut = lambda a: a.reshape(-1, microbatches, *a.shape[1:]).swapaxes(0, 1)
+        out = run(stacked, jtu.tree_map(cut, x), keys, fn_arrays)
+        uncut = lambda a: a[stages - 1].swapaxes(0, 1).reshape(-1, *a.shape[3:])
+        return jtu.tree_map(uncut, out)
 
     if not explicit:
         return pipelined(arrays, x, key, fn_arrays)

@@ -101,20 +101,15 @@ def _to_explicit(mesh, leaves: list, specs: list, indices: list) -> None:
     axes, which `jax.shard_map` requires (on Auto axes it moves them itself)."""
     todo = []
     for i in indices:
-        leaf = leaves[i]
-        current = getattr(jax.typeof(leaf), "sharding", None)
-        current_spec = getattr(current, "spec", PartitionSpec())
-        ndim = leaf.ndim
-        if _padded(current_spec, ndim) != _padded(specs[i], ndim) or (
-            current is not None and current.mesh.empty
-        ):
+        current = jax.typeof(leaves[i]).sharding
+        ndim = leaves[i].ndim
+        if current.mesh.empty or _padded(current.spec, ndim) != _padded(specs[i], ndim):
             todo.append(i)
-    if not todo:
-        return
-    targets = [NamedSharding(mesh, specs[i]) for i in todo]
-    moved = jax.sharding.reshard([leaves[i] for i in todo], targets)
-    for i, x in zip(todo, moved):
-        leaves[i] = x
+    if todo:
+        targets = [NamedSharding(mesh, specs[i]) for i in todo]
+        moved = jax.sharding.reshard([leaves[i] for i in todo], targets)
+        for i, x in zip(todo, moved):
+            leaves[i] = x
 
 
 def _raise_unreplicated(fun, error, run, dynamic_in, named: Named, manual) -> None:
