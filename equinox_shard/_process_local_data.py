@@ -6,7 +6,6 @@ import jax
 import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 import numpy as np
-from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
 from ._multihost import check_identical, is_host_local, processes_of, to_host
@@ -146,11 +145,8 @@ def filter_make_array_from_process_local_data(
                 "give. Use a sharding whose mesh includes every calling process's "
                 "devices."
             )
-        local_shape = np.shape(leaf)
-        if isinstance(sharding, NamedSharding) and len(sharding.spec) > len(
-            local_shape
-        ):
-            check(local_shape, sharding, where)  # Raises the rank error.
+        if len(getattr(sharding, "spec", ())) > np.ndim(leaf):
+            check(np.shape(leaf), sharding, where)  # Raises the rank error.
         data, impl = to_host(leaf, where)
         shape = shapes[i]
         if shape is not None and impl is not None:
