@@ -1,7 +1,7 @@
 """Several processes (`jax.distributed`): global arrays from host-local values that
-every process holds whole (`place_host_local`, checked identical by one small collective
-of fingerprints); the per-process parts are `_process_local_data`'s."""
+every process holds whole, checked identical by one small collective of fingerprints."""
 
+import functools as ft
 import hashlib
 from collections.abc import Callable
 from typing import Any
@@ -18,18 +18,9 @@ from ._arrays import is_concrete, is_key_array, NUMPY, raise_if_deleted
 traceback_util.register_exclusion(__file__)
 
 
-#
-# Host-local values.
-#
-
-
 def is_host_local(x: Any) -> bool:
     """Whether `x` is a concrete array whose whole value lives in this process."""
-    if isinstance(x, NUMPY):
-        return True
-    if is_concrete(x):
-        return x.is_fully_addressable
-    return False
+    return isinstance(x, NUMPY) or (is_concrete(x) and x.is_fully_addressable)
 
 
 def to_host(x: Any, where: Callable[[], str]) -> tuple[np.ndarray, Any]:
@@ -42,51 +33,26 @@ def to_host(x: Any, where: Callable[[], str]) -> tuple[np.ndarray, Any]:
             impl = jax.random.key_impl(x)
             x = jax.random.key_data(x)
     data = np.asarray(x)
-    dtype = jax.dtypes.canonicalize_dtype(data.dtype)
-    if data.dtype != dtype:
-        data = data.astype(dtype)
-    return data, impl
-
-
-def from_host(data: np.ndarray, sharding: Sharding, impl: Any) -> jax.Array:
-    out = jax.make_array_from_callback(
-        data.shape, sharding, lambda index: np.asarray(data[index]), dtype=data.dtype
-    )
-    if impl is not None:
-        out = jax.random.wrap_key_data(out, impl=impl)
-    return out
+    return data.astype(jax.dtypes.canonicalize_dtype(data.dtype), copy=False), impl
 
 
 def processes_of(sharding: Sharding) -> frozenset[int]:
     return frozenset(d.process_index for d in sharding.device_set)
 
 
-def _hash64(*parts: bytes) -> np.ndarray:
-    h = hashlib.blake2b(digest_size=8)
-    for part in parts:
-        h.update(part)
-    return np.frombuffer(h.digest(), dtype=np.uint32)
+def _hash64(data: bytes) -> np.ndarray:
+    return np.frombuffer(hashlib.blake2b(data, digest_size=8).digest(), np.uint32)
 
 
 def _sharding_identity(sharding: Sharding) -> str:
-    if isinstance(sharding, NamedSharding):
-        mesh = sharding.mesh
-        return repr(
-            (
-                "NamedSharding",
-                dict(mesh.shape),
-                tuple(int(i) for i in np.asarray(mesh.device_ids).flat),
-                tuple(str(t) for t in mesh.axis_types),
-                str(sharding.spec),
-                sharding.memory_kind,
-            )
-        )
-    ids = sorted(d.id for d in sharding.device_set)
-    return repr((type(sharding).__name__, ids, repr(sharding)))
+    if isinstance(sharding, NamedSharding):  # its repr leaves out the devices' order
+        ids = np.asarray(sharding.mesh.device_ids).ravel().tolist()
+    else:
+        ids = sorted(d.id for d in sharding.device_set)
+    return repr((ids, repr(sharding)))
 
 
 def _allgather(x: np.ndarray) -> np.ndarray:
-    """`x` from every process, stacked along a new leading axis: a collective."""
     return np.asarray(multihost_utils.process_allgather(x, tiled=False))
 
 
@@ -98,21 +64,15 @@ def _differs(rows: np.ndarray) -> list[int]:
 def check_identical(items: list[tuple[str, np.ndarray, Any, Sharding]]) -> None:
     """Raises naming the first key path whose value, shape, dtype or sharding differs
     between processes: one allgather of five `uint32`s (a second to name it)."""
-    structure = np.empty((len(items), 2), np.uint32)
-    content = np.empty((len(items), 2), np.uint32)
+    per_leaf = np.empty((len(items), 4), np.uint32)  # structure, then content
     for k, (path, data, impl, sharding) in enumerate(items):
-        description = (path, data.shape, str(data.dtype), str(impl))
-        structure[k] = _hash64(
-            repr(description).encode(), _sharding_identity(sharding).encode()
-        )
-        content[k] = _hash64(np.ascontiguousarray(data).tobytes())
-    summary = np.concatenate(
-        [
-            np.array([len(items)], np.uint32),
-            _hash64(structure.tobytes()),
-            _hash64(content.tobytes()),
-        ]
-    )
+        identity = _sharding_identity(sharding)
+        description = repr((path, data.shape, str(data.dtype), str(impl), identity))
+        per_leaf[k, :2] = _hash64(description.encode())
+        per_leaf[k, 2:] = _hash64(np.ascontiguousarray(data).tobytes())
+    structure, content = per_leaf[:, :2].tobytes(), per_leaf[:, 2:].tobytes()
+    count = np.array([len(items)], np.uint32)
+    summary = np.concatenate([count, _hash64(structure), _hash64(content)])
     rows = _allgather(summary)
     if not _differs(rows):
         return
@@ -125,7 +85,7 @@ def check_identical(items: list[tuple[str, np.ndarray, Any, Sharding]]) -> None:
             "process must make the same call, with PyTrees of the same structure and "
             "shardings."
         )
-    per_leaf = _allgather(np.concatenate([structure, content], axis=1))
+    per_leaf = _allgather(per_leaf)
     for k, (path, data, _, sharding) in enumerate(items):
         bad = _differs(per_leaf[:, k, :2])
         if bad:
@@ -165,24 +125,17 @@ def place_host_local(
             rest_indices.append(i)
             rest_targets.append(sharding)
         else:
-            mine.append((i, sharding))
+            mine.append((i, sharding, *to_host(leaves[i], lambda i=i: where(i))))
     if not mine:
         return indices, targets
     everyone = frozenset(range(jax.process_count()))
-    spans_everyone = {}  # by sharding: one pass over a large mesh's devices
-    host = []
-    checked = []
-    for i, sharding in mine:
-        data, impl = to_host(leaves[i], lambda i=i: where(i))
-        host.append((data, impl))
-        try:
-            everywhere = spans_everyone[sharding]
-        except KeyError:
-            everywhere = spans_everyone[sharding] = processes_of(sharding) == everyone
-        if everywhere:
-            checked.append((where(i), data, impl, sharding))
+    # One pass over a large mesh's devices per sharding, not per leaf.
+    spans_everyone = ft.cache(lambda sharding: processes_of(sharding) == everyone)
+    checked = [(where(i), d, impl, s) for i, s, d, impl in mine if spans_everyone(s)]
     if checked:
         check_identical(checked)
-    for (i, sharding), (data, impl) in zip(mine, host):
-        leaves[i] = from_host(data, sharding, impl)
+    for i, sharding, data, impl in mine:
+        get = lambda index, d=data: np.asarray(d[index])
+        out = jax.make_array_from_callback(data.shape, sharding, get, dtype=data.dtype)
+        leaves[i] = out if impl is None else jax.random.wrap_key_data(out, impl=impl)
     return rest_indices, rest_targets

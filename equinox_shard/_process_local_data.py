@@ -1,5 +1,4 @@
-"""Building global arrays from the part of each array that this process holds (the
-filtered `jax.make_array_from_process_local_data`)."""
+"""The filtered `jax.make_array_from_process_local_data`."""
 
 from typing import Any
 
@@ -7,7 +6,6 @@ import jax
 import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 import numpy as np
-from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
 from ._multihost import check_identical, is_host_local, processes_of, to_host
@@ -51,54 +49,43 @@ def filter_make_array_from_process_local_data(
 ) -> PyTree[Any]:
     """Filtered version of `jax.make_array_from_process_local_data`: builds global
     arrays (spanning several processes) from the part of each array that this process
-    holds, e.g. its share of a batch; every non-array leaf comes back as the very same
-    object.
-
-    This is the multi-process counterpart of [`equinox_shard.filter_device_put`][] for
-    values that *differ* between processes. (Values that are the same on every process,
-    such as a model's parameters, are placed with `filter_device_put` itself.)
+    holds, e.g. its share of a batch. Values that every process holds whole (a model's
+    parameters) are placed with [`equinox_shard.filter_device_put`][] instead.
 
     **Arguments:**
 
     - `shardings`: a PyTree prefix of `local_data`, in the specification language of
-        [`equinox_shard.filter_device_put`][]: `jax.sharding.Sharding`, `jax.Device`,
-        bare `PartitionSpec` (with `jax.set_mesh`), `None` (leave that subtree as it
-        is), or a callable `leaf -> spec` (called with the *local* array).
+        [`equinox_shard.filter_device_put`][] (a callable sees the *local* array).
     - `local_data`: any PyTree. Its array leaves (`equinox.is_array`: NumPy arrays,
-        `jax.Array`s whose devices are all in this process, typed PRNG key arrays) are
-        this process's parts; other leaves are returned as-is.
-    - `global_shape`: the shape of each global array, as in JAX: `None` (the default)
-        infers it from the local shape and the sharding, assuming each process holds
-        only its own part along every dimension split across processes. Otherwise a
-        shape (a tuple of ints) for every array, or a PyTree prefix of `local_data`
-        whose leaves are shapes or `None`.
+        `jax.Array`s on this process's devices, typed PRNG keys) are this process's
+        parts.
+    - `global_shape`: `None` (the default) infers each global shape from the local
+        shape and the sharding, as JAX does; else a shape (a tuple of ints) for every
+        array, or a PyTree prefix of `local_data` of shapes and `None`s.
 
     **Returns:**
 
-    A PyTree with the structure of `local_data`: each array leaf with a specification
-    becomes a `jax.Array` of its global shape with its sharding; other leaves are the
-    same objects, and so does a global array that already carries its sharding. In a
-    single-process run this is `filter_device_put` (and `global_shape` must be `None`
-    or the local shape).
+    A PyTree like `local_data`: each array leaf with a specification becomes a global
+    `jax.Array` with its sharding; other leaves, and a global array that already has
+    its sharding, are the same objects. In one process this is `filter_device_put`
+    (and `global_shape` must be `None` or the local shape).
 
     **Raises:**
 
-    A `ValueError` naming the key path (`local_data['x']`): for a specification that is
+    A `ValueError` naming the key path (`local_data['x']`) for a specification that is
     not a prefix, a rank or divisibility mismatch, a local shape that is neither the
-    global shape nor this process's share of it, a sharding with no device in this
-    process, and for an array that every process holds whole (its global shape is its
-    local shape, and its sharding spans every process), if it differs between
-    processes: checked with one small collective (a fingerprint per array, only when
-    there are such arrays).
+    global shape nor this process's share of it, or a sharding with no device in this
+    process; and for an array that every process holds whole (its global shape is its
+    local shape, its sharding spans every process) with different values, found by one
+    small collective of fingerprints.
 
     !!! info "How local parts are laid out"
 
-        Exactly as `jax.make_array_from_process_local_data`, which this calls for every
+        As in `jax.make_array_from_process_local_data`, which this calls for every
         array: along a dimension split across processes, a process's part is the
-        concatenation, in order, of the slices its devices hold. For the usual data
-        parallelism (`P("data")` over a mesh whose devices are ordered process by
-        process, as `jax.make_mesh` orders them), process `p` of `n` holds rows
-        `p * B // n` to `(p + 1) * B // n` of the global batch of `B` rows.
+        concatenation, in order, of the slices its devices hold. With `P("data")` over
+        a mesh ordered process by process (as `jax.make_mesh` orders it), process `p`
+        of `n` holds rows `p * B // n` to `(p + 1) * B // n` of a batch of `B` rows.
 
     !!! example
 
@@ -114,12 +101,7 @@ def filter_make_array_from_process_local_data(
     """
     leaves, treedef = jtu.tree_flatten(local_data)
     todo = resolve_leaves(
-        local_data,
-        leaves,
-        shardings,
-        "shardings",
-        "local_data",
-        abstract_ok=False,
+        local_data, leaves, shardings, "shardings", "local_data", abstract_ok=False
     )
     if not todo:
         return local_data
@@ -163,11 +145,8 @@ def filter_make_array_from_process_local_data(
                 "give. Use a sharding whose mesh includes every calling process's "
                 "devices."
             )
-        local_shape = np.shape(leaf)
-        if isinstance(sharding, NamedSharding) and len(sharding.spec) > len(
-            local_shape
-        ):
-            check(local_shape, sharding, where)  # Raises the rank error.
+        if len(getattr(sharding, "spec", ())) > np.ndim(leaf):
+            check(np.shape(leaf), sharding, where)  # Raises the rank error.
         data, impl = to_host(leaf, where)
         shape = shapes[i]
         if shape is not None and impl is not None:

@@ -52,7 +52,7 @@ def _blocks(n, key):
 
 
 def _reference(layers, x, *, microbatches, key=None, fn=None):
-    """The docstring's reference: each microbatch `x[m::M]` through every layer in
+    """docs/pipeline.md's reference: each microbatch `x[m::M]` through every layer in
     order (one `jax.lax.scan`), with keys `split(split(key, M)[m], L)`."""
     arrays, static = eqx.partition(layers, eqx.is_array)
     n = jtu.tree_leaves(arrays)[0].shape[0]

@@ -24,16 +24,13 @@ traceback_util.register_exclusion(__file__)
 
 
 def schedule(stages: int, microbatches: int, repeats: int = 1) -> np.ndarray:
-    """The schedule `filter_pipeline` runs, as an integer array of shape
-    `(stages, ticks, 2)`: entry `[s, t]` is `(microbatch, repeat)`, the microbatch
-    that stage `s` works on at tick `t` and which of its `repeats` chunks of layers it
-    applies, or `(-1, -1)` when the stage is idle.
+    """The schedule `filter_pipeline` runs: an integer array of shape
+    `(stages, ticks, 2)` whose entry `[s, t]` is the `(microbatch, repeat)` that stage
+    `s` works on at tick `t`, or `(-1, -1)` when the stage is idle.
 
-    Stage 0 starts microbatch `m` of repeat `r` at tick `r * max(M, S) + m`; stage
-    `s` does the same work `s` ticks later, on what stage `s - 1` sent it. Repeat
-    `r + 1` of a microbatch starts at stage 0 no earlier than stage `S - 1` finished
-    repeat `r` of it, since `max(M, S) >= S`. The backward pass runs the same table
-    from the last tick to the first.
+    Stage 0 starts microbatch `m` of repeat `r` at tick `r * max(M, S) + m`, stage `s`
+    `s` ticks later: repeat `r + 1` of a microbatch starts after the last stage
+    finished repeat `r` of it. The backward pass runs the table from its last tick.
     """
     period = max(microbatches, stages)
     ticks = (repeats - 1) * period + microbatches + stages - 1
@@ -46,23 +43,27 @@ def schedule(stages: int, microbatches: int, repeats: int = 1) -> np.ndarray:
     return table
 
 
-def _layer_count(layers: Any) -> int:
-    paths = jtu.tree_flatten_with_path(eqx.filter(layers, eqx.is_array))[0]
-    if not paths:
-        raise ValueError(
-            "layers: a stacked Module needs at least one array leaf (the layer axis "
-            "comes first in every array); got none."
-        )
+def _leading_size(
+    tree: Any, name: str, axis: str, size: str, hint: str = ""
+) -> tuple[int, str]:
+    """The size of the leading axis that every leaf of `tree` (all arrays) shares, and
+    the first leaf's key path."""
+    paths = jtu.tree_flatten_with_path(tree)[0]
+    for path, leaf in paths:
+        if leaf.ndim == 0:
+            raise ValueError(
+                f"{name}{jtu.keystr(path)}: every array of `{name}` needs the {axis} "
+                f"axis first; got shape ().{hint}"
+            )
     first_path, first = paths[0]
     for path, leaf in paths:
-        if leaf.ndim == 0 or leaf.shape[0] != first.shape[0]:
+        if leaf.shape[0] != first.shape[0]:
             raise ValueError(
-                f"layers{jtu.keystr(path)}: every array of `layers` needs the layer "
-                f"axis first, of the same size L = {first.shape[0]} as "
-                f"layers{jtu.keystr(first_path)}; got shape {leaf.shape}. (Build the "
-                "stack with `eqx.filter_vmap(make_layer)(keys)`.)"
+                f"{name}{jtu.keystr(path)}: every array of `{name}` needs the {axis} "
+                f"axis first, of the same size {size} = {first.shape[0]} as "
+                f"{name}{jtu.keystr(first_path)}; got shape {leaf.shape}.{hint}"
             )
-    return first.shape[0]
+    return first.shape[0], name + jtu.keystr(first_path)
 
 
 def _refuse_layer_list(layers: Any) -> None:
@@ -112,26 +113,23 @@ def _check_key(key: Any) -> None:
         return
     # The default PRNG implementation's raw key: uint32 of shape (2,) for threefry.
     raw = jax.eval_shape(lambda: jr.PRNGKey(0))
+    batch = None  # the batch shape of an array of keys
     if eqx.is_array(key):
+        got = f"an array of dtype {key.dtype} and shape {key.shape}"
         if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-            if key.shape == ():
-                return
             batch = key.shape
         elif key.dtype == raw.dtype and key.shape[-1:] == raw.shape:
-            if key.ndim == 1:
-                return
             batch = key.shape[:-1]
-        else:
-            batch = None
-        got = f"an array of dtype {key.dtype} and shape {key.shape}"
-        if batch is not None:
-            raise ValueError(
-                f"key: a single PRNG key is needed; got {got}, keys of batch shape "
-                f"{batch}. Pass one key: `filter_pipeline` splits it per microbatch "
-                "and per layer. (Keys per example may ride in `x`.)"
-            )
     else:
         got = repr(key)
+    if batch == ():
+        return
+    if batch is not None:
+        raise ValueError(
+            f"key: a single PRNG key is needed; got {got}, keys of batch shape "
+            f"{batch}. Pass one key: `filter_pipeline` splits it per microbatch "
+            "and per layer. (Keys per example may ride in `x`.)"
+        )
     raise TypeError(
         "key: a single PRNG key is needed (`jax.random.key(seed)`, of shape (), or "
         f"a raw `jax.random.PRNGKey(seed)`, {raw.dtype} of shape {raw.shape}); got "
@@ -164,37 +162,6 @@ def _refuse_state(tree: Any, name: str) -> None:
             )
 
 
-def _batch_size(x: Any, microbatches: int) -> int:
-    paths = jtu.tree_flatten_with_path(x)[0]
-    arrays = [(path, leaf) for path, leaf in paths if eqx.is_array(leaf)]
-    if not arrays or len(arrays) != len(paths):
-        raise ValueError(
-            "x: a PyTree of arrays (each with the batch axis first) is needed; got "
-            + ("no array." if not arrays else "a non-array leaf.")
-        )
-    first_path, first = arrays[0]
-    for path, leaf in arrays:
-        if leaf.ndim == 0:
-            raise ValueError(
-                f"x{jtu.keystr(path)}: every array of `x` needs the batch axis first; "
-                "got shape ()."
-            )
-    for path, leaf in arrays:
-        if leaf.shape[0] != first.shape[0]:
-            raise ValueError(
-                f"x{jtu.keystr(path)}: every array of `x` needs the batch axis first, "
-                f"of the same size as x{jtu.keystr(first_path)} ({first.shape[0]}); "
-                f"got shape {leaf.shape}."
-            )
-    batch = first.shape[0]
-    if batch % microbatches:
-        raise ValueError(
-            f"x{jtu.keystr(first_path)}: its batch of {batch} cannot be cut into "
-            f"microbatches={microbatches} equal microbatches."
-        )
-    return batch
-
-
 def _get_mesh(mesh: Any, axis_name: str) -> Any:
     mesh = mesh_or_context(mesh, "filter_pipeline")
     if axis_name not in mesh.axis_names:
@@ -205,8 +172,7 @@ def _get_mesh(mesh: Any, axis_name: str) -> Any:
     # Inside a `jax.shard_map` the mesh in context marks its axes Manual; a second
     # `jax.shard_map` over one of them fails deep inside JAX.
     for where in (jax.sharding.get_abstract_mesh(), mesh):
-        kinds = dict(zip(where.axis_names, where.axis_types))
-        if kinds.get(axis_name) == jax.sharding.AxisType.Manual:
+        if axis_name in where.manual_axes:
             raise ValueError(
                 f"axis_name={axis_name!r}: this `filter_pipeline` runs inside a "
                 f"`jax.shard_map` already manual over {axis_name!r} (such as the `fn` "
@@ -228,18 +194,6 @@ def _check_positive(value: Any, name: str) -> int:
             if value >= 1:
                 return value
     raise ValueError(f"{name} must be a positive integer; got {value!r}.")
-
-
-def _cut(x: Any, microbatches: int) -> Any:
-    """Microbatch `m` is `x[m::M]`: a batch split over other mesh axes on its leading
-    axis stays split the same way within every microbatch."""
-    return jtu.tree_map(
-        lambda a: a.reshape(-1, microbatches, *a.shape[1:]).swapaxes(0, 1), x
-    )
-
-
-def _uncut(x: Any) -> Any:
-    return jtu.tree_map(lambda a: a.swapaxes(0, 1).reshape(-1, *a.shape[2:]), x)
 
 
 def _default_fn(layer, x, **kwargs):
@@ -284,82 +238,54 @@ def filter_pipeline(
     axes are left to the compiler, so data, FSDP or tensor parallelism over them (by
     `PathRules`) compose with it.
 
-    It computes exactly this, the same numbers up to floating-point reassociation:
-
-    ```python
-    def reference(layers, x, *, microbatches, fn, key=None):
-        arrays, static = eqx.partition(layers, eqx.is_array)
-        outs = []
-        for m in range(microbatches):
-            xm = jtu.tree_map(lambda a: a[m::microbatches], x)
-            keys = None if key is None else jr.split(jr.split(key, microbatches)[m], L)
-
-            def step(xm, layer_and_key):
-                layer, k = layer_and_key
-                layer = eqx.combine(layer, static)
-                return (fn(layer, xm) if k is None else fn(layer, xm, key=k)), None
-
-            outs.append(jax.lax.scan(step, xm, (arrays, keys))[0])
-        out = jtu.tree_map(lambda *o: jnp.stack(o, 1), *outs)  # undo the cut
-        return jtu.tree_map(lambda a: a.reshape(-1, *a.shape[2:]), out)
-    ```
+    It computes what scanning `fn` over the layers computes on each microbatch in turn,
+    up to floating-point reassociation (the reference in docs/pipeline.md).
 
     **Arguments:**
 
-    - `layers`: a stacked Module (or any PyTree): every array leaf has the layer axis,
-        of the same size `L`, first; every other leaf is shared by all layers. This is
-        what `eqx.filter_vmap(make_layer)(keys)` builds (a list of layers is refused:
-        stack it). Place it with the layer axis split over `axis_name`
-        (`PartitionSpec(axis_name)`): stage `s` then holds layers `s * L/S` to
-        `(s + 1) * L/S - 1` and nothing moves (with `repeats=1`).
+    - `layers`: a stacked Module (or any PyTree), as `eqx.filter_vmap(make_layer)(keys)`
+        builds it (a list of layers is refused): every array leaf has the layer axis,
+        of the same size `L`, first; every other leaf is shared by all layers. Placed
+        with the layer axis split over `axis_name` (`PartitionSpec(axis_name)`), each
+        stage holds its own layers and nothing moves (with `repeats=1`).
     - `x`: a PyTree of arrays, each with the batch axis first. PRNG keys (typed or
         raw), one per example, may ride in it with the activations.
-    - `microbatches`: `M`, how many microbatches the batch is cut into; microbatch
-        `m` is `x[m::M]` (so that a batch split over a data axis stays split within
-        each microbatch). The batch size must divide by `M`.
+    - `microbatches`: `M`, how many microbatches the batch (a multiple of `M`) is cut
+        into. Microbatch `m` is `x[m::M]`, so that a batch split over a data axis stays
+        split within each microbatch.
     - `axis_name`: the mesh axis the `S` stages lie on; inside the `fn` of another
         pipeline, another axis than that pipeline's.
-    - `repeats`: how many chunks of layers each stage holds. `1` (the default) is the
-        GPipe schedule: `M + S - 1` ticks, a fraction `(S - 1)/(M + S - 1)` of them
-        idle. With `R > 1` the layers are cut into `S * R` chunks and stage `s` holds
-        chunks `s, s + S, s + 2S, ...` (circular schedule): a microbatch goes round the
-        stages `R` times, and the idle fraction falls to `(S - 1)/(R * M + S - 1)`
-        when `M >= S`. `L` must divide by `S * R`.
+    - `repeats`: `R`, how many chunks of layers each stage holds. `1` (the default) is
+        the GPipe schedule, a fraction `(S - 1)/(M + S - 1)` of its ticks idle. With
+        `R > 1` stage `s` holds chunks `s, s + S, s + 2S, ...` of `S * R` (circular
+        schedule) and the idle fraction falls to `(S - 1)/(R * M + S - 1)` when
+        `M >= S`. `L` must divide by `S * R`.
     - `fn`: the layer function, `fn(layer, x) -> x` (or `fn(layer, x, key=key)` when
-        `key` is given), returning the same structure, shapes and dtypes as `x`.
-        Defaults to calling the layer: `layer(x)`. It may be a PyTree (a Module, an
-        `eqx.Partial`): its arrays are passed to every stage whole. Pass arrays
-        computed inside a JIT that way (`eqx.Partial(f, mask=mask)`), not by closing
-        over them: `fn` runs inside `jax.shard_map`.
-    - `key`: one PRNG key (`jax.random.key`, or a raw `jax.random.PRNGKey`), split
-        into one key per microbatch, and each of those into one key per layer, as in
-        the reference above.
+        `key` is given), returning the same structure, shapes and dtypes as `x`;
+        defaults to `layer(x)`. It may be a PyTree (a Module, an `eqx.Partial`) whose
+        arrays every stage gets whole: pass arrays computed inside a JIT that way, not
+        by closing over them, since `fn` runs inside `jax.shard_map`.
+    - `key`: one PRNG key (`jax.random.key`, or a raw `jax.random.PRNGKey`); layer `l`
+        of microbatch `m` gets `split(split(key, M)[m], L)[l]`.
     - `remat`: a bool, whether to `jax.checkpoint` each stage's work at each tick, so
         that the backward pass recomputes the activations inside a stage instead of
         storing them.
     - `mesh`: a `jax.sharding.Mesh` or `AbstractMesh`; defaults to the mesh set with
-        `jax.set_mesh`. Its axes may be Auto or Explicit; Explicit axes are made Auto
-        inside (`jax.sharding.auto_axes`), the output keeps the sharding of `x`, and
-        the mesh must be the one set with `jax.set_mesh`.
+        `jax.set_mesh`. Explicit axes are made Auto inside (`jax.sharding.auto_axes`)
+        and the output keeps the sharding of `x`; such a mesh must be the one set with
+        `jax.set_mesh`.
 
     **Returns:**
 
-    `fn` applied by every layer in order, to the whole batch: a PyTree like `x`.
-
-    Errors are raised before anything runs, naming the argument or the leaf's key path:
-    `L` not divisible by `S * repeats`, a batch not divisible by `microbatches`, an
-    axis not in the mesh or already manual (a pipeline inside another on its axis), a
-    leaf without the layer or batch axis, a list of layers, stateful layers,
-    `microbatches` or `repeats` not positive integers (NumPy integers are accepted),
-    `key` not one PRNG key, `remat` not a bool, `fn` not callable or failing on one
-    layer, a `mesh` that is not a mesh, or an Explicit one not set with `jax.set_mesh`.
+    `fn` applied by every layer in order, to the whole batch: a PyTree like `x`. Bad
+    arguments are refused before anything runs, naming the argument or the leaf's key
+    path (the list is in docs/pipeline.md).
 
     !!! warning
 
-        `fn` runs inside `jax.shard_map`, manual over `axis_name` only. There
-        `eqx.error_if` and `jax.pure_callback` fail when traced (JAX's `TypeError`
-        about manual axis types), as in any such `jax.shard_map`; `jax.debug.print`
-        works. Check values on the pipeline's output instead.
+        `fn` runs inside `jax.shard_map`, manual over `axis_name` only, where
+        `eqx.error_if` and `jax.pure_callback` fail when traced (`jax.debug.print`
+        works). Check values on the pipeline's output instead.
 
     !!! example
 
@@ -380,8 +306,6 @@ def filter_pipeline(
             return eqx.filter_grad(loss)(mlps, x)
 
         with jax.set_mesh(mesh):
-            # Split like `mlps` here; the compiler's choice (with `repeats=2` it
-            # returns them replicated): give `out_shardings` to fix it.
             grads = gradients(mlps, jnp.ones((64, 32)))
         ```
     """
@@ -391,11 +315,7 @@ def filter_pipeline(
     _check_fn(fn)
     _check_key(key)
     mesh_ = _get_mesh(mesh, axis_name)
-    explicit = tuple(
-        name
-        for name, axis_type in zip(mesh_.axis_names, mesh_.axis_types)
-        if axis_type == jax.sharding.AxisType.Explicit
-    )
+    explicit = mesh_.explicit_axes
     # Like JAX's own Explicit sharding, `auto_axes` needs the mesh in context.
     if explicit and jax.sharding.get_abstract_mesh() != getattr(
         mesh_, "abstract_mesh", mesh_
@@ -407,21 +327,39 @@ def filter_pipeline(
     _refuse_state(layers, "layers")
     _refuse_state(x, "x")
     _refuse_layer_list(layers)
-    n_layers = _layer_count(layers)
-    stages = dict(zip(mesh_.axis_names, mesh_.axis_sizes))[axis_name]
+    arrays, static = eqx.partition(layers, eqx.is_array)
+    if not jtu.tree_leaves(arrays):
+        raise ValueError(
+            "layers: a stacked Module needs at least one array leaf (the layer axis "
+            "comes first in every array); got none."
+        )
+    hint = " (Build the stack with `eqx.filter_vmap(make_layer)(keys)`.)"
+    n_layers, _ = _leading_size(arrays, "layers", "layer", "L", hint)
+    stages = mesh_.shape[axis_name]
     if n_layers % (stages * repeats):
         raise ValueError(
             f"layers: its L = {n_layers} layers cannot be split into stages * repeats "
             f"= {stages} * {repeats} equal chunks (the mesh axis {axis_name!r} has "
             f"{stages} devices)."
         )
-    _batch_size(x, microbatches)
+    x_leaves = jtu.tree_leaves(x)
+    x_arrays = [leaf for leaf in x_leaves if eqx.is_array(leaf)]
+    if not x_arrays or len(x_arrays) != len(x_leaves):
+        raise ValueError(
+            "x: a PyTree of arrays (each with the batch axis first) is needed; got "
+            + ("no array." if not x_arrays else "a non-array leaf.")
+        )
+    batch, first = _leading_size(x, "x", "batch", "B")
+    if batch % microbatches:
+        raise ValueError(
+            f"{first}: its batch of {batch} cannot be cut into "
+            f"microbatches={microbatches} equal microbatches."
+        )
     fn_given = fn is not None
     if fn_given:
         _check_fn_takes_key(fn, key is not None)
     fn = _default_fn if fn is None else fn
     chunk = n_layers // (stages * repeats)
-    arrays, static = eqx.partition(layers, eqx.is_array)
     fn_arrays, fn_static = eqx.partition(fn, eqx.is_array)
 
     def one_layer(xm, layer_arrays, k, fn_arrays):
@@ -472,10 +410,9 @@ def filter_pipeline(
         a = a.reshape(repeats, stages, chunk, *a.shape[1:])
         return jnp.swapaxes(a, 0, 1)
 
-    def per_layer_keys(key):
-        keys = jax.vmap(lambda k: jr.split(k, n_layers))(jr.split(key, microbatches))
-        keys = keys.reshape(microbatches, repeats, stages, chunk, *keys.shape[2:])
-        return jnp.moveaxis(keys, 2, 0)  # `(S, M, R, C, ...)`
+    def per_layer_keys(key):  # `(S, M, R, C, ...)`
+        keys = lambda k: by_stage(jr.split(k, n_layers))
+        return jax.vmap(keys, out_axes=1)(jr.split(key, microbatches))
 
     table = schedule(stages, microbatches, repeats)
 
@@ -543,8 +480,12 @@ def filter_pipeline(
         )
         stacked = jtu.tree_map(by_stage, arrays)
         keys = None if key is None else per_layer_keys(key)
-        out = run(stacked, _cut(x, microbatches), keys, fn_arrays)
-        return _uncut(jtu.tree_map(lambda a: a[stages - 1], out))
+        # Microbatch `m` is `x[m::M]`: a batch split over other mesh axes on its
+        # leading axis stays split the same way within every microbatch.
+        cut = lambda a: a.reshape(-1, microbatches, *a.shape[1:]).swapaxes(0, 1)
+        out = run(stacked, jtu.tree_map(cut, x), keys, fn_arrays)
+        uncut = lambda a: a[stages - 1].swapaxes(0, 1).reshape(-1, *a.shape[3:])
+        return jtu.tree_map(uncut, out)
 
     if not explicit:
         return pipelined(arrays, x, key, fn_arrays)

@@ -9,7 +9,7 @@ import jax
 import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 from equinox import is_array
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from .._arrays import raise_if_deleted
@@ -71,24 +71,22 @@ def _resolve(spec: Any, leaf: Any, where: Callable[[], str]) -> PartitionSpec | 
 
 
 def _leaf_specs(
-    specs: Any, value: Any, leaves: list, spec_name: str, value_name: str
+    specs: Any, value: Any, leaves: list, spec_name: str, value_name: str, mesh, shape
 ) -> list:
-    """One `PartitionSpec | None` per leaf of `value`; `None` for non-array leaves."""
+    """One `PartitionSpec | None` per leaf of `value` (`None` for non-array leaves),
+    each checked to fit `shape(leaf)` on `mesh`."""
     where = lambda i: leaf_path(value, i, value_name)
     per_leaf = spread(specs, value, leaves, spec_name, value_name, where, is_array)
     indices = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
     out: list = [None] * len(leaves)
     for i, spec in resolve_each(per_leaf, leaves, indices, where, _resolve):
+        try:
+            sharding = NamedSharding(mesh, spec)
+        except Exception as e:  # an unknown axis, an axis used twice
+            raise ValueError(f"{where(i)}: {e}") from e
+        check(shape(leaves[i]), sharding, lambda i=i: where(i))
         out[i] = spec
     return out
-
-
-def _check(mesh, spec: PartitionSpec, shape: tuple, where: Callable[[], str]) -> None:
-    try:
-        sharding = NamedSharding(mesh, spec)
-    except Exception as e:  # an unknown axis, an axis used twice
-        raise ValueError(f"{where()}: {e}") from e
-    check(shape, sharding, where)
 
 
 def _padded(spec: PartitionSpec, ndim: int) -> tuple:
@@ -103,43 +101,37 @@ def _to_explicit(mesh, leaves: list, specs: list, indices: list) -> None:
     axes, which `jax.shard_map` requires (on Auto axes it moves them itself)."""
     todo = []
     for i in indices:
-        leaf = leaves[i]
-        current = getattr(jax.typeof(leaf), "sharding", None)
-        current_spec = getattr(current, "spec", PartitionSpec())
-        ndim = leaf.ndim
-        if _padded(current_spec, ndim) != _padded(specs[i], ndim) or (
-            current is not None and current.mesh.empty
-        ):
+        current = jax.typeof(leaves[i]).sharding
+        ndim = leaves[i].ndim
+        if current.mesh.empty or _padded(current.spec, ndim) != _padded(specs[i], ndim):
             todo.append(i)
-    if not todo:
-        return
-    targets = [NamedSharding(mesh, specs[i]) for i in todo]
-    moved = jax.sharding.reshard([leaves[i] for i in todo], targets)
-    for i, x in zip(todo, moved):
-        leaves[i] = x
+    if todo:
+        targets = [NamedSharding(mesh, specs[i]) for i in todo]
+        moved = jax.sharding.reshard([leaves[i] for i in todo], targets)
+        for i, x in zip(todo, moved):
+            leaves[i] = x
 
 
 def _raise_unreplicated(fun, error, run, dynamic_in, named: Named, manual) -> None:
-    """Raises a `ValueError` naming `fun` and the key path of each output that JAX's
-    replication check refused in `error` (over the `manual` mesh axes, in the mesh's
-    order); returns if it finds none. Eagerly, JAX's
-    message names no leaf: it is traced again (abstractly) for the one that does."""
-    if not any(_refused(error, key) for key in named.names.keys):
+    """Raises naming `fun` and the key path of each output that JAX's replication
+    check refused (over the `manual` mesh axes, in the mesh's order); returns if it
+    finds none."""
+
+    def refused(error):
+        # JAX names each refused output `out_specs<key path>`; our `KeyPath` prints so.
+        pairs = zip(named.names.keys, named.leaves)
+        return [
+            (key, spec) for key, spec in pairs if f"out_specs{key} is " in str(error)
+        ]
+
+    if not refused(error):
+        # Eagerly, JAX's message names no leaf; traced (abstractly) again, it does.
         try:
             jax.eval_shape(run, dynamic_in)
         except ValueError as traced:
             error = traced
-        else:  # pragma: no cover - eager and traced checks agree
-            return
-    refused = [
-        (key, spec)
-        for key, spec in zip(named.names.keys, named.leaves)
-        if _refused(error, key)
-    ]
-    if not refused:
-        return
     lines = []
-    for key, spec in refused:
+    for key, spec in refused(error):
         named_axes = {
             a for e in spec if e for a in (e if isinstance(e, tuple) else (e,))
         }
@@ -149,6 +141,8 @@ def _raise_unreplicated(fun, error, run, dynamic_in, named: Named, manual) -> No
             f"{left_out}, so it must be the same over them, but JAX infers that it "
             "varies across at least one"
         )
+    if not lines:
+        return
     name = getattr(fun, "__name__", type(fun).__name__)
     raise ValueError(
         f"filter_shard_map({name}): an output that `out_specs` replicates is not "
@@ -157,11 +151,6 @@ def _raise_unreplicated(fun, error, run, dynamic_in, named: Named, manual) -> No
         "`PartitionSpec` if each device holds its own block, or pass "
         "`check_vma=False` if it is the same on every device in fact."
     ) from error
-
-
-def _refused(error: Exception, key) -> bool:
-    # JAX names each refused output `out_specs<key path>`; our `KeyPath` prints as it.
-    return f"out_specs{key} is " in str(error)
 
 
 @overload
@@ -258,14 +247,12 @@ def filter_shard_map(
         leaves, treedef = jtu.tree_flatten(args)
         where = lambda i: leaf_path(args, i, "args")
         raise_if_deleted(leaves, range(len(leaves)), where)
-        specs = _leaf_specs(in_specs, args, leaves, "in_specs", "args")
+        specs = _leaf_specs(
+            in_specs, args, leaves, "in_specs", "args", mesh_, jax.numpy.shape
+        )
         indices = [i for i, s in enumerate(specs) if s is not None]
-        for i in indices:
-            where = lambda i=i: leaf_path(args, i, "args")
-            _check(mesh_, specs[i], jax.numpy.shape(leaves[i]), where)
         manual = frozenset(axis_names) or frozenset(mesh_.axis_names)
-        types = dict(zip(mesh_.axis_names, mesh_.axis_types))
-        if indices and manual and all(types[a] == AxisType.Explicit for a in manual):
+        if indices and manual and all(a in mesh_.explicit_axes for a in manual):
             leaves = list(leaves)
             _to_explicit(mesh_, leaves, specs, indices)
         # Filled in by `body`, which `jax.shard_map` traces; named by the outputs' key
@@ -279,7 +266,11 @@ def filter_shard_map(
                 full[i] = x
             out = fun(*jtu.tree_unflatten(treedef, full), **kwargs)
             out_leaves, out_def = jtu.tree_flatten(out)
-            per_leaf = _leaf_specs(out_specs, out, out_leaves, "out_specs", "out")
+            # An output block needs at least as many dimensions as its spec.
+            rank = lambda x: (0,) * jax.numpy.ndim(x)
+            per_leaf = _leaf_specs(
+                out_specs, out, out_leaves, "out_specs", "out", mesh_, rank
+            )
             positions = [i for i, x in enumerate(out_leaves) if is_array(x)]
             for i in positions:
                 if per_leaf[i] is None:
@@ -288,9 +279,6 @@ def filter_shard_map(
                         "`PartitionSpec` in `out_specs` (`P()` if it is the same on "
                         "every device); got `None`."
                     )
-                where = lambda i=i: leaf_path(out, i, "out")
-                # The output block must have at least as many dimensions as its spec.
-                _check(mesh_, per_leaf[i], (0,) * jax.numpy.ndim(out_leaves[i]), where)
             # `jax.shard_map` reads `out_specs` only after tracing `body`, so this list
             # can be filled here (tests/test_jax_facts.py::
             # test_shard_map_reads_out_specs_after_tracing).
