@@ -379,6 +379,11 @@ def _bad_inputs():
         (dict(axis_name="pipe"), r"axis_name='pipe' is not an axis of the mesh"),
         (dict(layers=short), r"layers\.linear\.bias: .*L = 8 .*\(4, 8\)"),
         (dict(layers=unstacked), r"layers\.linear\.bias: .*got shape \(\)"),
+        # Its first array 0-d: named, where building the message raised `IndexError`.
+        (
+            dict(layers={"a": jnp.float32(0), "b": jnp.ones((8, 2))}),
+            r"layers\['a'\]: every array .*layer axis first; got shape \(\)",
+        ),
         (dict(layers=stateful), r"layers\.batch_counter is an `eqx\.nn\.StateIndex`"),
         (dict(x={"t": jnp.float32(0), "z": x}), r"x\['t'\]: every array .*got shape"),
         (dict(microbatches=0), r"microbatches must be a positive integer"),
