@@ -7,6 +7,7 @@ of many repetitions. Ratios between variants of the same round are what the tabl
 report.
 """
 
+import argparse
 import collections as co
 import datetime
 import functools
@@ -280,3 +281,21 @@ def transformer_example():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def standalone_options(description: str, **extra: dict) -> argparse.Namespace:
+    """The options of a section run on its own (`python -m benchmarks.NAME`):
+    `--quick`, `--device` (JAX's default backend; without it, 8 simulated CPU devices,
+    set here before JAX computes anything) and `extra`, `add_argument`'s keyword
+    arguments by option name."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--device", action="store_true", help="on JAX's default backend"
+    )
+    for name, kwargs in extra.items():
+        parser.add_argument(f"--{name}", **kwargs)
+    options = parser.parse_args()
+    if not options.device:
+        jax.config.update("jax_num_cpu_devices", 8)
+    return options

@@ -445,17 +445,9 @@ def render_inputs(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(description="issue 48's dispatch cells")
-    parser.add_argument("--reps", type=int, default=9)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument(
-        "--device", action="store_true", help="on JAX's default backend (wall clock)"
+    options = h.standalone_options(
+        "issue 48's dispatch cells", reps={"type": int, "default": 9}
     )
-    options = parser.parse_args()
-    if not options.device:
-        jax.config.update("jax_num_cpu_devices", 8)
     config = {
         # A TPU host's thread CPU clock read 0 for whole samples.
         "async_clock": "wall" if options.device else "thread",

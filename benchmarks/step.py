@@ -346,17 +346,8 @@ def render_feeds(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    import argparse
-
     from .run import FULL, QUICK
 
-    parser = argparse.ArgumentParser(description="issue 48's fed training step")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument(
-        "--device", action="store_true", help="on JAX's default backend"
-    )
-    options = parser.parse_args()
-    if not options.device:
-        jax.config.update("jax_num_cpu_devices", 8)
+    options = h.standalone_options("issue 48's fed training step")
     config = QUICK if options.quick else FULL
     print(render_feeds(run_feeds({**config, **config["step"]})))
