@@ -4,6 +4,8 @@ under another name.
 
     python -m benchmarks.against REF [--reps 11] [--quick] [--inputs]
 
+`REF` is a git commit, or a folder holding another checkout's `equinox_shard/`.
+
 Prints one row per cell (layout, tree, N, mode): each variant over the `jax.jit` floor,
 and this checkout over `REF`, without and with `in_shardings`/`out_shardings`. With
 `--inputs`, issue 48's cells instead (`benchmarks.dispatch.run_inputs`: uncommitted,
@@ -14,6 +16,7 @@ dispatch: this and `REF` over the flat sketch, and this over `REF`.
 import argparse
 import importlib
 import pathlib
+import shutil
 import statistics
 import subprocess
 import sys
@@ -22,21 +25,28 @@ import tempfile
 
 def _export(ref: str, into: pathlib.Path) -> str:
     name = "equinox_shard_at_ref"
-    root = pathlib.Path(__file__).resolve().parent.parent
-    archive = subprocess.run(
-        ["git", "-C", str(root), "archive", ref, "equinox_shard"],
-        check=True,
-        capture_output=True,
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    (into / "equinox_shard").rename(into / name)
+    if pathlib.Path(ref, "equinox_shard").is_dir():
+        # Another checkout's folder, where there is no git (a device's host).
+        shutil.copytree(pathlib.Path(ref, "equinox_shard"), into / name)
+    else:
+        root = pathlib.Path(__file__).resolve().parent.parent
+        archive = subprocess.run(
+            ["git", "-C", str(root), "archive", ref, "equinox_shard"],
+            check=True,
+            capture_output=True,
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+        (into / "equinox_shard").rename(into / name)
     sys.path.insert(0, str(into))
     return name
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.against")
-    parser.add_argument("ref", help="the git commit to compare against")
+    parser.add_argument(
+        "ref",
+        help="the git commit (or a folder with its equinox_shard/) to compare against",
+    )
     parser.add_argument("--reps", type=int, default=11)
     parser.add_argument("--quick", action="store_true", help="a few cells, 3 rounds")
     parser.add_argument("--inputs", action="store_true", help="issue 48's cells")

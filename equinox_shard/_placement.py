@@ -86,17 +86,20 @@ def jit_takes(values, expected: tuple) -> int:
     `PLACED` (all committed there, or where `is_placed` says they stand for it),
     `MOVES` (the committed ones there, and it moves the others itself), or `0`."""
     try:
-        # Weak-typed inputs are `place`'s: executables of either type run the other.
-        if any(map(getattr, values, _WEAK, _FALSE)):
+        # Weak-typed inputs are `place`'s: `MOVES`' executable (`entry.Typed`) runs
+        # either type as the other. (`jax.Array.aval`: no Python frame per value.)
+        if any(map(getattr, map(getattr, values, _AVAL, _NONE), _WEAK, _FALSE)):
             return 0
         committed = list(map(getattr, values, _COMMITTED, _FALSE))
         held = list(compress(values, committed))
         wanted = list(compress(expected, committed))
-        if all(map(operator.eq, map(_sharding, held), wanted)):
+        unequal = list(map(operator.ne, map(_sharding, held), wanted))
+        if not any(unequal):
             return PLACED if all(committed) else MOVES
         # An equivalent sharding (a batch put on the one device of a one-device mesh)
-        # `jax.jit` runs as it is; `MOVES`' executable (`entry.Typed`) would refuse it.
-        return PLACED if all(map(is_placed, held, wanted)) else 0
+        # `jax.jit` runs as it is; `MOVES`' executable would refuse it.
+        pairs = (compress(held, unequal), compress(wanted, unequal))
+        return PLACED if all(map(is_placed, *pairs)) else 0
     except Exception:  # a tracer: `place` leaves it to the enclosing call
         return 0
 
@@ -106,6 +109,8 @@ PLACED = 1
 MOVES = 2
 _sharding = operator.attrgetter("sharding")
 _FALSE = repeat(False)
+_NONE = repeat(None)
+_AVAL = repeat("aval")
 _COMMITTED = repeat("committed")
 _WEAK = repeat("weak_type")
 

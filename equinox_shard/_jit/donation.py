@@ -15,6 +15,7 @@ import jax.tree_util as jtu
 from .._arrays import is_deleted, is_tracer, raise_if_fun_deleted
 from .._buffers import private_copies, reuses_every_buffer
 from .launch import dispatch_lock
+from .packing import getter
 
 
 traceback_util.register_exclusion(__file__)
@@ -94,7 +95,8 @@ class Donation:
         """`keep(call_leaves, dynamic_fun, where)`, run before each call of an entry
         that donates: see `keep_undonated`."""
         fun_donated = self._donates(None, n_args)
-        return ft.partial(keep_undonated, leaves, traced_indices, fun_donated, fun_name)
+        traced = (traced_indices, getter(traced_indices))
+        return ft.partial(keep_undonated, leaves, traced, fun_donated, fun_name)
 
     def may_alias(self, leaves: list, moves: list, donated: tuple[int, ...]) -> list:
         """`place`'s `may_alias`, per leaf, for the moves `(i, sharding)` of a call's
@@ -129,7 +131,7 @@ class Donation:
 
 def keep_undonated(
     donated: tuple[int, ...],
-    traced_indices: tuple[int, ...],
+    traced: tuple[tuple[int, ...], Callable],
     fun_donated: bool,
     fun_name: str,
     leaves: list,
@@ -142,7 +144,8 @@ def keep_undonated(
     fun_leaves = jtu.tree_leaves(dynamic_fun) if fun_donated else []
     if any(map(is_deleted, fun_leaves)):
         raise_if_fun_deleted(fun_name, dynamic_fun)
-    traced_ids = {id(leaves[i]) for i in traced_indices}
+    traced_indices, get_traced = traced  # the indices, and their C-level getter
+    traced_ids = set(map(id, get_traced(leaves)))
     fun_ids = {id(x) for x in fun_leaves}
     if (
         len(traced_ids) == len(traced_indices)

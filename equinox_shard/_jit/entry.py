@@ -265,25 +265,21 @@ class Typed:
 #
 
 
-def prepare(
-    dynamic_fun, cache, entry, structure, args, kwargs, leaves, ready=None
-) -> tuple:
+def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple:
     """A call's checks and placements before `jax.jit`: the leaves as placed, the
-    dynamic trees to call, and what to call them with. `ready`: `all_placed`'s answer,
-    where the caller asked it after finding nothing deleted."""
-    where = ft.partial(arg_path, cache, args, kwargs)
+    dynamic trees to call, and what to call them with (`Entry.jitted` or `Typed`)."""
     # XLA crashes on a deleted multi-device input, donated or not.
-    if ready is None and structure.deleted(leaves):
+    deleted = structure.deleted(leaves)
+    ready = entry.lean or all_placed(entry.get_targets(leaves), entry.shardings)
+    if ready and not (deleted or entry.donates):  # nothing to check, donate or place
+        dynamic = structure.packing.arguments(dynamic_fun, args, kwargs, leaves)
+        return leaves, dynamic, entry.jitted
+    where = ft.partial(arg_path, cache, args, kwargs)
+    if deleted:
         raise_if_deleted(leaves, structure.traced_indices, where)
     placed = leaves
-    if entry.donates:
+    if entry.donates:  # its private copies are where the originals are
         placed = entry.keep(leaves, dynamic_fun, where)
-    if ready is None:
-        ready = (
-            all_placed(entry.get_targets(placed), entry.shardings)
-            if entry.targets
-            else 1
-        )
     if not ready and entry.hands_over:
         ready = jit_takes(entry.get_targets(placed), entry.shardings)
     if not ready:

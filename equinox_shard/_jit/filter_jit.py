@@ -14,7 +14,6 @@ import jax.tree_util as jtu
 from equinox import field, is_array, Module, module_update_wrapper, Partial
 
 from .._arrays import is_array_or_struct
-from .._placement import all_placed
 from .._spec.leaves import unset
 from . import explain_misses
 from .cache import (
@@ -43,8 +42,8 @@ _T = TypeVar("_T")
 
 def _call(wrapper, args, kwargs, compiled=None):
     """A call in four steps: look up its entry (`cache.look_up`; on a miss `_build`
-    makes it), prepare its inputs (`entry.prepare`), dispatch
-    (`entry.Entry.dispatch`) and combine the output (`_combine`)."""
+    makes it), prepare its inputs (`entry.prepare`), dispatch (`Entry.dispatch`) and
+    combine the output (`_combine`)."""
     __tracebackhide__ = True
     # One attribute lookup, past `Module.__getattribute__` (Python, on every lookup).
     fields = object.__getattribute__(wrapper, "__dict__")
@@ -56,32 +55,23 @@ def _call(wrapper, args, kwargs, compiled=None):
         bound = cache.signature.bind(*args, **kwargs)
         args, kwargs = bound.args, bound.kwargs
     leaves, treedef = jtu.tree_flatten((args, kwargs))
-    # Look up.
+    # 1. Look up.
     if compiled is None:
         key, structure, entry = look_up(cache, treedef, leaves, is_array)
     else:
         key, structure, entry = None, *compiled._check(treedef, leaves)
-    # Prepare.
-    if structure is None or entry is None:
+    # 2. Prepare.
+    if entry is None:
         structure, entry, leaves, dynamic, run = _build(
             wrapper, cache, args, kwargs, leaves, key
         )
-    elif entry.donates or structure.deleted(leaves):
+    else:
         leaves, dynamic, run = prepare(
             dynamic_fun, cache, entry, structure, args, kwargs, leaves
         )
-    elif entry.lean or all_placed(entry.get_targets(leaves), entry.shardings):
-        # Nothing to donate, nothing to place: what `prepare` returns, without its
-        # frame.
-        dynamic = structure.packing.arguments(dynamic_fun, args, kwargs, leaves)
-        run = entry.jitted
-    else:
-        leaves, dynamic, run = prepare(
-            dynamic_fun, cache, entry, structure, args, kwargs, leaves, ready=False
-        )
     if compiled is not None:
         run = compiled.compiled
-    # Dispatch.
+    # 3. Dispatch.
     try:
         if entry.dispatch is None:  # no layer: the launch alone
             out = run(*dynamic)
@@ -94,9 +84,8 @@ def _call(wrapper, args, kwargs, compiled=None):
     except Exception:
         diagnose(cache, args, kwargs, leaves, entry, dynamic_fun)
         raise
-    # Combine (`_combine`, without its frame).
-    dynamic, static = out
-    return dynamic if static is None else static.combine(dynamic)
+    # 4. Combine.
+    return _combine(out)
 
 
 def _combine(out: tuple) -> Any:
