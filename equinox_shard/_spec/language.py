@@ -36,15 +36,25 @@ from .leaves import (
 
 
 def flatten_specs(
-    specs: Any, name: str, where: Callable[[tuple], str] | None = None
+    specs: Any,
+    name: str,
+    where: Callable[[tuple], str] | None = None,
+    *,
+    placement: bool = True,
 ) -> tuple[list, PyTreeDef]:  # pyright: ignore[reportInvalidTypeForm]
     """A specification's spec leaves, each checked (named `name` plus its key path,
-    or `where(path)`)."""
+    or `where(path)`); an error lists the kinds `name` takes."""
     leaves, treedef = jtu.tree_flatten(specs, is_leaf=is_spec_leaf)
     if not all(map(is_spec_leaf, leaves)):  # the slow path names the leaf
+        # Not offered: placement-only kinds where nothing is placed, and the kinds
+        # `jax.jit` refuses in `filter_jit`'s `in_shardings`.
+        refused = lambda kind: (
+            (kind.placement_only and not placement)
+            or (kind.jit_in_refused and name == "in_shardings")
+        )
         for path, leaf in jtu.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)[0]:
             at = name + jtu.keystr(path) if where is None else where(path)
-            check_spec_leaf(leaf, at)
+            check_spec_leaf(leaf, at, refused)
     return leaves, treedef
 
 
@@ -152,17 +162,19 @@ def spread(
     where: Callable[[int], str],
     dynamic: Callable[[Any], bool],
     usage: RulesUsage | None = None,
+    *,
+    placement: bool = True,
 ) -> list:
     """One spec leaf per leaf of `value` (`leaves`), each `PathRules` replaced by its
     choice (`None` where not `dynamic`). Strict rules are checked here, or given a
     `usage`, by the caller's `usage.check()`."""
     try:
-        spec_leaves, spec_def = flatten_specs(specs, spec_name)
+        spec_leaves, spec_def = flatten_specs(specs, spec_name, placement=placement)
     except TypeError:
         # `Compiled.input_shardings`/`input_formats` hold the non-array leaves as
         # themselves: where the value has that very leaf, it is `None`.
         specs = _own_leaves_as_none(specs, value)
-        spec_leaves, spec_def = flatten_specs(specs, spec_name)
+        spec_leaves, spec_def = flatten_specs(specs, spec_name, placement=placement)
     per_leaf = broadcast_specs(
         spec_leaves, spec_def, specs, value, len(leaves), spec_name, value_name
     )
@@ -328,7 +340,9 @@ def resolve_leaves(
     if isinstance(specs, Sharding):  # the common case: nothing to broadcast or resolve
         return [(i, specs) for i, leaf in enumerate(leaves) if dynamic(leaf)]
     where = lambda i: leaf_path(value, i, value_name)
-    per_leaf = spread(specs, value, leaves, spec_name, value_name, where, dynamic)
+    per_leaf = spread(
+        specs, value, leaves, spec_name, value_name, where, dynamic, placement=formats
+    )
     indices = [i for i, leaf in enumerate(leaves) if dynamic(leaf)]
     resolver = ft.partial(resolve, abstract_ok=abstract_ok, mesh=mesh)
     out = resolve_each(per_leaf, leaves, indices, where, resolver)

@@ -49,7 +49,9 @@ def describe_leaf(x: Any) -> str:
     return f"{type(x).__name__} {text}"
 
 
-def check_spec_leaf(x: Any, where: str) -> None:
+def check_spec_leaf(
+    x: Any, where: str, refused: Callable[[Any], bool] = lambda kind: False
+) -> None:
     if not is_spec_leaf(x):
         kind = kind_of(x)
         hint = "" if kind is None else kind.invalid
@@ -60,8 +62,8 @@ def check_spec_leaf(x: Any, where: str) -> None:
                 "`jax.set_mesh(mesh)` and pass a bare `PartitionSpec`."
             )
         raise TypeError(
-            f"{where}: a sharding specification leaf must be {kind_names()}`None`, a "
-            "callable `leaf -> spec`, or an `equinox_shard.PathRules`; got "
+            f"{where}: a sharding specification leaf must be {kind_names(refused)}"
+            "`None`, a callable `leaf -> spec`, or an `equinox_shard.PathRules`; got "
             f"{describe_leaf(x)}.{hint}"
         )
 
