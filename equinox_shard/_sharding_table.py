@@ -17,7 +17,7 @@ from ._arrays import (
     is_single_device_sharding,
     is_tracer,
 )
-from ._spec.explain_rules import explain_rules, RuleMatch, RulesReport
+from ._spec.explain_rules import columns, explain_rules, RuleMatch, RulesReport
 from ._spec.language import devices_along
 
 
@@ -99,46 +99,33 @@ def _rule_notes(report: RulesReport) -> list[str]:
 
 
 def sharding_table(tree: PyTree[Any], *, name: str = "", rules: Any = None) -> str:
-    """Describes how every array in a PyTree is laid out across devices, as a table
-    with one row per array: its key path, shape, dtype, sharding, and how many bytes
-    of it each device holds: e.g. to check at a glance that a model's parameters are
-    split across a mesh axis. Only metadata is read (each array's `.sharding`, shape
-    and dtype): nothing is transferred, compiled or waited for.
-
+    """Describes how every array in a PyTree is laid out across devices: a table with
+    one row per array, giving its key path, shape, dtype, sharding, and the bytes of
+    it each device holds. Only metadata is read: nothing is transferred, compiled or
+    waited for.
 
     **Arguments:**
 
-    - `tree`: any PyTree. Each array leaf (`equinox.is_array`) gets a row; so does
-        each `jax.ShapeDtypeStruct` (planning a layout before allocating it). Other
-        leaves (activation functions, Python scalars, ...) are skipped.
-    - `name`: prepended to every key path, e.g. `name="model"` gives rows such as
+    - `tree`: any PyTree. Each array and each `jax.ShapeDtypeStruct` gets a row;
+        other leaves are skipped.
+    - `name`: prepended to every key path, e.g. `name="model"` gives
         `model.layers[0].weight`.
-    - `rules`: an [`equinox_shard.PathRules`][], or any specification of `tree`
-        holding some (e.g. `(rules, rules, P("data"))` for a tuple `(model,
-        opt_state, batch)`), matched as [`equinox_shard.explain_rules`][] matches it.
-        A last column then shows which rule places each array: `#k pattern` for rule
-        `k` of its `PathRules` (then `(over #j)` if rule `j` matched too but lost),
-        `default`, `no rule` (no rule and no default: placing `tree` would raise),
-        or `-` beneath no `PathRules`. Below the table follow, if any, the rules that
-        matched no array and the arrays that several rules, or no rule, matched.
+    - `rules`: a [`equinox_shard.PathRules`][], or a specification of `tree` holding
+        some, matched as [`equinox_shard.explain_rules`][] matches it. A last column
+        then says which rule places each array: `#k pattern` (then `(over #j)` if
+        rule `j` matched too), `default`, `no rule` (placing `tree` would raise), or
+        `-` beneath no `PathRules`. Below the table follow the unused rules and the
+        arrays that several rules, or none, matched.
 
     **Returns:**
 
-    A string: a header, one line per array leaf, and a final line with the total
-    number of bytes held by the most loaded device. The sharding column shows:
-
-    - the `PartitionSpec` for a `jax.sharding.NamedSharding` (e.g. `P('data', None)`;
-        `P()` is replicated);
-    - the device for a `jax.sharding.SingleDeviceSharding` (e.g. `cpu:0`);
-    - otherwise the sharding's type name;
-
-    followed by the memory kind if it is not the default, by `uncommitted` for a
-    JAX array that `jax.jit` may still move freely, and by `deleted` for an array
-    whose buffers are gone (e.g. donated to an earlier call; it holds no bytes).
-    NumPy arrays are shown as `host` and traced values as `traced`; neither counts
-    towards the bytes per device.
-    A dimension that does not divide evenly across its mesh axes is counted as XLA
-    pads it: every device holds the rounded-up shard.
+    A string: a header, one line per array, and the bytes held by the most loaded
+    device. The sharding column shows the `PartitionSpec` of a `NamedSharding`, the
+    device of a `SingleDeviceSharding`, else the sharding's type name; then the
+    memory kind if not the default, `uncommitted` for an array `jax.jit` may still
+    move, and `deleted` for one whose buffers are gone (e.g. donated). NumPy arrays
+    show as `host` and traced values as `traced`, and count no bytes. A dimension
+    that does not divide evenly counts as XLA pads it (the rounded-up shard).
 
     !!! example
 
@@ -161,8 +148,6 @@ def sharding_table(tree: PyTree[Any], *, name: str = "", rules: Any = None) -> s
         --------------------------------------------------------------------
         total                                                        9.1 KiB
         ```
-
-        The activation function, not being an array, has no row.
     """
     report = None if rules is None else explain_rules(tree, rules, name=name)
     rows = []
@@ -197,17 +182,9 @@ def sharding_table(tree: PyTree[Any], *, name: str = "", rules: Any = None) -> s
     total = _format_bytes(max(per_device.values())) if per_device else "-"
     header = _HEADER if rules is None else (*_HEADER, "rule")
     total_row = ("total", "", "", "", total) + (() if rules is None else ("",))
-    widths = [max(map(len, column)) for column in zip(header, *rows, total_row)]
-
-    def line(row):
-        left, right, rest = row[:4], row[4], row[5:]
-        cells = [cell.ljust(width) for cell, width in zip(left, widths)]
-        cells.append(right.rjust(widths[4]))
-        cells += [cell.ljust(width) for cell, width in zip(rest, widths[5:])]
-        return "  ".join(cells).rstrip()
-
-    rule = "-" * (sum(widths) + 2 * (len(widths) - 1))
-    lines = [line(header), rule, *map(line, rows), rule, line(total_row)]
+    head, *body, end = columns([header, *rows, total_row], right=4)
+    rule = "-" * max(len(head), len(end), *map(len, body))
+    lines = [head, rule, *body, rule, end]
     if report is not None:
         lines += _rule_notes(report)
     return "\n".join(lines)

@@ -301,6 +301,26 @@ def test_spec_leaf_is_a_class(apply):
         apply(x, {"a": P, "b": r, "c": r})
 
 
+def test_spec_leaf_wrong_type_lists_what_is_taken_there():
+    # `in_shardings` refuses a `jax.memory.Space`, and a function that only reads
+    # shardings a `Format` and a `Space`: the error does not offer them there.
+    def kinds_offered(call) -> list[str]:
+        with pytest.raises(TypeError, match="specification leaf must be") as info:
+            call()
+        return re.findall(r"`(jax\.[\w.]+)`", str(info.value))
+
+    sharding, layout = "jax.sharding.Sharding", "jax.experimental.layout.Format"
+    placed = kinds_offered(lambda: eqxs.filter_device_put(jnp.ones(8), "x"))
+    assert {sharding, layout, "jax.memory.Space"} <= set(placed)
+    jitted = kinds_offered(lambda: eqxs.filter_jit(lambda x: x, in_shardings="x"))
+    assert jitted == [k for k in placed if k != "jax.memory.Space"]
+    data = np.ones(8, np.float32)
+    read = kinds_offered(
+        lambda: eqxs.filter_make_array_from_process_local_data("x", data)
+    )
+    assert read == [k for k in placed if k not in (layout, "jax.memory.Space")]
+
+
 #
 # Rank and divisibility.
 #

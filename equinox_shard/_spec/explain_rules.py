@@ -13,13 +13,9 @@ from .leaves import RulesUsage, some, unset, unused_rules
 
 @dataclasses.dataclass(frozen=True)
 class RuleMatch:
-    """One rule of a [`equinox_shard.PathRules`][], as [`equinox_shard.RulesReport`][]
-    names it: `RuleMatch(index, pattern, spec)`.
-
-    - `index`: its position in `PathRules.rules`; `None` for the default.
-    - `pattern`: its pattern as written (`PathRules.rules[index][0]`); `"default"`
-        for the default.
-    - `spec`: the spec leaf it gives.
+    """One rule of a [`equinox_shard.PathRules`][]: `RuleMatch(index, pattern, spec)`,
+    with `index` its position in `PathRules.rules` and `pattern` as written, or
+    `(None, "default", spec)` for the default.
     """
 
     index: int | None
@@ -28,9 +24,8 @@ class RuleMatch:
 
 
 class RuleOverlap(NamedTuple):
-    """An array whose key path more than one rule matched: a named tuple
-    `(won, lost)`. `won` is the first of them, which placed the array (first match
-    wins); `lost` are the others, in order."""
+    """An array that several rules matched: `won` placed it (first match wins),
+    `lost` are the others, in order."""
 
     won: RuleMatch
     lost: tuple[RuleMatch, ...]
@@ -39,32 +34,26 @@ class RuleOverlap(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class RulesReport:
     """What the [`equinox_shard.PathRules`][] of a specification do to a PyTree, as
-    [`equinox_shard.explain_rules`][] returns it. Arrays are named by their key path
-    in the whole tree (as `sharding_table` names its rows), prefixed by `name`.
+    returned by [`equinox_shard.explain_rules`][]. Arrays are named by their key
+    path in the whole tree, prefixed by `name`.
 
     **Fields:**
 
-    - `placed`: for every array beneath a `PathRules` that a rule or the default
-        places, in the order of the tree's leaves, its key path -> the
-        [`equinox_shard.RuleMatch`][] that placed it.
-    - `unused`: the rules whose pattern was found in no array's key path, over every
-        subtree that the rules (or rules equal to them) cover. A rule that matched
-        only arrays that an earlier rule placed is not unused: it is in `overlaps`.
-    - `overlaps`: for every array whose key path more than one rule matched, its
-        key path -> a [`equinox_shard.RuleOverlap`][]: the rule that won and the
-        rules that lost.
+    - `placed`: key path -> the [`equinox_shard.RuleMatch`][] that placed the array
+        (a rule or the default), in the order of the tree's leaves.
+    - `unused`: the rules whose pattern was found in no array's key path. A rule
+        that matched only arrays an earlier rule placed is in `overlaps` instead.
+    - `overlaps`: key path -> [`equinox_shard.RuleOverlap`][], for each array that
+        more than one rule matched.
     - `unmatched`: the key paths of the arrays that no rule matched, beneath a
-        `PathRules` without a default (placing the tree would raise a `ValueError`
-        naming the first).
-    - `did_you_mean`: for each unused rule anchored at the start of the key path
-        (`^embed\\.weight$`), which can never match there because every key path
-        starts with `.` or `[`: its pattern -> the same pattern anchored after that
-        start, where it matches a key path (`^\\.embed\\.weight$`).
+        `PathRules` without a default (placing the tree would raise).
+    - `did_you_mean`: for an unused pattern anchored at the start (`^embed`), which
+        never matches as key paths start with `.` or `[`: the pattern anchored after
+        that start, where it matches a key path (`^\\.embed`).
 
-    A tree whose rules are all as intended has `not report.unused and not
-    report.overlaps and not report.unmatched`: what `PathRules(..., strict=True)`
-    checks (except `unmatched`, which raises anyway). `str(report)` is a short table:
-    each rule, the number of arrays it places, and the problems below it.
+    `not report.unused and not report.overlaps` is what `PathRules(..., strict=True)`
+    checks. `str(report)` is a table of the rules and how many arrays each places,
+    followed by the problems.
     """
 
     placed: dict[str, RuleMatch]
@@ -80,16 +69,12 @@ class RulesReport:
             if match not in used:
                 used.append(match)
         counts = [(m, placed.count(m)) for m in used] + [(m, 0) for m in self.unused]
-        rows = [("rule", "pattern", "spec", "arrays")]
         counts.sort(key=lambda row: (row[0].index is None, row[0].index or 0))
-        for match, n in counts:
-            index = "" if match.index is None else str(match.index)
-            rows.append((index, match.pattern, str(match.spec), str(n)))
-        widths = [max(len(row[c]) for row in rows) for c in range(3)]
-        lines = [
-            "  ".join(x.ljust(w) for x, w in zip(row, widths)) + "  " + row[3]
-            for row in rows
+        rows = [("rule", "pattern", "spec", "arrays")] + [
+            ("" if m.index is None else str(m.index), m.pattern, str(m.spec), str(n))
+            for m, n in counts
         ]
+        lines = columns(rows)
         for match in self.unused:
             line = f"unused: rule {match.index} `{match.pattern}` matched no array"
             if match.pattern in self.did_you_mean:
@@ -108,34 +93,42 @@ class RulesReport:
         return "\n".join(lines)
 
 
+def columns(rows: list[tuple[str, ...]], right: int | None = None) -> list[str]:
+    """`rows` as lines of aligned columns (column `right` aligned right)."""
+    widths = [max(map(len, column)) for column in zip(*rows)]
+    return [
+        "  ".join(
+            cell.rjust(w) if j == right else cell.ljust(w)
+            for j, (cell, w) in enumerate(zip(row, widths))
+        ).rstrip()
+        for row in rows
+    ]
+
+
 def explain_rules(
     tree: PyTree[Any], specs: PyTree[Any], *, name: str = ""
 ) -> RulesReport:
-    r"""Says what the [`equinox_shard.PathRules`][] in a sharding specification do to
-    a PyTree: which rule places each array, which rules match nothing, and which
-    arrays more than one rule matches. It matches as placing `tree` with `specs` would
-    (by the same code), but raises nothing it reports, places nothing, needs no mesh.
+    r"""Says which rule of the [`equinox_shard.PathRules`][] in a specification
+    places each array of a PyTree, which rules match nothing, and which arrays
+    several rules match. It matches as placing `tree` with `specs` would, but places
+    nothing, needs no mesh, and raises nothing it reports.
 
     **Arguments:**
 
-    - `tree`: any PyTree. Its arrays (`equinox.is_array`) and `jax.ShapeDtypeStruct`s
-        (a plan, from `equinox.filter_eval_shape`) are matched; other leaves are not.
-    - `specs`: a sharding specification for `tree` (a PyTree prefix of it), as given
-        to [`equinox_shard.filter_device_put`][], holding one or more `PathRules`.
-        Each matches key paths relative to the subtree it covers. To see what
-        `filter_jit(f, in_shardings=(rules, rules, P("data")))` does with
-        `f(model, opt_state, batch)`, pass `tree=(model, opt_state, batch)` and that
-        tuple; a single `in_shardings=rules` is `(rules, rules, rules)` here.
-    - `name`: prepended to every key path in the report, e.g. `name="model"` gives
+    - `tree`: any PyTree. Its arrays and `jax.ShapeDtypeStruct`s are matched.
+    - `specs`: a sharding specification of `tree`, as given to
+        [`equinox_shard.filter_device_put`][]. For `filter_jit(f,
+        in_shardings=(rules, rules, P("data")))` called as `f(model, opt_state,
+        batch)`, pass `tree=(model, opt_state, batch)` and that tuple (and
+        `(rules, rules, rules)` for `in_shardings=rules`).
+    - `name`: prepended to every key path, e.g. `name="model"` gives
         `model.layers[0].weight`.
 
     **Returns:**
 
-    A [`equinox_shard.RulesReport`][]. Rules equal to each other (`==`, as
-    `filter_jit` caches them) count as one: rules written for a model and applied to
-    a model, its optimiser state and a batch are not unused because nothing in the
-    batch matches them. Arrays beneath other spec leaves (a `PartitionSpec`, `None`,
-    ...) are not in the report.
+    A [`equinox_shard.RulesReport`][]. Equal `PathRules` count as one, over every
+    subtree they cover: rules for a model are not unused because nothing in the
+    batch matches them.
 
     !!! example
 
@@ -152,9 +145,6 @@ def explain_rules(
         report.unused  # (RuleMatch(index=1, pattern='layer\\[1\\]\\.weight$', ...),)
         report.placed["model.layers[1].weight"]  # RuleMatch(None, 'default', P())
         ```
-
-        [`equinox_shard.sharding_table`][] shows the same as a column, with the
-        unused rules and the overlaps below the table.
     """
     paths, _ = jtu.tree_flatten_with_path(tree)
     leaves = [leaf for _, leaf in paths]

@@ -213,6 +213,6 @@ def sharding_of(x: Any) -> Any:
     return x if kind is None else kind.sharding(x)
 
 
-def names() -> str:
-    """The kinds, as a message lists them."""
-    return "".join(f"a {kind.name}, " for kind in KINDS)
+def names(refused: Callable[[Kind], bool] = lambda kind: False) -> str:
+    """The kinds but the `refused` ones, as a message lists them."""
+    return "".join(f"a {kind.name}, " for kind in KINDS if not refused(kind))

@@ -36,15 +36,25 @@ from .leaves import (
 
 
 def flatten_specs(
-    specs: Any, name: str, where: Callable[[tuple], str] | None = None
+    specs: Any,
+    name: str,
+    where: Callable[[tuple], str] | None = None,
+    *,
+    placement: bool = True,
 ) -> tuple[list, PyTreeDef]:  # pyright: ignore[reportInvalidTypeForm]
     """A specification's spec leaves, each checked (named `name` plus its key path,
-    or `where(path)`)."""
+    or `where(path)`); an error lists the kinds `name` takes."""
     leaves, treedef = jtu.tree_flatten(specs, is_leaf=is_spec_leaf)
     if not all(map(is_spec_leaf, leaves)):  # the slow path names the leaf
+        # Not offered: placement-only kinds where nothing is placed, and the kinds
+        # `jax.jit` refuses in `filter_jit`'s `in_shardings`.
+        refused = lambda kind: (
+            (kind.placement_only and not placement)
+            or (kind.jit_in_refused and name == "in_shardings")
+        )
         for path, leaf in jtu.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)[0]:
             at = name + jtu.keystr(path) if where is None else where(path)
-            check_spec_leaf(leaf, at)
+            check_spec_leaf(leaf, at, refused)
     return leaves, treedef
 
 
@@ -63,14 +73,9 @@ def _describe_node(x: Any) -> str:
     return f"an instance of {type(x).__module__}.{type(x).__qualname__}"
 
 
-def _is_mismatch_leaf(spec: Any) -> bool:
-    # Also the bools of `donate=`/`may_alias=`, broadcast the same way.
-    return is_spec_leaf(spec) or isinstance(spec, bool)
-
-
 def _first_mismatch(spec: Any, value: Any, path: tuple) -> tuple[tuple, str] | None:
     """`(path, explanation)` where `spec` first stops being a prefix of `value`."""
-    if _is_mismatch_leaf(spec):
+    if is_spec_leaf(spec) or isinstance(spec, bool):  # `donate=`'s bools too
         return None
     found = f"the specification has {_describe_node(spec)}"
     differs = f"{found} whereas the value has {_describe_node(value)}"
@@ -141,8 +146,7 @@ def broadcast_specs(
 
 
 def broadcast_prefix(prefix_leaves: list, prefix_def: PyTreeDef, value: Any) -> list:  # pyright: ignore[reportInvalidTypeForm]
-    """Each prefix leaf once per leaf beneath it (`ValueError`/`TypeError` if not a
-    prefix)."""
+    """Each prefix leaf once per leaf beneath it."""
     out = []
     for leaf, subtree in zip(prefix_leaves, prefix_def.flatten_up_to(value)):
         out.extend([leaf] * len(jtu.tree_leaves(subtree)))
@@ -158,19 +162,19 @@ def spread(
     where: Callable[[int], str],
     dynamic: Callable[[Any], bool],
     usage: RulesUsage | None = None,
+    *,
+    placement: bool = True,
 ) -> list:
-    """The structural half: one spec leaf per leaf of `value` (`leaves`), each
-    `PathRules` replaced by its choice, `None` where not `dynamic`; `where(i)` names
-    leaf `i`. Strict `PathRules` are checked here, before anything is placed or
-    traced; given a `usage`, only when the caller calls `usage.check()` (over all the
-    call's arguments)."""
+    """One spec leaf per leaf of `value` (`leaves`), each `PathRules` replaced by its
+    choice (`None` where not `dynamic`). Strict rules are checked here, or given a
+    `usage`, by the caller's `usage.check()`."""
     try:
-        spec_leaves, spec_def = flatten_specs(specs, spec_name)
+        spec_leaves, spec_def = flatten_specs(specs, spec_name, placement=placement)
     except TypeError:
         # `Compiled.input_shardings`/`input_formats` hold the non-array leaves as
         # themselves: where the value has that very leaf, it is `None`.
         specs = _own_leaves_as_none(specs, value)
-        spec_leaves, spec_def = flatten_specs(specs, spec_name)
+        spec_leaves, spec_def = flatten_specs(specs, spec_name, placement=placement)
     per_leaf = broadcast_specs(
         spec_leaves, spec_def, specs, value, len(leaves), spec_name, value_name
     )
@@ -194,9 +198,8 @@ def _same_leaf(spec: Any, leaf: Any) -> bool:
 
 
 def _own_leaves_as_none(specs: Any, value: Any) -> Any:
-    """`specs` with each non-spec leaf that is the value's own leaf there (the same,
-    or equal and of the same type) replaced by `None`; `specs` if they do not line
-    up (`flatten_specs` then names the leaf)."""
+    """`specs` with each non-spec leaf that is the value's own leaf there replaced by
+    `None`; `specs` if they do not line up (`flatten_specs` then names the leaf)."""
     try:
         return jtu.tree_map(
             lambda s, v: None if not is_spec_leaf(s) and _same_leaf(s, v) else s,
@@ -215,8 +218,8 @@ def resolve_each(
     where: Callable[[int], str],
     resolver: Callable[[Any, Any, Callable[[], str]], Any],
 ) -> list[tuple[int, Any]]:
-    """The half that reads the leaves: `(i, resolver(spec, leaf, where))` for each
-    `i` in `indices` whose spec leaf resolves to something other than `None`."""
+    """`(i, resolver(spec, leaf, where))` for each `i` in `indices` whose spec leaf
+    resolves to something other than `None`."""
     out = []
     for i in indices:
         spec = per_leaf[i]
@@ -242,7 +245,7 @@ def needs_mesh(spec: Any) -> bool:
 
 def _concrete_mesh():
     """The `jax.set_mesh` mesh (maybe empty), or `None` while JAX traces (where
-    `get_mesh` raises): the package's one test of "are we tracing?"."""
+    `get_mesh` raises)."""
     try:
         return jax.sharding.get_mesh()
     except ValueError:
@@ -303,10 +306,8 @@ def call_rule(rule: Callable, leaf: Any, where: Callable[[], str]) -> Any:
 def resolve(
     spec: Any, leaf: Any, where: Callable[[], str], *, abstract_ok: bool, mesh=None
 ) -> Any:
-    """One spec leaf resolved against one array leaf by its kind (`Kind.resolve`):
-    a `Sharding`, a `Format` or `jax.memory.Space` as it is, or `None`. A bare
-    `PartitionSpec` resolves against `mesh`, else the context mesh; `where()` names
-    the leaf in errors."""
+    """One spec leaf resolved against one array leaf by its kind (`Kind.resolve`),
+    a bare `PartitionSpec` on `mesh` or else the context mesh."""
     if is_rule(spec):
         rule, spec = spec, call_rule(spec, leaf, where)
         if not (spec is None or is_kind(spec)):
@@ -334,13 +335,14 @@ def resolve_leaves(
     mesh=None,
     formats: bool = False,
 ) -> list[tuple[int, Any]]:
-    """`(leaf index, sharding)` for each dynamic leaf whose spec resolves to one
-    (`resolve`). Unless `formats`, a placement-only kind (a `Format`) is a
-    `TypeError` naming the leaf."""
+    """`(leaf index, sharding)` for each dynamic leaf whose spec resolves to one.
+    Unless `formats`, a placement-only kind is a `TypeError` naming the leaf."""
     if isinstance(specs, Sharding):  # the common case: nothing to broadcast or resolve
         return [(i, specs) for i, leaf in enumerate(leaves) if dynamic(leaf)]
     where = lambda i: leaf_path(value, i, value_name)
-    per_leaf = spread(specs, value, leaves, spec_name, value_name, where, dynamic)
+    per_leaf = spread(
+        specs, value, leaves, spec_name, value_name, where, dynamic, placement=formats
+    )
     indices = [i for i, leaf in enumerate(leaves) if dynamic(leaf)]
     resolver = ft.partial(resolve, abstract_ok=abstract_ok, mesh=mesh)
     out = resolve_each(per_leaf, leaves, indices, where, resolver)

@@ -49,7 +49,9 @@ def describe_leaf(x: Any) -> str:
     return f"{type(x).__name__} {text}"
 
 
-def check_spec_leaf(x: Any, where: str) -> None:
+def check_spec_leaf(
+    x: Any, where: str, refused: Callable[[Any], bool] = lambda kind: False
+) -> None:
     if not is_spec_leaf(x):
         kind = kind_of(x)
         hint = "" if kind is None else kind.invalid
@@ -60,8 +62,8 @@ def check_spec_leaf(x: Any, where: str) -> None:
                 "`jax.set_mesh(mesh)` and pass a bare `PartitionSpec`."
             )
         raise TypeError(
-            f"{where}: a sharding specification leaf must be {kind_names()}`None`, a "
-            "callable `leaf -> spec`, or an `equinox_shard.PathRules`; got "
+            f"{where}: a sharding specification leaf must be {kind_names(refused)}"
+            "`None`, a callable `leaf -> spec`, or an `equinox_shard.PathRules`; got "
             f"{describe_leaf(x)}.{hint}"
         )
 
@@ -78,44 +80,34 @@ unset: Any = _Unset()
 class PathRules:
     r"""A sharding specification leaf that chooses each array's spec by its key path.
 
-    Holds an ordered list of `(pattern, spec)` pairs. For each array leaf beneath it,
-    the first pattern that `re.search` finds in the leaf's key path gives its spec;
-    if none does, `default` does. The key path is as `jax.tree_util.keystr` prints
-    it, *relative to the subtree that this `PathRules` covers*: the weight of an
-    `eqx.nn.MLP`'s first layer is `.layers[0].weight` for
-    `filter_device_put(model, rules)`, `filter_jit(in_shardings=(rules, ...))` and
-    `in_specs=(rules, ...)` alike. An `optax.adamw` state holds copies of the
-    parameters under longer paths that end the same way (`[0].mu.layers[0].weight`),
-    so patterns anchored at the end (`r"layers\[\d+\]\.weight$"`) place a model and
-    its optimiser state alike; the step count matches nothing and falls to `default`.
+    For each array beneath it, the first pattern that `re.search` finds in the
+    array's key path gives its spec; if none does, `default` does. The key path is as
+    `jax.tree_util.keystr` prints it, relative to the subtree this `PathRules`
+    covers: `.layers[0].weight` for an `eqx.nn.MLP`'s first weight, and
+    `[0].mu.layers[0].weight` for its Adam moment, so patterns anchored at the end
+    (`r"layers\[\d+\]\.weight$"`) place a model and its optimiser state alike.
 
     It works wherever a spec leaf works: [`equinox_shard.filter_device_put`][],
-    [`equinox_shard.filter_shard`][], `in_shardings`/`out_shardings` of
-    [`equinox_shard.filter_jit`][], and `in_specs`/`out_specs` of
-    [`equinox_shard.filter_shard_map`][] (with `PartitionSpec`s). Only array leaves
-    are matched; other leaves are never placed.
+    [`equinox_shard.filter_shard`][], [`equinox_shard.filter_jit`][]'s
+    `in_shardings`/`out_shardings`, and [`equinox_shard.filter_shard_map`][]'s
+    `in_specs`/`out_specs` (with `PartitionSpec`s). Only arrays are matched.
 
     **Arguments:**
 
     - `rules`: a sequence of `(pattern, spec)` pairs. Each `pattern` is a regular
-        expression (a string, or compiled with `re.compile`); each `spec` is a spec
-        leaf: a `jax.sharding.Sharding`, a `jax.Device`, a bare
-        `jax.sharding.PartitionSpec`, a `jax.experimental.layout.Format`, a
-        `jax.memory.Space`, `None` (leave the array as it is), or a callable
-        `leaf -> spec`.
-    - `default`: the spec leaf for an array that no pattern matches. Without it, such
-        an array is a `ValueError` naming its key path.
-    - `strict`: if `True`, every call that applies these rules first checks, before
-        anything is placed or traced, that each rule matches at least one array and
-        no array more than one rule, and raises a `ValueError` naming the patterns
-        and the key paths if not. Both count over every subtree that equal rules
-        cover in the call: `in_shardings=(rules, rules, P("data"))` or
-        `in_shardings=rules` over a model, its optimiser state and a batch is fine
-        when each rule matches somewhere in the model. `filter_jit` checks once per
-        argument structure (`out_shardings` when the output is first traced), so a
-        cached call pays nothing. [`equinox_shard.explain_rules`][] gives the same
-        information as data, without raising.
-
+        expression (a string or an `re.Pattern`); each `spec` is a spec leaf: a
+        `jax.sharding.Sharding`, a `jax.Device`, a bare `jax.sharding.PartitionSpec`,
+        a `jax.experimental.layout.Format`, a `jax.memory.Space`, `None` (leave the
+        array as it is), or a callable `leaf -> spec`.
+    - `default`: the spec of an array that no pattern matches. Without it, such an
+        array is a `ValueError` naming its key path.
+    - `strict`: if `True`, every call that applies these rules checks, before
+        anything is placed or traced, that each rule matches some array and no array
+        matches two rules, and raises a `ValueError` naming them if not. Equal rules
+        count as one over the whole call, so `in_shardings=(rules, rules,
+        P("data"))` is fine when each rule matches somewhere in the model.
+        `filter_jit` checks once per argument structure. See
+        [`equinox_shard.explain_rules`][] for the same as data.
 
     !!! example
 
@@ -137,9 +129,6 @@ class PathRules:
             model, opt_state = eqxs.filter_device_put((model, opt_state), rules)
         print(eqxs.sharding_table(opt_state, name="opt_state", rules=rules))
         ```
-
-        Here `rules` covers the tuple `(model, opt_state)`, so the paths it sees are
-        `[0].layers[0].weight` and `[1][0].mu.layers[0].weight`: both end alike.
     """
 
     __slots__ = ("_default", "_patterns", "_rules", "_strict")
@@ -256,9 +245,6 @@ class RulesUsage:
         # `PathRules` -> [the spec names it sits at, [(where, path, matches), ...]]
         self.groups: dict[Any, list] = {}
 
-    def wants(self, rules: "PathRules") -> bool:
-        return self.everything or rules.strict
-
     def add(self, rules: "PathRules", spec_name: str) -> list:
         """The list to append `(where, path, matches)` of rules' leaves to."""
         try:
@@ -301,10 +287,9 @@ def some(names: list[str], shown: int = 8) -> str:
 
 
 def did_you_mean(rules: "PathRules", k: int, paths: Sequence[str]) -> str | None:
-    """For rule `k`, which matched none of `paths`: a pattern anchored at the start
-    (`^embed`) never matches, as key paths start with `.` or `[`; the pattern anchored
-    after the shortest such start that matches one of `paths` (`^\\.embed`), or
-    `None`."""
+    """For rule `k` anchored at the start (`^embed`), which never matches as key
+    paths start with `.` or `[`: it anchored after the shortest start that matches
+    one of `paths` (`^\\.embed`), or `None`."""
     pattern = rules._patterns[k]
     if not pattern.pattern.startswith("^"):
         return None
@@ -370,11 +355,9 @@ def match_path_rules(
     spec_name: str = "",
     usage: RulesUsage | None = None,
 ) -> list:
-    """`per_leaf` (from `broadcast_specs`) with each `PathRules` replaced by its
-    choice for the leaf's key path relative to the subtree it covers (`None` where
-    not `dynamic`; `where(i)` names leaf `i`). What the rules `usage` wants match is
-    added to it; if `usage.everything`, an unmatched leaf gets `None` (reported, not
-    raised)."""
+    """`per_leaf` with each `PathRules` replaced by its choice for the leaf's key
+    path relative to the subtree it covers (`None` where not `dynamic`). Matches are
+    recorded in `usage`; if `usage.everything`, an unmatched leaf gets `None`."""
     if not any(isinstance(s, PathRules) for s in spec_leaves):
         return per_leaf
     if spec_def.num_leaves == 1 and spec_def.num_nodes == 1:
@@ -387,7 +370,9 @@ def match_path_rules(
         if not isinstance(spec, PathRules):
             start += len(jtu.tree_leaves(subtree))
             continue
-        seen = usage.add(spec, spec_name) if usage and usage.wants(spec) else None
+        seen = None
+        if usage is not None and (usage.everything or spec.strict):
+            seen = usage.add(spec, spec_name)
         paths = jtu.tree_flatten_with_path(subtree)[0]
         for i, (path, _) in enumerate(paths, start):
             if not dynamic(leaves[i]):
