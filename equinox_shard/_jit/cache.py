@@ -117,6 +117,7 @@ class Cache:
                 in_shardings,
                 "in_shardings",
                 self._spec_where if per_parameter else None,
+                jit_in=True,
             )
             if treedef.num_nodes == 1 and treedef.num_leaves == 1:
                 self.in_kind = "broadcast"

@@ -41,16 +41,17 @@ def flatten_specs(
     where: Callable[[tuple], str] | None = None,
     *,
     placement: bool = True,
+    jit_in: bool = False,
 ) -> tuple[list, PyTreeDef]:  # pyright: ignore[reportInvalidTypeForm]
     """A specification's spec leaves, each checked (named `name` plus its key path,
-    or `where(path)`); an error lists the kinds `name` takes."""
+    or `where(path)`); an error lists the kinds taken there (`placement`: where
+    arrays are placed; `jit_in`: `filter_jit`'s `in_shardings`)."""
     leaves, treedef = jtu.tree_flatten(specs, is_leaf=is_spec_leaf)
     if not all(map(is_spec_leaf, leaves)):  # the slow path names the leaf
         # Not offered: placement-only kinds where nothing is placed, and the kinds
         # `jax.jit` refuses in `filter_jit`'s `in_shardings`.
         refused = lambda kind: (
-            (kind.placement_only and not placement)
-            or (kind.jit_in_refused and name == "in_shardings")
+            (kind.placement_only and not placement) or (kind.jit_in_refused and jit_in)
         )
         for path, leaf in jtu.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)[0]:
             at = name + jtu.keystr(path) if where is None else where(path)
