@@ -48,12 +48,12 @@ class Entry:
         "targets",
         "get_targets",
         "shardings",  # the `Sharding` per target
-        "hands_over",  # whether `jax.jit` moves uncommitted and NumPy inputs itself
+        "jax_moves_inputs",  # whether `jax.jit` moves uncommitted and NumPy inputs
         "donates",
         "keep",  # `donation.Donation.keeper`'s, where the entry donates
-        "lean",  # nothing placed, nothing donated: `prepare` only packs
+        "packs_only",  # nothing placed, nothing donated: `prepare` only packs
         "typed",  # a `Typed` where calls with uncommitted inputs run it, else `None`
-        "places_values",  # whether uncommitted and NumPy inputs are ours to place
+        "places_uncommitted",  # whether uncommitted and NumPy inputs are ours to place
         "jitted",
         "guards",  # a program with host callbacks: its `callbacks.Guards`, else `None`
         "dispatch",
@@ -83,7 +83,7 @@ def build_entry(
     # Last first: a batch, often uncommitted, is usually last, so `all_placed` stops.
     entry.get_targets = getter(tuple(i for i, _ in reversed(targets)))
     # Where `jax.jit` moves uncommitted and NumPy inputs itself.
-    entry.hands_over = all(
+    entry.jax_moves_inputs = all(
         isinstance(f, Sharding)
         and in_default_memory(f)
         and (on_abstract_mesh(f) or f.is_fully_addressable)  # abstract: in a trace
@@ -95,9 +95,9 @@ def build_entry(
     entry.keep = entry.donates and donation.keeper(
         structure.donated, structure.traced_indices, len(args), cache.fun_name
     )
-    entry.lean = not entry.donates and not targets
+    entry.packs_only = not entry.donates and not targets
     entry.typed = None
-    entry.places_values = False
+    entry.places_uncommitted = False
     entry.jitted = _jit(static_fun, cache, structure, args, leaves, formats)
     placed, dynamic, _ = prepare(
         dynamic_fun, cache, entry, structure, args, kwargs, leaves
@@ -168,7 +168,7 @@ def _trace(entry: Entry, typable: bool, dynamic: tuple, n_args: int, donation):
     (`None`: `jitted`), the `callbacks.Guards` or `None`, and whether to place again."""
     structure = entry.structure
     jitted = entry.jitted
-    casts = _auto_casts(structure, entry.targets) if entry.hands_over else []
+    casts = _auto_casts(structure, entry.targets) if entry.jax_moves_inputs else []
     if casts and typable:
         entry.typed = Typed(entry, casts, donation)
     # Traced for the types of committed inputs, which those `typed` runs take.
@@ -183,8 +183,8 @@ def _trace(entry: Entry, typable: bool, dynamic: tuple, n_args: int, donation):
     entry.typed = None
     if moved:
         # Traced for committed types: the guarded program is given placed inputs.
-        entry.hands_over = False
-        entry.places_values = True
+        entry.jax_moves_inputs = False
+        entry.places_uncommitted = True
     argnums = donation.argnums(structure.packing.positions, n_args)
     return None, callbacks.Guards(jitted, argnums), moved
 
@@ -270,7 +270,7 @@ def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple
     dynamic trees to call, and what to call them with (`Entry.jitted` or `Typed`)."""
     # XLA crashes on a deleted multi-device input, donated or not.
     deleted = structure.deleted(leaves)
-    ready = entry.lean or all_placed(entry.get_targets(leaves), entry.shardings)
+    ready = entry.packs_only or all_placed(entry.get_targets(leaves), entry.shardings)
     if ready and not (deleted or entry.donates):  # nothing to check, donate or place
         dynamic = structure.packing.arguments(dynamic_fun, args, kwargs, leaves)
         return leaves, dynamic, entry.jitted
@@ -280,7 +280,7 @@ def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple
     placed = leaves
     if entry.donates:  # its private copies are where the originals are
         placed = entry.keep(leaves, dynamic_fun, where)
-    if not ready and entry.hands_over:
+    if not ready and entry.jax_moves_inputs:
         ready = jit_takes(entry.get_targets(placed), entry.shardings)
     if not ready:
         placed = list(placed)
@@ -311,10 +311,10 @@ def _place_inputs(
     """`place`s the inputs that `jax.jit` would refuse."""
     targets = [(i, s) for i, s in entry.targets if not on_abstract_mesh(s)]
     multiprocess = any(not s.is_fully_addressable for _, s in targets)
-    if entry.hands_over:
+    if entry.jax_moves_inputs:
         value = is_committed
     else:
-        value = is_value if multiprocess or entry.places_values else is_concrete
+        value = is_value if multiprocess or entry.places_uncommitted else is_concrete
     todo = [(i, s) for i, s in targets if value(leaves[i])]
     may_alias = cache.donation.may_alias(leaves, todo, structure.donated)
     place(leaves, todo, where, may_alias=may_alias)
