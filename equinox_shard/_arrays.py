@@ -61,8 +61,7 @@ def is_committed(x: Any) -> bool:
 
 
 def is_value(x: Any) -> bool:
-    """Whether `x` is a concrete array: a NumPy array or scalar, or a `jax.Array`
-    that is not a tracer."""
+    """Whether `x` is a NumPy array or scalar, or a concrete `jax.Array`."""
     return isinstance(x, NUMPY) or is_concrete(x)
 
 
@@ -83,13 +82,12 @@ def raise_if_deleted(
     where: Callable[[int], str],
     what: str = "this array",
     then: str = "",
-    error: type[Exception] = RuntimeError,
 ) -> None:
-    """Raises `error` naming `where(i)`, the key path, for the first deleted
+    """Raises a `RuntimeError` naming `where(i)`, the key path, for the first deleted
     `leaves[i]`, `i` in `indices`: the one message for a deleted array."""
     for i in indices:
         if is_deleted(leaves[i]):
-            raise error(
+            raise RuntimeError(
                 f"{where(i)}: {what} has been deleted (was it donated to an earlier "
                 f"call?){then}."
             )
