@@ -1,11 +1,5 @@
-"""Filtered sharding for Equinox.
-
-`filter_device_put` transfers, `filter_shard` places or constrains (eagerly and inside a
-trace), `filter_jit` is `equinox.filter_jit` with `in_shardings`/`out_shardings`, and
-`filter_shard_map` is `jax.shard_map` over PyTrees of arrays and non-arrays, and
-`filter_pipeline` runs a stack of layers as a pipeline over a mesh axis. `PathRules`
-chooses a spec for each array by its key path; `explain_rules` says what it chose.
-"""
+"""Filtered sharding for Equinox: PyTrees of arrays and non-arrays placed, constrained,
+JIT-compiled, shard-mapped, pipelined and checkpointed across devices."""
 
 import importlib.metadata as _metadata
 

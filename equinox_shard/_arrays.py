@@ -1,7 +1,5 @@
-"""The state of an array at this moment, each meaning defined once: whether a value is
-an array or its description, a concrete array (not a tracer), deleted, a typed PRNG
-key, and whether a sharding places it in a device's default memory or is one resolved
-inside a trace (on an abstract mesh)."""
+"""The state of an array at this moment (concrete, committed, deleted, a PRNG key, ...)
+and of a sharding (default memory, abstract mesh), each meaning defined once."""
 
 from collections.abc import Callable
 from itertools import compress, repeat
@@ -53,8 +51,7 @@ def is_array_or_struct(x: Any) -> bool:
 
 
 def is_concrete(x: Any) -> bool:
-    """Whether `x` is a concrete `jax.Array` (with buffers, perhaps deleted), not a
-    tracer."""
+    """Whether `x` is a `jax.Array` with buffers (perhaps deleted), not a tracer."""
     return isinstance(x, jax.Array) and not is_tracer(x)
 
 
@@ -64,8 +61,7 @@ def is_committed(x: Any) -> bool:
 
 
 def is_value(x: Any) -> bool:
-    """Whether `x` is a concrete array: a NumPy array or scalar, or a `jax.Array`
-    that is not a tracer."""
+    """Whether `x` is a NumPy array or scalar, or a concrete `jax.Array`."""
     return isinstance(x, NUMPY) or is_concrete(x)
 
 
@@ -86,13 +82,12 @@ def raise_if_deleted(
     where: Callable[[int], str],
     what: str = "this array",
     then: str = "",
-    error: type[Exception] = RuntimeError,
 ) -> None:
-    """Raises `error` naming `where(i)`, the key path, for the first deleted
+    """Raises a `RuntimeError` naming `where(i)`, the key path, for the first deleted
     `leaves[i]`, `i` in `indices`: the one message for a deleted array."""
     for i in indices:
         if is_deleted(leaves[i]):
-            raise error(
+            raise RuntimeError(
                 f"{where(i)}: {what} has been deleted (was it donated to an earlier "
                 f"call?){then}."
             )
@@ -116,39 +111,29 @@ def deleted_test(leaves: list, get: Callable[[list], tuple]) -> Callable[[list],
 
     values = get(leaves)
     numpy = tuple(isinstance(x, NUMPY) for x in values)
-    kinds = {type(x) for x, n in zip(values, numpy) if not n}
-    (kind,) = kinds if len(kinds) == 1 else (None,)
-    if kinds and not (
-        kind is not None
-        and issubclass(kind, jax.Array)
-        and not issubclass(kind, jax.core.Tracer)
-    ):
+    arrays = tuple(not n for n in numpy)
+    kinds = set(map(type, compress(values, arrays)))
+    if len(kinds) > 1:
         return slow
-    kind_is_deleted: Any = kind.is_deleted if kind is not None else None
+    kind_is_deleted: Any = None
+    if kinds:
+        (kind,) = kinds
+        if not issubclass(kind, jax.Array) or issubclass(kind, jax.core.Tracer):
+            return slow
+        kind_is_deleted = kind.is_deleted
 
     def fast(leaves):
-        try:
-            return any(map(kind_is_deleted, get(leaves)))
-        except (TypeError, AttributeError):  # a `Compiled` called with other types
-            return slow(leaves)
-
-    if not any(numpy):
-        return fast
-    arrays = tuple(not n for n in numpy)
-
-    def past_numpy(leaves):
         values = get(leaves)
         try:
-            if kinds and any(map(kind_is_deleted, compress(values, arrays))):
+            if any(map(kind_is_deleted, compress(values, arrays))):
                 return True
-        except (TypeError, AttributeError):
+        except (TypeError, AttributeError):  # a `Compiled` called with other types
             return slow(leaves)
-        # Still NumPy where it was (a `Compiled` may be called with other types).
         if all(map(isinstance, compress(values, numpy), _NUMPY)):
-            return False
+            return False  # still NumPy where it was
         return slow(leaves)
 
-    return past_numpy
+    return fast
 
 
 _NUMPY = repeat(NUMPY)

@@ -1,7 +1,5 @@
-"""Which of an array's buffers `jax.device_put` hands back as part of its result
-(whatever `may_alias` says, RFC §6), and the private copy that shares none: the facts
-that keep placement (`_placement`) and donation (`_jit.donation`) from giving away a
-buffer the caller keeps."""
+"""Which of an array's buffers `jax.device_put` hands back in its result (whatever
+`may_alias` says, RFC §6), and the private copy that shares none."""
 
 from typing import Any
 
@@ -36,9 +34,8 @@ def shares_single_device_buffer(sharding: Sharding) -> bool:
 
 
 def shares_source_buffer(leaf: Any, sharding: Sharding) -> bool:
-    """Whether `jax.device_put(leaf, sharding, may_alias=False)` may still hand back one
-    of `leaf`'s own buffers as a shard of the result: JAX reuses a buffer wherever the
-    result's shard on a device is exactly `leaf`'s shard on that device, whatever
+    """Whether `jax.device_put(leaf, sharding, may_alias=False)` may hand back one of
+    `leaf`'s buffers: JAX reuses any whose shard is unchanged on its device, whatever
     `may_alias` says (upstream/jax-reports/device-put-may-alias-replicated)."""
     if not isinstance(leaf, jax.Array):
         return False
@@ -57,9 +54,8 @@ def shares_source_buffer(leaf: Any, sharding: Sharding) -> bool:
 
 def reuses_every_buffer(leaf: Any, sharding: Sharding) -> bool:
     """Whether `jax.device_put(leaf, sharding)` hands back every one of `leaf`'s buffers
-    as a shard of its result (onto its own device, or replicated over devices that
-    include all of `leaf`'s), so that donating the result deletes `leaf`, as `jax.jit`
-    does with a donated input that it moves."""
+    in its result, so that donating the result deletes `leaf`, as `jax.jit` deletes a
+    donated input that it moves."""
     if not is_concrete(leaf):
         return False
     target_map = sharding.devices_indices_map(leaf.shape)

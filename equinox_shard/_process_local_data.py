@@ -8,6 +8,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
+from ._arrays import is_committed
 from ._multihost import check_identical, is_host_local, processes_of, to_host
 from ._placement import place
 from ._spec.language import broadcast_prefix, check, leaf_path, resolve_leaves
@@ -17,28 +18,26 @@ traceback_util.register_exclusion(__file__)
 
 
 def _is_shape(x: Any) -> bool:
-    return x is None or (
-        isinstance(x, tuple) and all(isinstance(d, int) for d in x)  # pyright: ignore
-    )
+    return x is None or (isinstance(x, tuple) and all(isinstance(d, int) for d in x))
 
 
 def _broadcast_shapes(global_shape: Any, local_data: Any, n: int) -> list:
     if _is_shape(global_shape):
         return [global_shape] * n
     shape_leaves, shape_def = jtu.tree_flatten(global_shape, is_leaf=_is_shape)
+    must = (
+        "`global_shape` must be None, a shape (a tuple of ints), or a PyTree prefix of "
+        "`local_data` whose leaves are those"
+    )
     for leaf in shape_leaves:
         if not _is_shape(leaf):
-            raise TypeError(
-                "`global_shape` must be None, a shape (a tuple of ints), or a PyTree "
-                f"prefix of `local_data` whose leaves are those; got a leaf {leaf!r}."
-            )
+            raise TypeError(f"{must}; got a leaf {leaf!r}.")
     try:
         return broadcast_prefix(shape_leaves, shape_def, local_data)
     except (ValueError, TypeError):
+        structure = jtu.tree_structure(local_data)
         raise ValueError(
-            "`global_shape` must be None, a shape (a tuple of ints), or a PyTree "
-            f"prefix of `local_data`; got {global_shape!r} for a `local_data` of "
-            f"structure {jtu.tree_structure(local_data)}."
+            f"{must}; got {global_shape!r} for a `local_data` of structure {structure}."
         ) from None
 
 
@@ -74,18 +73,18 @@ def filter_make_array_from_process_local_data(
 
     A `ValueError` naming the key path (`local_data['x']`) for a specification that is
     not a prefix, a rank or divisibility mismatch, a local shape that is neither the
-    global shape nor this process's share of it, or a sharding with no device in this
-    process; and for an array that every process holds whole (its global shape is its
-    local shape, its sharding spans every process) with different values, found by one
-    small collective of fingerprints.
+    global shape nor this process's share of it, a sharding with no device in this
+    process, or an array that every process holds whole (its global shape is its local
+    shape, its sharding spans every process) with different values, found by one small
+    collective of fingerprints.
 
     !!! info "How local parts are laid out"
 
         As in `jax.make_array_from_process_local_data`, which this calls for every
         array: along a dimension split across processes, a process's part is the
-        concatenation, in order, of the slices its devices hold. With `P("data")` over
-        a mesh ordered process by process (as `jax.make_mesh` orders it), process `p`
-        of `n` holds rows `p * B // n` to `(p + 1) * B // n` of a batch of `B` rows.
+        concatenation, in order, of its devices' slices. With `P("data")` over a mesh
+        ordered process by process (as `jax.make_mesh` orders it), process `p` of `n`
+        holds rows `p * B // n` to `(p + 1) * B // n` of a batch of `B` rows.
 
     !!! example
 
@@ -106,28 +105,26 @@ def filter_make_array_from_process_local_data(
     if not todo:
         return local_data
     shapes = _broadcast_shapes(global_shape, local_data, len(leaves))
+    path = lambda i: leaf_path(local_data, i, "local_data")
     if jax.process_count() == 1:
         for i, _ in todo:
             shape = shapes[i]
             if shape is not None and tuple(shape) != np.shape(leaves[i]):
                 raise ValueError(
-                    f"{leaf_path(local_data, i, 'local_data')}: in a single-process "
-                    "run, `global_shape` must be None or the local shape "
-                    f"{np.shape(leaves[i])}; got {shape}."
+                    f"{path(i)}: in a single-process run, `global_shape` must be None "
+                    f"or the local shape {np.shape(leaves[i])}; got {shape}."
                 )
-        place(leaves, todo, lambda i: leaf_path(local_data, i, "local_data"))
+        place(leaves, todo, path)
         return jtu.tree_unflatten(treedef, leaves)
     me = jax.process_index()
     everyone = frozenset(range(jax.process_count()))
     checked = []
     for i, sharding in todo:
-        where = lambda i=i: leaf_path(local_data, i, "local_data")
+        where = lambda i=i: path(i)
         leaf = leaves[i]
         if not is_host_local(leaf):
-            if (
-                isinstance(leaf, jax.Array)
-                and leaf.committed
-                and leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+            if is_committed(leaf) and leaf.sharding.is_equivalent_to(
+                sharding, leaf.ndim
             ):
                 continue  # Already this global array: the same object.
             raise ValueError(

@@ -29,9 +29,7 @@ from ._spec.language import (
 traceback_util.register_exclusion(__file__)
 
 
-def _broadcast_flags(
-    flags: Any, value: Any, leaves: list, name: str
-) -> list | bool | None:
+def _broadcast_flags(flags: Any, x: Any, n: int, name: str) -> list | bool | None:
     is_flag = lambda x: x is None or isinstance(x, bool)
     if is_flag(flags):
         return flags  # pyright: ignore[reportReturnType]
@@ -42,12 +40,13 @@ def _broadcast_flags(
                 f"`{name}` must be a bool or a PyTree prefix of `x` with bool leaves; "
                 f"got a leaf {leaf!r}."
             )
-    return broadcast_specs(flag_leaves, flag_def, flags, value, len(leaves), name, "x")
+    return broadcast_specs(flag_leaves, flag_def, flags, x, n, name, "x")
 
 
-def _constraint_function(sharding: Sharding, where: Callable[[], str]) -> str:
+def _constraint(sharding: Sharding, where: Callable[[], str]) -> Callable:
+    """`reshard` on Explicit mesh axes, `with_sharding_constraint` on Auto ones."""
     if not isinstance(sharding, NamedSharding):
-        return "with_sharding_constraint"
+        return lax.with_sharding_constraint
     mesh = sharding.mesh
     axis_types = dict(zip(mesh.axis_names, mesh.axis_types))
     # The mesh axes the spec names (`tree_leaves` drops its `None`s).
@@ -62,8 +61,8 @@ def _constraint_function(sharding: Sharding, where: Callable[[], str]) -> str:
             "`jax.lax.with_sharding_constraint` for Auto)."
         )
     if explicit or (not auto and AxisType.Explicit in mesh.axis_types):
-        return "reshard"
-    return "with_sharding_constraint"
+        return _reshard
+    return lax.with_sharding_constraint
 
 
 def _onto_mesh(x: Any, sharding: Any) -> Any:
@@ -80,8 +79,8 @@ def _onto_mesh(x: Any, sharding: Any) -> Any:
     return x
 
 
-def _in_host_memory(x: Any) -> bool:
-    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+def _reshard(inputs: list, targets: list) -> list:
+    return jax.sharding.reshard(list(map(_onto_mesh, inputs, targets)), targets)
 
 
 def constrain_leaves(
@@ -90,7 +89,7 @@ def constrain_leaves(
     """Constrains `leaves[i]` to `sharding` for each `(i, sharding)` in `todo`, in
     place, in a trace: `reshard` on Explicit axes, `with_sharding_constraint` on Auto
     ones, then `jax.device_put` where the memory kind changes (which they ignore)."""
-    groups: dict[str, tuple[list, list]] = {}
+    groups: dict[Callable, list[tuple[int, Any]]] = {}
     memory = []
     for i, sharding in todo:
         where = lambda i=i: leaf_path(value, i, value_name)
@@ -105,27 +104,17 @@ def constrain_leaves(
                 f"{kind.name} ({sharding}): {kind.in_trace_hint}."  # pyright: ignore
             )
         check(jax.numpy.shape(leaves[i]), sharding, where)
-        indices, targets = groups.setdefault(
-            _constraint_function(sharding, where), ([], [])
-        )
-        indices.append(i)
-        targets.append(sharding)
-        if not in_default_memory(sharding) or _in_host_memory(leaves[i]):
+        function = _constraint(sharding, where)
+        groups.setdefault(function, []).append((i, for_jax(sharding)))
+        memory_space = getattr(jax.typeof(leaves[i]), "memory_space", None)
+        if not in_default_memory(sharding) or memory_space == jax.memory.Space.Host:
             memory.append((i, sharding))
-    for function, (indices, targets) in groups.items():
-        inputs = [leaves[i] for i in indices]
-        targets = list(map(for_jax, targets))
-        if function == "reshard":
-            inputs = list(map(_onto_mesh, inputs, targets))
-            out = jax.sharding.reshard(inputs, targets)
-        else:
-            out = lax.with_sharding_constraint(inputs, targets)
-        for i, leaf in zip(indices, out):
-            leaves[i] = leaf
-    if memory:
-        out = jax.device_put([leaves[i] for i, _ in memory], [s for _, s in memory])
-        for (i, _), leaf in zip(memory, out):
-            leaves[i] = leaf
+    groups[jax.device_put] = memory  # last: the constraints keep no memory kind
+    for function, items in groups.items():
+        if items:
+            out = function([leaves[i] for i, _ in items], [s for _, s in items])
+            for (i, _), leaf in zip(items, out):
+                leaves[i] = leaf
 
 
 _resolve = ft.partial(
@@ -143,47 +132,43 @@ def filter_device_put(
     """Filtered version of `jax.device_put`: transfers every array in a PyTree to a
     device or sharding, and returns every non-array leaf as the very same object.
 
-    Outside a trace this is one `jax.device_put`, batched over the arrays that need to
-    move. It compiles and runs nothing of its own (unlike an eager
-    `jax.lax.with_sharding_constraint` or `jax.jit`): only what `jax.device_put` does,
-    e.g. a small slicing helper, cached per shape, the first time a single-device
-    array is split across several. A committed array that already has an equivalent
-    sharding (`Sharding.is_equivalent_to`) is returned as the same object, without
-    calling `jax.device_put` at all.
+    Outside a trace this is one batched `jax.device_put`, compiling nothing of its own
+    (unlike an eager `jax.lax.with_sharding_constraint`) beyond what `jax.device_put`
+    does (a slicing helper, cached per shape, to split a single-device array). A
+    committed array already on an equivalent sharding (`Sharding.is_equivalent_to`) is
+    the same object in the result, never passed to `jax.device_put`.
 
     **Arguments:**
 
-    - `x`: any PyTree. Its array leaves (`equinox.is_array`: JAX arrays, NumPy arrays,
-        NumPy scalars and typed PRNG key arrays) are placed; everything else (Python
+    - `x`: any PyTree. Its array leaves (`equinox.is_array`: JAX and NumPy arrays,
+        NumPy scalars, typed PRNG key arrays) are placed; everything else (Python
         scalars, functions, `jax.ShapeDtypeStruct`s, ...) is returned as-is.
     - `device_or_shardings`: a PyTree prefix of `x` whose leaves are each a
         `jax.sharding.Sharding`, a `jax.Device`, a bare `jax.sharding.PartitionSpec`
-        (on the mesh set with `jax.set_mesh`), `None` (leave that subtree as it is),
-        or a callable `leaf -> spec` called on each array beneath it. A
-        `jax.experimental.layout.Format(layout, sharding)` places on `sharding` in
-        `layout`, e.g. the leaves of `Compiled.input_formats` (whose non-array leaves,
-        those of `x`, are accepted); `Layout.AUTO` cannot be placed (a `ValueError`:
-        lower and compile first), and a typed PRNG key array is placed on the
-        sharding alone. A `jax.memory.Space` (`Space.Host`) moves the array to that
-        memory, keeping its sharding.
+        (on the mesh of `jax.set_mesh`), `None` (leave that subtree as it is), a
+        callable `leaf -> spec` called on each array beneath it, a `jax.memory.Space`
+        (`Space.Host`: moves the array to that memory, keeping its sharding), or a
+        `jax.experimental.layout.Format(layout, sharding)`: placed on `sharding` in
+        `layout` (a typed PRNG key array on the sharding alone), e.g. the leaves of
+        `Compiled.input_formats`, whose non-array leaves (those of `x`) are accepted;
+        `Layout.AUTO` is a `ValueError` (lower and compile first).
     - `donate`: passed to `jax.device_put`; a bool or a PyTree prefix of `x` of bools.
-        Donation is best-effort, as in JAX: a donated input may hand its buffers to
-        the result (whatever `may_alias` says), so it must not be used again.
+        Best-effort, as in JAX: a donated input may hand its buffers to the result
+        (whatever `may_alias` says), so it must not be used again.
     - `may_alias`: a bool, `None`, or a PyTree prefix of `x`. `None` (the default)
-        returns an array that is already placed as the same object and copies every
-        other one not donated; `False` copies even those; `True` lets a result share
-        its input's buffers, as `jax.device_put` may, so donating that result later
-        may delete the input. `donate` and `may_alias` both `True` for one array is a
-        `ValueError`. An array that appears twice in `x` (tied weights) is placed
-        once: both places hold the one result.
+        returns an already placed array as the same object and copies every other one
+        not donated; `False` copies even those; `True` lets a result share its input's
+        buffers, as `jax.device_put` may, so donating that result later may delete the
+        input. `donate` and `may_alias` both `True` for one array is a `ValueError`.
+        An array that appears twice in `x` (tied weights) is placed once: both places
+        hold the one result.
 
     **Returns:**
 
-    A PyTree with the structure of `x`: array leaves placed (committed), with the same
-    shapes and dtypes; other leaves the same objects. An array already placed is the
-    very object of `x` (donating it later donates the array of `x`); every other
-    array owns its buffers unless `may_alias=True` (donating it never deletes an array
-    of `x`).
+    A PyTree with the structure of `x`: array leaves placed (committed), same shapes and
+    dtypes; other leaves the same objects. An array already placed is the very object of
+    `x` (donating it later donates the array of `x`); any other owns its buffers
+    (donating it never deletes an array of `x`) unless `may_alias=True`.
 
     **Raises:**
 
@@ -196,11 +181,10 @@ def filter_device_put(
 
     !!! info "Inside a trace"
 
-        Under `jax.jit`, `jax.vmap`, `jax.grad` or `jax.eval_shape`, this calls
-        `jax.device_put` on the traced values, exactly as JAX does: on Auto mesh axes,
-        that is *not* a sharding constraint (XLA's partitioner is free to ignore it),
-        whilst on Explicit axes it changes the sharding in the type. To constrain an
-        intermediate value, use [`equinox_shard.filter_shard`][] instead. Under
+        Under `jax.jit`, `jax.vmap`, `jax.grad` or `jax.eval_shape`, this is
+        `jax.device_put` on the traced values: on Auto mesh axes *not* a sharding
+        constraint (XLA may ignore it), on Explicit axes a change of the type's
+        sharding. To constrain a value, use [`equinox_shard.filter_shard`][]. Under
         `jax.disable_jit()` the values are concrete, so they are transferred.
 
     !!! example
@@ -221,8 +205,8 @@ def filter_device_put(
         leaves,
         todo,
         lambda i: leaf_path(x, i, "x"),
-        donate=_broadcast_flags(donate, x, leaves, "donate"),
-        may_alias=_broadcast_flags(may_alias, x, leaves, "may_alias"),
+        donate=_broadcast_flags(donate, x, len(leaves), "donate"),
+        may_alias=_broadcast_flags(may_alias, x, len(leaves), "may_alias"),
     )
     return jtu.tree_unflatten(treedef, leaves)
 
@@ -231,21 +215,19 @@ def filter_shard(x: PyTree[Any], device_or_shardings: Any) -> PyTree[Any]:
     """Places or constrains the sharding of every array in a PyTree, eagerly or inside a
     trace, and returns every non-array leaf as the very same object.
 
-    A drop-in replacement for `equinox.filter_shard` that does the right thing in every
-    context:
+    A drop-in replacement for `equinox.filter_shard`, right in every context:
 
     - **Outside a trace** (including under `jax.disable_jit()`): exactly
         [`equinox_shard.filter_device_put`][], one batched `jax.device_put`: nothing
         of its own compiled, already-placed arrays returned as the same object.
     - **Inside a trace** (`jax.jit`, `equinox.filter_jit`, `jax.vmap`, `jax.grad`,
-        `jax.eval_shape`, ...), per array leaf: `jax.lax.with_sharding_constraint` on
-        Auto mesh axes, or `jax.sharding.reshard` on Explicit ones (the default of
+        `jax.eval_shape`, ...), per array leaf, even one that is not a tracer (a
+        constant closed over by a jitted function): `jax.lax.with_sharding_constraint`
+        on Auto mesh axes, `jax.sharding.reshard` on Explicit ones (the default of
         `jax.make_mesh`; an array on no mesh, outside `jax.set_mesh`, is first put on
         the sharding's mesh, replicated, as `reshard` needs inside `jax.jit`); then,
         for a non-default memory kind such as `"pinned_host"` (which those two
-        ignore), also `jax.device_put`. This applies to arrays that are not tracers
-        too, such as constants closed over by a jitted function (under
-        `jax.disable_jit()` those are placed instead).
+        ignore), `jax.device_put`.
 
     **Arguments:**
 
@@ -254,8 +236,8 @@ def filter_shard(x: PyTree[Any], device_or_shardings: Any) -> PyTree[Any]:
         [`equinox_shard.filter_device_put`][]: a `jax.sharding.Sharding`, a
         `jax.Device`, a bare `jax.sharding.PartitionSpec` (needs `jax.set_mesh`), a
         `jax.experimental.layout.Format` (outside a trace only), a `jax.memory.Space`
-        (moves the array to that memory, also inside a trace), `None` (leave as is),
-        a callable `leaf -> spec` or an [`equinox_shard.PathRules`][].
+        (also inside a trace), `None` (leave as is), a callable `leaf -> spec` or an
+        [`equinox_shard.PathRules`][].
 
     **Returns:**
 
@@ -263,11 +245,11 @@ def filter_shard(x: PyTree[Any], device_or_shardings: Any) -> PyTree[Any]:
 
     **Raises:**
 
-    As [`equinox_shard.filter_device_put`][]; inside a trace also a `ValueError`
-    naming the key path if one `PartitionSpec` mixes Auto and Explicit mesh axes, and
-    a `TypeError` naming it for a `Format` (constrain `format.sharding`, and the
-    layout with `jax.experimental.layout.with_layout_constraint`). Checks happen
-    before anything is transferred or traced.
+    As [`equinox_shard.filter_device_put`][], before anything is transferred or
+    traced; inside a trace also a `ValueError` naming the key path if one
+    `PartitionSpec` mixes Auto and Explicit mesh axes, and a `TypeError` naming it for
+    a `Format` (constrain `format.sharding`, and the layout with
+    `jax.experimental.layout.with_layout_constraint`).
 
     !!! example
 
@@ -285,9 +267,8 @@ def filter_shard(x: PyTree[Any], device_or_shardings: Any) -> PyTree[Any]:
         ```
     """
     leaves, treedef = jtu.tree_flatten(x)
-    # Closed-over constants are constrained in a trace (`device_put` would not be a
-    # constraint), but placed under `jax.disable_jit()` (nothing would constrain them).
-
+    # Closed-over constants are constrained in a trace, but placed under
+    # `jax.disable_jit()` (nothing would constrain them).
     traced = any(map(is_tracer, leaves)) or (
         in_trace() and not jax.config.jax_disable_jit  # pyright: ignore
     )
