@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import pathlib
-import threading
 import time
 from typing import Any
 
@@ -19,17 +18,14 @@ from jaxtyping import PyTree
 
 from .._spec.language import check, resolve_leaves
 from . import data_files, manifest, progress
-from .failures import named, tidy, unfinished
-from .orbax import arrays_handler, composite, orbax as _orbax
-from .overwrite import found, sibling, SWAP, swap_in
+from .failures import found, unfinished, writing
+from .orbax import composite, handlers, LOCK, orbax as _orbax
 
 
 traceback_util.register_exclusion(__file__)
 
 
 logger = logging.getLogger("equinox_shard")
-# orbax's "directories created" signals are per process: two saves at once mixed them.
-LOCK = threading.RLock()
 
 
 def absolute_path(path: str | os.PathLike) -> pathlib.Path:
@@ -138,20 +134,13 @@ def save(
         )
     _refuse_to_replace(path)
     start = time.perf_counter()
-    with LOCK:
-        if jax.process_index() == 0:
-            tidy(path)
-        ocp.multihost.sync_global_processes("equinox_shard.save.tidy")
-        target = sibling(path, SWAP) if path.exists() else path
-        handler = ocp.CompositeCheckpointHandler(
-            leaves=ocp.JsonCheckpointHandler(), arrays=arrays_handler(ocp)
-        )
-        with named(path), ocp.Checkpointer(handler) as checkpointer:
-            checkpointer.save(target, composite(ocp, record, arrays))
-        if target != path:
-            if jax.process_index() == 0:
-                swap_in(target, path)
-            ocp.multihost.sync_global_processes("equinox_shard.save.swap")
+    handler = ocp.CompositeCheckpointHandler(**handlers(ocp))
+    with (
+        LOCK,
+        writing(path, ocp.multihost.sync_global_processes) as target,
+        ocp.Checkpointer(handler) as checkpointer,
+    ):
+        checkpointer.save(target, composite(ocp, record, arrays))
     logger.info(
         "saved %s: %d arrays, %d bytes in %.2f s",
         path, len(arrays), nbytes(arrays), time.perf_counter() - start,
