@@ -29,7 +29,7 @@ logger = logging.getLogger("equinox_shard")
 
 
 def absolute_path(path: str | os.PathLike) -> pathlib.Path:
-    return pathlib.Path(os.path.abspath(os.fspath(path)))
+    return pathlib.Path(os.path.abspath(path))
 
 
 def _refuse_to_replace(path: pathlib.Path) -> None:
@@ -266,8 +266,8 @@ def restore_from(
 ) -> tuple[Any, dict]:
     """`restore`, and the arrays it read (by name); `what` names it on the bar."""
     ocp = _orbax()
-    leaves, treedef = jtu.tree_flatten(like)
-    paths = [jtu.keystr(p) for p, _ in jtu.tree_flatten_with_path(like)[0]]
+    flat, treedef = jtu.tree_flatten_with_path(like)
+    paths, leaves = [jtu.keystr(p) for p, _ in flat], [x for _, x in flat]
     forms = [manifest.saved_form(x) for x in leaves]
     entries = _read_record(path)
     like_leaves = [(p, k, x) for p, k, x in zip(paths, forms, leaves) if k]
