@@ -124,8 +124,8 @@ class Pending:
                     saved = save(step, **kwargs)
                     break
                 except Exception as e:
-                    # `None`: orbax raised again (once per thread) a failure named
-                    # already, so save once more.
+                    # Unnamed: orbax raised again (once per thread) a failure
+                    # named already, so save once more.
                     if (error := self._named(e, step)) is not None or again:
                         raise (error or e) from e
             with self.lock:

@@ -296,9 +296,9 @@ class CheckpointManager:
             step = _step(step)
         self.wait_until_finished()
         steps = self.all_steps()
-        if step is None:
-            step = steps[-1] if steps else None
-        if step is None or step not in steps:
+        if step is None and steps:
+            step = steps[-1]
+        if step not in steps:
             which = "" if step is None else f" of step {step}"
             raise FileNotFoundError(
                 f"No checkpoint{which} in {self.directory} (its steps: "

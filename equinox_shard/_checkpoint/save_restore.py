@@ -332,9 +332,8 @@ def restore_from(
         if form == "scalar":
             e = saved[p]
             new[i] = complex(*e["value"]) if e["type"] == "complex" else e["value"]
-        elif form in ("array", "key", "numpy"):
-            value = read.get(names[p])
-            new[i] = _value(form, leaves[i], value, placed[p], saved[p])
+        elif form is not None:
+            new[i] = _value(form, leaves[i], read.get(names[p]), placed[p], saved[p])
     return jtu.tree_unflatten(treedef, new), read
 
 
