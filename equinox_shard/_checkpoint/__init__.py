@@ -3,6 +3,6 @@
 Read `save_restore` first (the format and the two public functions), then `manifest`
 (the record of leaves and their checksums), `data_files` (the data files checked before
 a read), `orbax` (how orbax is called), `progress` (the progress bar of a restore),
-`overwrite` (how `overwrite=True` replaces a checkpoint), `failures` (what happens
-when a save fails or is interrupted) and `manager` (`CheckpointManager`, on orbax's).
+`failures` (what happens when a save fails or is interrupted, and how `overwrite=True`
+replaces a checkpoint) and `manager` (`CheckpointManager`, on orbax's).
 """

@@ -1,20 +1,43 @@
 """What happens when a save fails or is interrupted: what it left is finished or removed
-(`tidy`); a failed `save` raises naming its path (`named`); a failed save of a
-`CheckpointManager` raises once, naming its step (`save`, `wait`). Each error is an
-`OSError` with the system's error number where there is one."""
+(`tidy`); a `save` replaces a checkpoint in two renames and raises naming its path
+(`writing`); a failed save of a `CheckpointManager` raises once, naming its step
+(`Pending`). Each error is an `OSError` with the system's error number where there is
+one."""
 
 import contextlib
 import errno
+import logging
 import os
 import pathlib
 import shutil
+import threading
+import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import jax
 
-from .orbax import release
-from .overwrite import found, OLD, SWAP
+from .orbax import LOCK, operation_id, release
+
+
+logger = logging.getLogger("equinox_shard")
+
+
+# `overwrite=True` writes the new checkpoint at `SWAP`, renames the old one to `OLD` and
+# the new one to `path`.
+SWAP = ".eqxs-overwrite"
+OLD = ".eqxs-old"
+
+
+def _sibling(path: pathlib.Path, suffix: str) -> pathlib.Path:
+    return path.with_name(path.name + suffix)
+
+
+def found(path: pathlib.Path) -> pathlib.Path:
+    """Where the checkpoint of `path` is: at `SWAP` if killed between the renames."""
+    swap = _sibling(path, SWAP)
+    if not path.is_dir() and swap.is_dir() and _sibling(path, OLD).is_dir():
+        return swap
+    return path
 
 
 def unfinished(path: pathlib.Path, *suffixes: str) -> list[pathlib.Path]:
@@ -43,67 +66,109 @@ def _error(e: BaseException, message: str) -> Exception:
 
 
 @contextlib.contextmanager
-def named(path: pathlib.Path) -> Iterator[None]:
-    """Raises a failure of the save to `path` naming it, once its writing is removed."""
+def writing(
+    path: pathlib.Path, sync: Callable[[str], object]
+) -> Iterator[pathlib.Path]:
+    """Where the save to `path` writes: beside an existing `path`, swapped in once
+    written. What an earlier save left is tidied first; a failure raises naming `path`,
+    once what it wrote is removed."""
+    first = jax.process_index() == 0
+    if first:
+        tidy(path)
+    sync("equinox_shard.save.tidy")
+    target = _sibling(path, SWAP) if path.exists() else path
     try:
-        yield
+        yield target
     except Exception as e:
-        if jax.process_index() == 0:
+        if first:
             tidy(path)
         raise _error(e, f"The save to {path} failed: {type(e).__name__}: {e}") from e
+    if target != path:
+        if first:
+            os.rename(path, _sibling(path, OLD))
+            os.rename(target, path)
+            shutil.rmtree(_sibling(path, OLD))
+        sync("equinox_shard.save.swap")
 
 
-def save(pending: Any, save: Callable[..., bool], step: int, **kwargs) -> bool:
-    """orbax's `save(step, **kwargs)`; raises the failure of an earlier save, named."""
-    try:
-        return save(step, **kwargs)
-    except Exception as e:
-        if (error := _named(pending, e, step)) is not None:
-            raise error from e
-    # orbax raised again (once per thread) a failure named already: save once more.
-    try:
-        return save(step, **kwargs)
-    except Exception as e:
-        raise (_named(pending, e, step) or e) from e
+class Pending:
+    """A `CheckpointManager`'s saves not yet logged: each is logged once its step
+    directory is final, or its failure raised once, naming its step."""
 
+    def __init__(self, directory: pathlib.Path):
+        self.directory = directory
+        self.steps: dict[int, tuple[int, float, str]] = {}  # (bytes, start, operation)
+        self.lock = threading.Lock()
+        self.reported: set[str] = set()
 
-def wait(pending: Any, *calls: Callable[[], object]) -> None:
-    """Calls each of `calls`; raises the first failure, named."""
-    error = None
-    for call in calls:
-        try:
-            call()
-        except Exception as e:
-            error = error or e
-    if error is not None and (named := _named(pending, error, None)) is not None:
-        raise named from error
-    pending.finished()
+    def finished(self) -> None:
+        """Logs each step whose directory is final (orbax renames it when complete)."""
+        with self.lock:
+            done = [s for s in self.steps if (self.directory / str(s)).is_dir()]
+            for step in sorted(done):
+                size, start, _ = self.steps.pop(step)
+                logger.info(
+                    "saved step %d to %s: %d bytes in %.2f s",
+                    step, self.directory / str(step), size,
+                    time.perf_counter() - start,
+                )  # fmt: skip
 
+    def save(self, save: Callable[..., bool], step: int, size: int, **kwargs) -> bool:
+        """orbax's `save(step, **kwargs)`, logged once final (`size` bytes); raises the
+        failure of an earlier save, named."""
+        start = time.perf_counter()
+        with LOCK:
+            saved = False
+            for again in (False, True):
+                try:
+                    saved = save(step, **kwargs)
+                    break
+                except Exception as e:
+                    # Unnamed: orbax raised again (once per thread) a failure
+                    # named already, so save once more.
+                    if (error := self._named(e, step)) is not None or again:
+                        raise (error or e) from e
+            with self.lock:
+                self.steps[step] = (size, start, operation_id())
+        return saved
 
-def _named(pending: Any, e: BaseException, current: int | None) -> Exception | None:
-    """The error for a failed save (found when `current`'s save started, or by a
-    wait), naming its step; wakes what is left of it (`release`). `None` if that
-    failure was raised already (orbax raises it again)."""
-    pending.finished()
-    if str(e) in pending.reported:
-        return None
-    pending.reported.add(str(e))
-    with pending.lock:
-        failed = sorted(s for s in pending.steps if s != current)
-        if not failed and current is not None:
-            failed = [current]
-        # `current` is not pending yet where its own save raised (no background).
-        operations = [pending.steps.pop(s)[2] for s in failed if s in pending.steps]
-        pending.steps.pop(current, None)
-    for operation in operations:
-        release(operation)
-    where, also = f"a step to {pending.directory}", ""
-    if failed:
-        where = f"step {failed[0]} to {pending.directory / str(failed[0])}"
-    if current is not None and failed[0] != current:
-        also = f" (so step {current} was not saved)"
-    message = (
-        f"The save of {where} failed{also}: {type(e).__name__}: {e}. The steps "
-        f"saved before it are complete and restorable."
-    )
-    return _error(e, message)
+    def wait(self, *calls: Callable[[], object]) -> None:
+        """Calls each of `calls`; raises the first failure, named."""
+        error = None
+        for call in calls:
+            try:
+                call()
+            except Exception as e:
+                error = error or e
+        if error is not None and (named := self._named(error, None)) is not None:
+            raise named from error
+        self.finished()
+
+    def _named(self, e: BaseException, current: int | None) -> Exception | None:
+        """The error for a failed save (found when `current`'s save started, or by a
+        wait), naming its step; wakes what is left of it (`release`). `None` if that
+        failure was raised already (orbax raises it again, once per thread)."""
+        self.finished()
+        if str(e) in self.reported:
+            return None
+        self.reported.add(str(e))
+        with self.lock:
+            failed = sorted(s for s in self.steps if s != current)
+            if not failed and current is not None:
+                failed = [current]
+            # `current` is not pending yet where its own save raised (no background).
+            operations = [self.steps.pop(s)[2] for s in failed if s in self.steps]
+            if current in self.steps:
+                del self.steps[current]
+        for operation in operations:
+            release(operation)
+        where, also = f"a step to {self.directory}", ""
+        if failed:
+            where = f"step {failed[0]} to {self.directory / str(failed[0])}"
+        if current is not None and failed[0] != current:
+            also = f" (so step {current} was not saved)"
+        message = (
+            f"The save of {where} failed{also}: {type(e).__name__}: {e}. The steps "
+            f"saved before it are complete and restorable."
+        )
+        return _error(e, message)

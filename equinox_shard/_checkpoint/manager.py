@@ -15,9 +15,10 @@ import jax._src.traceback_util as traceback_util
 import numpy as np
 from jaxtyping import PyTree
 
-from . import failures, manifest
-from .orbax import arrays_handler, composite, operation_id, orbax as _orbax
-from .save_restore import absolute_path, LOCK, logger, nbytes, restore_from
+from . import manifest
+from .failures import Pending
+from .orbax import composite, handlers, orbax as _orbax
+from .save_restore import absolute_path, logger, nbytes, restore_from
 
 
 traceback_util.register_exclusion(__file__)
@@ -92,30 +93,6 @@ def _drop_lock(directory: pathlib.Path, fd: int) -> None:
             directory / LOCK_FILE, directory, type(e).__name__, e,
         )  # fmt: skip
     os.close(fd)
-
-
-class Pending:
-    """A manager's saves not yet logged: each is logged once its step directory is
-    final, or named once by `failures` if it fails (`reported`)."""
-
-    def __init__(self, directory: pathlib.Path):
-        self.directory = directory
-        # step -> (bytes, start, orbax's operation).
-        self.steps: dict[int, tuple[int, float, str]] = {}
-        self.lock = threading.Lock()
-        self.reported: set[str] = set()
-
-    def finished(self) -> None:
-        """Logs each step whose directory is final (orbax renames it when complete)."""
-        with self.lock:
-            done = [s for s in self.steps if (self.directory / str(s)).is_dir()]
-            for step in sorted(done):
-                size, start, _ = self.steps.pop(step)
-                logger.info(
-                    "saved step %d to %s: %d bytes in %.2f s",
-                    step, self.directory / str(step), size,
-                    time.perf_counter() - start,
-                )  # fmt: skip
 
 
 class CheckpointManager:
@@ -201,12 +178,7 @@ class CheckpointManager:
         self._read_only = lock if isinstance(lock, OSError) else None
         try:
             self._manager = ocp.CheckpointManager(
-                self.directory,
-                options=options,
-                item_handlers={
-                    "leaves": ocp.JsonCheckpointHandler(),
-                    "arrays": arrays_handler(ocp),
-                },
+                self.directory, options=options, item_handlers=handlers(ocp)
             )
         except BaseException:
             if self._lock is not None:
@@ -280,12 +252,9 @@ class CheckpointManager:
         record, arrays = manifest.build(state, "state")
         start = time.perf_counter()
         size, args = nbytes(arrays), composite(ocp, record, arrays)
-        with LOCK:
-            saved = failures.save(
-                self._pending, self._manager.save, step, args=args, force=True
-            )
-            with self._pending.lock:
-                self._pending.steps[step] = (size, start, operation_id())
+        saved = self._pending.save(
+            self._manager.save, step, size, args=args, force=True
+        )
         if not self._background:
             self._pending.finished()
         else:
@@ -308,7 +277,7 @@ class CheckpointManager:
     def wait_until_finished(self) -> None:
         """Waits for every save started; raises, naming its step, if one failed."""
         self._check_open("wait_until_finished")
-        failures.wait(self._pending, self._manager.wait_until_finished)
+        self._pending.wait(self._manager.wait_until_finished)
 
     def restore(
         self, like: PyTree[Any], step: Any = None, shardings: Any = None
@@ -327,9 +296,9 @@ class CheckpointManager:
             step = _step(step)
         self.wait_until_finished()
         steps = self.all_steps()
-        if step is None:
-            step = steps[-1] if steps else None
-        if step is None or step not in steps:
+        if step is None and steps:
+            step = steps[-1]
+        if step not in steps:
             which = "" if step is None else f" of step {step}"
             raise FileNotFoundError(
                 f"No checkpoint{which} in {self.directory} (its steps: "
@@ -364,8 +333,7 @@ class CheckpointManager:
         self._closed = True
         _OPEN.discard(self)
         try:
-            manager = self._manager
-            failures.wait(self._pending, manager.wait_until_finished, manager.close)
+            self._pending.wait(self._manager.wait_until_finished, self._manager.close)
         finally:
             if self._lock is not None:
                 _drop_lock(self.directory, self._lock)

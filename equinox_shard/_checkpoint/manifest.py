@@ -214,8 +214,17 @@ def checksums(arrays: list) -> list[int]:
     return [s % 2**32 for s in out]
 
 
-def numpy_checksum(x: Any) -> int:
-    return zlib.crc32(np.ascontiguousarray(x).tobytes())
+def _stored_checksums(entries: list[dict], stored: dict) -> list[int]:
+    """The checksum of each entry's stored array (`stored`: by name). A saved NumPy
+    array's is the CRC-32 of its bytes."""
+    jax_entries = [e for e in entries if e["kind"] != "numpy"]
+    sums = checksums([stored[e["name"]] for e in jax_entries])
+    sums = dict(zip((e["name"] for e in jax_entries), sums))
+    crc32 = lambda x: zlib.crc32(np.ascontiguousarray(x).tobytes())
+    return [
+        sums[e["name"]] if e["name"] in sums else crc32(stored[e["name"]])
+        for e in entries
+    ]
 
 
 #
@@ -226,7 +235,7 @@ def numpy_checksum(x: Any) -> int:
 def build(tree: Any, name: str) -> tuple[dict, dict]:
     """The record of `tree`'s saved leaves, and the arrays to store by name. Raises
     naming the leaf as `name<key path>`."""
-    entries, arrays, jax_entries = [], {}, []
+    entries, arrays = [], {}
     for key_path, x in jtu.tree_flatten_with_path(tree)[0]:
         where = name + jtu.keystr(key_path)
         if is_tracer(x) or isinstance(x, jax.ShapeDtypeStruct):
@@ -245,18 +254,13 @@ def build(tree: Any, name: str) -> tuple[dict, dict]:
             continue
         if k == "key":
             e["impl"] = str(jax.random.key_impl(x))
+            x = jax.random.key_data(x)
         # orbax refuses a zero-size array; its record alone restores it.
         e["name"] = str(len(arrays)) if np.size(x) else None
-        if e["name"] is None:
-            continue
-        if k == "numpy":
-            arrays[e["name"]] = np.asarray(x)
-            e["checksum"] = numpy_checksum(arrays[e["name"]])
-        else:
-            arrays[e["name"]] = jax.random.key_data(x) if k == "key" else x
-            jax_entries.append(e)
-    sums = checksums([arrays[e["name"]] for e in jax_entries])
-    for e, s in zip(jax_entries, sums):
+        if e["name"] is not None:
+            arrays[e["name"]] = np.asarray(x) if k == "numpy" else x
+    stored = [e for e in entries if e.get("name") is not None]
+    for e, s in zip(stored, _stored_checksums(stored, arrays)):
         e["checksum"] = s
     return {"format": FORMAT, "version": VERSION, "leaves": entries}, arrays
 
@@ -387,12 +391,7 @@ def verify(path: Any, entries: list[dict], stored: dict) -> None:
     """Raises, naming the leaf, where an array read (`stored`: by name) does not have
     the checksum saved with it."""
     checked = [e for e in entries if e.get("checksum") is not None]
-    on_device = [e for e in checked if e["kind"] != "numpy"]
-    values = [stored[e["name"]] for e in on_device]
-    got = dict(zip((e["name"] for e in on_device), checksums(values)))
-    for e in checked:
-        name = e["name"]
-        read = got[name] if name in got else numpy_checksum(np.asarray(stored[name]))
+    for e, read in zip(checked, _stored_checksums(checked, stored)):
         if read != e["checksum"]:
             raise ValueError(
                 f"like{e['path']}: the checkpoint at {path} is damaged: the data read "

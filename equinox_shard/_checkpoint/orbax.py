@@ -6,6 +6,10 @@ import jax
 import numpy as np
 
 
+# orbax's "directories created" signals are per process: two saves at once mixed them.
+LOCK = threading.RLock()
+
+
 def orbax():
     try:
         import orbax.checkpoint as ocp
@@ -27,18 +31,20 @@ def composite(ocp, record: dict, arrays: dict):
     )
 
 
-def arrays_handler(ocp):
-    """orbax's PyTree handler for the `arrays` item. In one process, without
+def handlers(ocp) -> dict:
+    """orbax's handlers of the two items. `arrays`, in one process, without
     "replica-parallel" writing, which there only slices each replicated array eagerly
     on the caller's thread (docs/checkpoints.md)."""
     if jax.process_count() > 1:
-        return ocp.PyTreeCheckpointHandler()
-    handlers = ocp.type_handlers
-    registry = handlers.create_type_handler_registry(
-        (jax.Array, handlers.ArrayHandler(use_replica_parallel=False)),
-        (np.ndarray, handlers.NumpyHandler()),
-    )
-    return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+        arrays = ocp.PyTreeCheckpointHandler()
+    else:
+        types = ocp.type_handlers
+        registry = types.create_type_handler_registry(
+            (jax.Array, types.ArrayHandler(use_replica_parallel=False)),
+            (np.ndarray, types.NumpyHandler()),
+        )
+        arrays = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+    return {"leaves": ocp.JsonCheckpointHandler(), "arrays": arrays}
 
 
 def operation_id() -> str:

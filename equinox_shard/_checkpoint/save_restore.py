@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import pathlib
-import threading
 import time
 from typing import Any
 
@@ -19,21 +18,18 @@ from jaxtyping import PyTree
 
 from .._spec.language import check, resolve_leaves
 from . import data_files, manifest, progress
-from .failures import named, tidy, unfinished
-from .orbax import arrays_handler, composite, orbax as _orbax
-from .overwrite import found, sibling, SWAP, swap_in
+from .failures import found, unfinished, writing
+from .orbax import composite, handlers, LOCK, orbax as _orbax
 
 
 traceback_util.register_exclusion(__file__)
 
 
 logger = logging.getLogger("equinox_shard")
-# orbax's "directories created" signals are per process: two saves at once mixed them.
-LOCK = threading.RLock()
 
 
 def absolute_path(path: str | os.PathLike) -> pathlib.Path:
-    return pathlib.Path(os.path.abspath(os.fspath(path)))
+    return pathlib.Path(os.path.abspath(path))
 
 
 def _refuse_to_replace(path: pathlib.Path) -> None:
@@ -138,20 +134,13 @@ def save(
         )
     _refuse_to_replace(path)
     start = time.perf_counter()
-    with LOCK:
-        if jax.process_index() == 0:
-            tidy(path)
-        ocp.multihost.sync_global_processes("equinox_shard.save.tidy")
-        target = sibling(path, SWAP) if path.exists() else path
-        handler = ocp.CompositeCheckpointHandler(
-            leaves=ocp.JsonCheckpointHandler(), arrays=arrays_handler(ocp)
-        )
-        with named(path), ocp.Checkpointer(handler) as checkpointer:
-            checkpointer.save(target, composite(ocp, record, arrays))
-        if target != path:
-            if jax.process_index() == 0:
-                swap_in(target, path)
-            ocp.multihost.sync_global_processes("equinox_shard.save.swap")
+    handler = ocp.CompositeCheckpointHandler(**handlers(ocp))
+    with (
+        LOCK,
+        writing(path, ocp.multihost.sync_global_processes) as target,
+        ocp.Checkpointer(handler) as checkpointer,
+    ):
+        checkpointer.save(target, composite(ocp, record, arrays))
     logger.info(
         "saved %s: %d arrays, %d bytes in %.2f s",
         path, len(arrays), nbytes(arrays), time.perf_counter() - start,
@@ -277,8 +266,8 @@ def restore_from(
 ) -> tuple[Any, dict]:
     """`restore`, and the arrays it read (by name); `what` names it on the bar."""
     ocp = _orbax()
-    leaves, treedef = jtu.tree_flatten(like)
-    paths = [jtu.keystr(p) for p, _ in jtu.tree_flatten_with_path(like)[0]]
+    flat, treedef = jtu.tree_flatten_with_path(like)
+    paths, leaves = [jtu.keystr(p) for p, _ in flat], [x for _, x in flat]
     forms = [manifest.saved_form(x) for x in leaves]
     entries = _read_record(path)
     like_leaves = [(p, k, x) for p, k, x in zip(paths, forms, leaves) if k]
@@ -343,9 +332,8 @@ def restore_from(
         if form == "scalar":
             e = saved[p]
             new[i] = complex(*e["value"]) if e["type"] == "complex" else e["value"]
-        elif form in ("array", "key", "numpy"):
-            value = read.get(names[p])
-            new[i] = _value(form, leaves[i], value, placed[p], saved[p])
+        elif form is not None:
+            new[i] = _value(form, leaves[i], read.get(names[p]), placed[p], saved[p])
     return jtu.tree_unflatten(treedef, new), read
 
 
