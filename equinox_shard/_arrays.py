@@ -112,20 +112,22 @@ def deleted_test(leaves: list, get: Callable[[list], tuple]) -> Callable[[list],
     values = get(leaves)
     numpy = tuple(isinstance(x, NUMPY) for x in values)
     arrays = tuple(not n for n in numpy)
-    kinds = set(map(type, compress(values, arrays)))
-    if len(kinds) > 1:
+    types = set(map(type, compress(values, arrays)))
+    if len(types) > 1:
         return slow
-    kind_is_deleted: Any = None
-    if kinds:
-        (kind,) = kinds
-        if not issubclass(kind, jax.Array) or issubclass(kind, jax.core.Tracer):
+    type_is_deleted: Any = None
+    if types:
+        (array_type,) = types
+        if not issubclass(array_type, jax.Array) or issubclass(
+            array_type, jax.core.Tracer
+        ):
             return slow
-        kind_is_deleted = kind.is_deleted
+        type_is_deleted = array_type.is_deleted
 
     def fast(leaves):
         values = get(leaves)
         try:
-            if any(map(kind_is_deleted, compress(values, arrays))):
+            if any(map(type_is_deleted, compress(values, arrays))):
                 return True
         except (TypeError, AttributeError):  # a `Compiled` called with other types
             return slow(leaves)
