@@ -145,16 +145,11 @@ class Guards:
 def _equinox_runtime_error(info: tuple, jit_id: bytes) -> Exception:
     """Equinox's error from its `(message, stack)`, the stack cut at our call, as
     `eqx.filter_jit` builds it."""
-    msg, stack = info
-    pieces = []
-    for id_or_str in stack:
-        if type(id_or_str) is str:
-            pieces.append(id_or_str)
-        elif id_or_str == jit_id:
-            break
-    return eqx.EquinoxRuntimeError(
-        eqx_jit._on_error_msg.format(msg=msg, stack="".join(reversed(pieces)))
-    )
+    msg, stack = info  # the stack: its frames (`str`), and each jit's id (`bytes`)
+    if jit_id in stack:
+        stack = stack[: stack.index(jit_id)]
+    frames = "".join(reversed([x for x in stack if type(x) is str]))
+    return eqx.EquinoxRuntimeError(eqx_jit._on_error_msg.format(msg=msg, stack=frames))
 
 
 def _runs_now(dynamic) -> bool:

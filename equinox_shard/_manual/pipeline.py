@@ -1,6 +1,7 @@
 """`filter_pipeline`: a stack of layers run as a pipeline, its stages on one mesh axis
 and the batch cut into microbatches that flow through them."""
 
+import contextlib
 import inspect
 import operator
 from collections.abc import Callable
@@ -184,14 +185,9 @@ def _get_mesh(mesh: Any, axis_name: str) -> Any:
 
 def _check_positive(value: Any, name: str) -> int:
     # `operator.index` takes Python and NumPy integers, and refuses floats.
-    if not isinstance(value, (bool, np.bool_)):
-        try:
-            value = operator.index(value)
-        except TypeError:
-            pass
-        else:
-            if value >= 1:
-                return value
+    with contextlib.suppress(TypeError):
+        if not isinstance(value, (bool, np.bool_)) and operator.index(value) >= 1:
+            return operator.index(value)
     raise ValueError(f"{name} must be a positive integer; got {value!r}.")
 
 
