@@ -1,7 +1,7 @@
 """Host callbacks in `filter_jit`. Equinox's runtime errors raise from a callback;
 under SPMD the other partitions then wait in a collective until XLA aborts. So an entry
 with callbacks runs a jitted rewrite (`Guards`) in which each callback records its
-exception and returns zeros, and the first exception is raised after (`waiting`)."""
+exception and returns zeros, and the first exception is raised after the call."""
 
 import logging
 import threading
@@ -181,7 +181,7 @@ def waiting(guards: Guards, inner: Callable, run, dynamic, deleted, leaves, jit_
         return out
     except (_JaxRuntimeError, ValueError):
         info = getattr(eqx_jit, "last_error_info", None)
-        if info is before:
+        if info is None or info is before:  # not Equinox's error
             raise
         raise _equinox_runtime_error(info, jit_id) from None
     finally:
