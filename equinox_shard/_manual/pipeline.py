@@ -1,6 +1,7 @@
 """`filter_pipeline`: a stack of layers run as a pipeline, its stages on one mesh axis
 and the batch cut into microbatches that flow through them."""
 
+import contextlib
 import inspect
 import operator
 from collections.abc import Callable
@@ -49,14 +50,13 @@ def _leading_size(
     """The size of the leading axis that every leaf of `tree` (all arrays) shares, and
     the first leaf's key path."""
     paths = jtu.tree_flatten_with_path(tree)[0]
-    for path, leaf in paths:
+    first_path, first = paths[0]
+    for path, leaf in paths:  # the first first: its size is the others'
         if leaf.ndim == 0:
             raise ValueError(
                 f"{name}{jtu.keystr(path)}: every array of `{name}` needs the {axis} "
                 f"axis first; got shape ().{hint}"
             )
-    first_path, first = paths[0]
-    for path, leaf in paths:
         if leaf.shape[0] != first.shape[0]:
             raise ValueError(
                 f"{name}{jtu.keystr(path)}: every array of `{name}` needs the {axis} "
@@ -185,14 +185,9 @@ def _get_mesh(mesh: Any, axis_name: str) -> Any:
 
 def _check_positive(value: Any, name: str) -> int:
     # `operator.index` takes Python and NumPy integers, and refuses floats.
-    if not isinstance(value, (bool, np.bool_)):
-        try:
-            value = operator.index(value)
-        except TypeError:
-            pass
-        else:
-            if value >= 1:
-                return value
+    with contextlib.suppress(TypeError):
+        if not isinstance(value, (bool, np.bool_)) and operator.index(value) >= 1:
+            return operator.index(value)
     raise ValueError(f"{name} must be a positive integer; got {value!r}.")
 
 
@@ -230,16 +225,15 @@ def filter_pipeline(
     remat: bool = False,
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
 ) -> PyTree[jax.Array]:
-    """Runs a stack of layers over a batch as a pipeline: the layers are split into
-    stages over the mesh axis `axis_name`, each device holding only its stage's layers,
-    and the batch is cut into microbatches that pass from stage to stage
-    (`jax.lax.ppermute`). Differentiate it (`jax.grad`, `eqx.filter_value_and_grad`)
-    for the backward pipeline. Works inside `filter_jit` and `jax.jit`; other mesh
-    axes are left to the compiler, so data, FSDP or tensor parallelism over them (by
-    `PathRules`) compose with it.
+    """Runs a stack of layers over a batch as a pipeline: the layers split into stages
+    over the mesh axis `axis_name` (each device holds its stage's layers only), the
+    batch cut into microbatches that pass from stage to stage (`jax.lax.ppermute`).
+    Differentiate it (`jax.grad`) for the backward pipeline. Works inside `filter_jit`
+    and `jax.jit`; other mesh axes are left to the compiler, so data, FSDP or tensor
+    parallelism over them (by `PathRules`) compose with it.
 
     It computes what scanning `fn` over the layers computes on each microbatch in turn,
-    up to floating-point reassociation (the reference in docs/pipeline.md).
+    up to floating-point reassociation (docs/pipeline.md: the reference, an example).
 
     **Arguments:**
 
@@ -267,9 +261,8 @@ def filter_pipeline(
         by closing over them, since `fn` runs inside `jax.shard_map`.
     - `key`: one PRNG key (`jax.random.key`, or a raw `jax.random.PRNGKey`); layer `l`
         of microbatch `m` gets `split(split(key, M)[m], L)[l]`.
-    - `remat`: a bool, whether to `jax.checkpoint` each stage's work at each tick, so
-        that the backward pass recomputes the activations inside a stage instead of
-        storing them.
+    - `remat`: whether to `jax.checkpoint` each stage's work at each tick: the backward
+        pass recomputes the activations inside a stage instead of storing them.
     - `mesh`: a `jax.sharding.Mesh` or `AbstractMesh`; defaults to the mesh set with
         `jax.set_mesh`. Explicit axes are made Auto inside (`jax.sharding.auto_axes`)
         and the output keeps the sharding of `x`; such a mesh must be the one set with
@@ -286,28 +279,6 @@ def filter_pipeline(
         `fn` runs inside `jax.shard_map`, manual over `axis_name` only, where
         `eqx.error_if` and `jax.pure_callback` fail when traced (`jax.debug.print`
         works). Check values on the pipeline's output instead.
-
-    !!! example
-
-        ```python
-        mesh = jax.make_mesh((4, 2), ("stage", "data"), axis_types=(Auto, Auto))
-        mlps = eqx.filter_vmap(lambda k: eqx.nn.MLP(32, 32, 64, 1, key=k))(
-            jr.split(jr.key(0), 8)
-        )
-
-        def loss(mlps, x):
-            y = eqxs.filter_pipeline(
-                mlps, x, microbatches=8, fn=lambda mlp, x: x + jax.vmap(mlp)(x)
-            )
-            return jnp.mean(y**2)
-
-        @eqxs.filter_jit(in_shardings=(P("stage"), P("data")))
-        def gradients(mlps, x):
-            return eqx.filter_grad(loss)(mlps, x)
-
-        with jax.set_mesh(mesh):
-            grads = gradients(mlps, jnp.ones((64, 32)))
-        ```
     """
     microbatches = _check_positive(microbatches, "microbatches")
     repeats = _check_positive(repeats, "repeats")

@@ -112,45 +112,29 @@ def _to_explicit(mesh, leaves: list, specs: list, indices: list) -> None:
             leaves[i] = x
 
 
-def _raise_unreplicated(fun, error, run, dynamic_in, named: Named, manual) -> None:
-    """Raises naming `fun` and the key path of each output that JAX's replication
-    check refused (over the `manual` mesh axes, in the mesh's order); returns if it
-    finds none."""
-
-    def refused(error):
-        # JAX names each refused output `out_specs<key path>`; our `KeyPath` prints so.
-        pairs = zip(named.names.keys, named.leaves)
-        return [
-            (key, spec) for key, spec in pairs if f"out_specs{key} is " in str(error)
-        ]
-
-    if not refused(error):
-        # Eagerly, JAX's message names no leaf; traced (abstractly) again, it does.
-        try:
-            jax.eval_shape(run, dynamic_in)
-        except ValueError as traced:
-            error = traced
+def _unreplicated(fun, refused: list, manual: tuple) -> ValueError:
+    """Our error for the outputs `(key path, spec)` that `out_specs` replicates over
+    some of the `manual` mesh axes (in the mesh's order) but that vary over them."""
     lines = []
-    for key, spec in refused(error):
-        named_axes = {
-            a for e in spec if e for a in (e if isinstance(e, tuple) else (e,))
-        }
-        left_out = tuple(a for a in manual if a not in named_axes)
+    for key, spec in refused:
+        left_out = tuple(a for a in manual if a not in _axes(spec))
         lines.append(
             f"- out{key}: its `out_specs` entry {spec} leaves out mesh axes "
             f"{left_out}, so it must be the same over them, but JAX infers that it "
             "varies across at least one"
         )
-    if not lines:
-        return
     name = getattr(fun, "__name__", type(fun).__name__)
-    raise ValueError(
+    return ValueError(
         f"filter_shard_map({name}): an output that `out_specs` replicates is not "
         "the same on every device:\n" + "\n".join(lines) + "\nMake it the same on "
         "every device (e.g. `jax.lax.pmean(value, axis_name)`), name the axis in its "
         "`PartitionSpec` if each device holds its own block, or pass "
         "`check_vma=False` if it is the same on every device in fact."
-    ) from error
+    )
+
+
+def _axes(spec: PartitionSpec) -> set:
+    return {a for e in spec if e for a in (e if isinstance(e, tuple) else (e,))}
 
 
 @overload
@@ -259,6 +243,10 @@ def filter_shard_map(
         # paths, which JAX's errors print (`out_specs['loss']`).
         out_specs_named = Named((), Names(()))
         out_static: list = [None]
+        # `(key path, spec)` of each output that varies over an axis its spec leaves
+        # out, which JAX then refuses (its message names no leaf when eager).
+        unreplicated: list = []
+        in_order = tuple(a for a in mesh_.axis_names if a in manual)
 
         def body(dynamic):
             full = list(leaves)
@@ -288,6 +276,12 @@ def filter_shard_map(
             out_specs_named.names = names
             static = [None if is_array(x) else x for x in out_leaves]
             out_static[0] = (out_def, static, positions)
+            varies = lambda x: jax.typeof(x).manual_axis_type.varying & manual
+            unreplicated[:] = [
+                (names.keys[k], per_leaf[i])
+                for k, i in enumerate(positions)
+                if check_vma and varies(out_leaves[i]) - _axes(per_leaf[i])
+            ]
             return Named(tuple(out_leaves[i] for i in positions), names)
 
         # JAX's errors name the function it maps: the user's.
@@ -301,16 +295,11 @@ def filter_shard_map(
             axis_names=frozenset(axis_names),
             check_vma=check_vma,
         )
-        dynamic_in = [leaves[i] for i in indices]
         try:
-            dynamic_out = run(dynamic_in)
+            dynamic_out = run([leaves[i] for i in indices])
         except ValueError as e:
-            # Raised after `body` returned: JAX's check of the outputs against
-            # `out_specs`, which names neither `fun` nor the leaf when eager.
-            if out_static[0] is None or not check_vma:
-                raise
-            in_order = tuple(a for a in mesh_.axis_names if a in manual)
-            _raise_unreplicated(fun, e, run, dynamic_in, out_specs_named, in_order)
+            if unreplicated:
+                raise _unreplicated(fun, unreplicated, in_order) from e
             raise
         out_def, static, positions = out_static[0]  # pyright: ignore
         for i, x in zip(positions, dynamic_out.leaves):
