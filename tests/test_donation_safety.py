@@ -522,3 +522,24 @@ def test_donated_buffers_reused_as_under_equinox(call, donate, outputs):
         return [x.is_deleted() for x in (fun.w, *args, c)]
 
     assert deleted(eqxs.filter_jit) == deleted(eqx.filter_jit)
+
+
+def test_donated_replication_moved_onto_fewer_devices_stays_alive():
+    # docs/semantics.md's known difference: `jax.jit` frees an array replicated over 8
+    # devices that it moves onto a one-device mesh; we copy it, and it stays alive.
+    one = jax.make_mesh(
+        (1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1]
+    )
+    eight = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+    target = NamedSharding(one, P())
+    make = lambda: jax.device_put(jnp.arange(8.0), NamedSharding(eight, P()))
+    ours_in, oracle_in = make(), make()
+    want = snapshot(ours_in)
+    double = lambda a: 2 * a
+    out = eqxs.filter_jit(double, in_shardings=target, donate="all")(ours_in)
+    expected = jax.jit(double, in_shardings=target, donate_argnums=0)(oracle_in)
+    assert_same_values(out, expected)
+    assert_shardings(out, target)
+    assert oracle_in.is_deleted()
+    assert not ours_in.is_deleted()
+    assert_same_values(ours_in, want)
