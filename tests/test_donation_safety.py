@@ -543,3 +543,15 @@ def test_donated_replication_moved_onto_fewer_devices_stays_alive():
     assert oracle_in.is_deleted()
     assert not ours_in.is_deleted()
     assert_same_values(ours_in, want)
+
+
+def test_bound_method_arrays_are_constants_never_donated():
+    # docs/semantics.md: a bound method is static, as in `eqx.filter_jit`.
+    model = eqx.nn.Linear(3, 2, key=jax.random.key(0))
+    x = jnp.ones(3)
+    ours = eqxs.filter_jit(model.__call__, donate="all")
+    reference = eqx.filter_jit(model.__call__, donate="all")
+    assert_same_values(ours(x + 0), reference(x + 0))
+    assert not model.weight.is_deleted() and not model.bias.is_deleted()
+    (main,) = [l for l in ours.lower(x).as_text().splitlines() if "@main(" in l]
+    assert "%arg0: tensor<3xf32>" in main and "%arg1" not in main  # x alone
