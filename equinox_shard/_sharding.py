@@ -118,7 +118,7 @@ def constrain_leaves(
 
 
 _resolve = ft.partial(
-    resolve_leaves, spec_name="device_or_shardings", value_name="x", formats=True
+    resolve_leaves, spec_name="device_or_shardings", value_name="x", placement=True
 )
 
 

@@ -276,10 +276,10 @@ def restore_from(
     names = manifest.names(entries)
     targets: dict[int, Sharding] = {}  # else the sharding of `like`'s own leaf
     if shardings is not None:
-        dynamic = lambda x: manifest.saved_form(x) in ("array", "key")
+        array_like = lambda x: manifest.saved_form(x) in ("array", "key")
         targets = dict(resolve_leaves(
             like, leaves, shardings, "shardings", "like", abstract_ok=False,
-            dynamic=dynamic,
+            selected=array_like,
         ))  # fmt: skip
     items, restore_args, placed = {}, {}, {}
     for i, (p, form, x) in enumerate(zip(paths, forms, leaves)):

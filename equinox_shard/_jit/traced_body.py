@@ -108,7 +108,7 @@ def _out_shardings(out, out_specs, found: list | None, structured: bool, mesh):
         "out",
         abstract_ok=True,
         mesh=mesh,
-        formats=True,
+        placement=True,
     )
     where = lambda i: leaf_path(out, i, "out")
     check_shapes(out_leaves, todo, where)

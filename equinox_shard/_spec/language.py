@@ -161,13 +161,13 @@ def spread(
     spec_name: str,
     value_name: str,
     where: Callable[[int], str],
-    dynamic: Callable[[Any], bool],
+    selected: Callable[[Any], bool],
     usage: RulesUsage | None = None,
     *,
     placement: bool = True,
 ) -> list:
     """One spec leaf per leaf of `value` (`leaves`), each `PathRules` replaced by its
-    choice (`None` where not `dynamic`). Strict rules are checked here, or given a
+    choice (`None` where not `selected`). Strict rules are checked here, or given a
     `usage`, by the caller's `usage.check()`."""
     try:
         spec_leaves, spec_def = flatten_specs(specs, spec_name, placement=placement)
@@ -182,7 +182,15 @@ def spread(
     own = RulesUsage() if usage is None else None
     usage = own or usage
     out = match_path_rules(
-        per_leaf, spec_leaves, spec_def, value, leaves, where, dynamic, spec_name, usage
+        per_leaf,
+        spec_leaves,
+        spec_def,
+        value,
+        leaves,
+        where,
+        selected,
+        spec_name,
+        usage,
     )
     if own is not None and own.groups:
         own.check()
@@ -332,22 +340,29 @@ def resolve_leaves(
     value_name: str,
     *,
     abstract_ok: bool,
-    dynamic: Callable[[Any], bool] = is_array,
+    selected: Callable[[Any], bool] = is_array,
     mesh=None,
-    formats: bool = False,
+    placement: bool = False,
 ) -> list[tuple[int, Any]]:
-    """`(leaf index, sharding)` for each dynamic leaf whose spec resolves to one.
-    Unless `formats`, a placement-only kind is a `TypeError` naming the leaf."""
+    """`(leaf index, sharding)` for each `selected` leaf whose spec resolves to one.
+    Unless `placement`, a placement-only kind is a `TypeError` naming the leaf."""
     if isinstance(specs, Sharding):  # the common case: nothing to broadcast or resolve
-        return [(i, specs) for i, leaf in enumerate(leaves) if dynamic(leaf)]
+        return [(i, specs) for i, leaf in enumerate(leaves) if selected(leaf)]
     where = lambda i: leaf_path(value, i, value_name)
     per_leaf = spread(
-        specs, value, leaves, spec_name, value_name, where, dynamic, placement=formats
+        specs,
+        value,
+        leaves,
+        spec_name,
+        value_name,
+        where,
+        selected,
+        placement=placement,
     )
-    indices = [i for i, leaf in enumerate(leaves) if dynamic(leaf)]
+    indices = [i for i, leaf in enumerate(leaves) if selected(leaf)]
     resolver = ft.partial(resolve, abstract_ok=abstract_ok, mesh=mesh)
     out = resolve_each(per_leaf, leaves, indices, where, resolver)
-    if not formats:
+    if not placement:
         for i, sharding in out:
             kind = kind_of(sharding)
             if kind is not None and kind.placement_only:

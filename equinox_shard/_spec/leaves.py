@@ -351,12 +351,12 @@ def match_path_rules(
     value: Any,
     leaves: list,
     where: Callable[[int], str],
-    dynamic: Callable[[Any], bool],
+    selected: Callable[[Any], bool],
     spec_name: str = "",
     usage: RulesUsage | None = None,
 ) -> list:
     """`per_leaf` with each `PathRules` replaced by its choice for the leaf's key
-    path relative to the subtree it covers (`None` where not `dynamic`). Matches are
+    path relative to the subtree it covers (`None` where not `selected`). Matches are
     recorded in `usage`; if `usage.everything`, an unmatched leaf gets `None`."""
     if not any(isinstance(s, PathRules) for s in spec_leaves):
         return per_leaf
@@ -375,7 +375,7 @@ def match_path_rules(
             seen = usage.add(spec, spec_name)
         paths = jtu.tree_flatten_with_path(subtree)[0]
         for i, (path, _) in enumerate(paths, start):
-            if not dynamic(leaves[i]):
+            if not selected(leaves[i]):
                 out[i] = None
                 continue
             key = jtu.keystr(path)
