@@ -98,11 +98,28 @@ class Donation:
                 may_alias[i] = reuses_every_buffer(leaves[i], sharding)
         return may_alias
 
-    def launch(self, dynamic_fun: Any, fun_at: int) -> Callable:
+    def launch(self, dynamic_fun: Any, fun_at: int | None) -> Callable:
         """A donating entry's launch (`launch.stack`): under `launch.dispatch_lock`, its
         inputs and `dynamic_fun`'s arrays (slot `fun_at`) checked again, and JAX's
         unusable-donation warning ignored where the mode says so."""
-        return _donating(self._quiet, fun_at if jtu.tree_leaves(dynamic_fun) else None)
+        quiet = self._quiet
+        if not jtu.tree_leaves(dynamic_fun):
+            fun_at = None
+
+        def dispatch(run, dynamic, deleted, leaves, jit_id):
+            with dispatch_lock:
+                # Again under the lock: another thread may have donated an input since.
+                if deleted(leaves) or (
+                    fun_at is not None
+                    and any(map(is_deleted, jtu.tree_leaves(dynamic[fun_at])))
+                ):
+                    raise RuntimeError("An input was donated by another thread.")
+                if not quiet:
+                    return run(*dynamic)
+                with _unusable_donations_ignored():
+                    return run(*dynamic)
+
+        return dispatch
 
     def tracing(self) -> contextlib.AbstractContextManager:
         """The context to trace or lower in, where JAX's unusable-donation warning is
@@ -146,16 +163,11 @@ def keep_undonated(
                 "again."
             )
     counts = co.Counter(id(leaves[i]) for i in traced_indices)
-    # NumPy inputs are copied onto the device by every call anyway.
-    copies = [
-        i
-        for i in donated
-        if counts[id(leaves[i])] > 1 and isinstance(leaves[i], jax.Array)
-    ]
-    tracers = [i for i in copies if is_tracer(leaves[i])]
-    kept = [i for i in copies if i not in tracers]
+    shared = [i for i in donated if counts[id(leaves[i])] > 1]
+    kept = [i for i in shared if _is_buffer(leaves[i])]
+    tracers = [i for i in shared if is_tracer(leaves[i])]
     _raise_if_donated_twice(leaves, kept, where)
-    if copies:
+    if kept or tracers:
         leaves = list(leaves)
         for i in tracers:  # under `grad` or `vmap` the primal values are donated
             leaves[i] = jax.numpy.array(leaves[i], copy=True)
@@ -184,25 +196,6 @@ def _raise_if_donated_twice(leaves: list, indices, where: Callable[[int], str]) 
                 "Pass it once (tie weights with `eqx.nn.Shared`), or where it is not "
                 "donated."
             )
-
-
-def _donating(quiet: bool, fun_at: int | None) -> Callable:
-    """`Donation.launch`; `fun_at`: the function's argument, if it holds arrays."""
-
-    def dispatch(run, dynamic, deleted, leaves, jit_id):
-        with dispatch_lock:
-            # Again under the lock: another thread may have donated an input since.
-            if deleted(leaves) or (
-                fun_at is not None
-                and any(map(is_deleted, jtu.tree_leaves(dynamic[fun_at])))
-            ):
-                raise RuntimeError("An input was donated by another thread.")
-            if not quiet:
-                return run(*dynamic)
-            with _unusable_donations_ignored():
-                return run(*dynamic)
-
-    return dispatch
 
 
 @contextlib.contextmanager

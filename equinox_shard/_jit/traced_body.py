@@ -181,9 +181,7 @@ class ResolveRules:
             return inner(*args)
 
         ft.update_wrapper(outer, fun_wrapped)
-        del outer.__wrapped__
-        source = getattr(fun_wrapped, "__wrapped__", None)  # the user's function
-        if source is not None:
-            ft.update_wrapper(outer, source, assigned=(), updated=())
+        del outer.__wrapped__  # then `fun_wrapped`'s: the user's function, if any
+        outer.__dict__.update(vars(fun_wrapped))
         out_shardings = (jtu.tree_map(for_jax, found[0]), None)
         return jax.jit(outer, **self.jit_kwargs, out_shardings=out_shardings)
