@@ -259,11 +259,12 @@ class ArgStructure:
         self.static_indices = tuple(i for i, m in enumerate(mask) if not m)
         self.static_of = getter(self.static_indices, key=True)
         # One `Packing` per traced leaves, as the entries: any packs for any entry.
-        self.packing = cache.packings.get((treedef, mask))
-        if self.packing is None:
-            self.packing = cache.packings[treedef, mask] = Packing(
+        packing = cache.packings.get((treedef, mask))
+        if packing is None:
+            packing = cache.packings[treedef, mask] = Packing(
                 args, kwargs, mask, len(cache.names), cache.donation.donates_any
             )
+        self.packing = packing
         self.donated = cache.donation.leaves(args, self.traced_indices)
         self.specs = _in_specs(cache, args, kwargs, leaves, is_traced)
         # What resolving the specs depends on: the leaves rules see, and the mesh.
