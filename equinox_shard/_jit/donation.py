@@ -35,6 +35,16 @@ MODES: dict[str, tuple[Callable[[int | None, int], bool], bool]] = {
 }
 
 
+@contextlib.contextmanager
+def _unusable_donations_ignored():
+    """Ignores JAX's warning of donated buffers that no output reuses."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="Some donated buffers were not usable"
+        )
+        yield
+
+
 class Donation:
     """What one `filter_jit(donate=mode)` decoration donates; asked when an entry is
     built, never on a call."""
@@ -121,10 +131,8 @@ class Donation:
 
         return dispatch
 
-    def tracing(self) -> contextlib.AbstractContextManager:
-        """The context to trace or lower in, where JAX's unusable-donation warning is
-        expected whatever the mode."""
-        return _unusable_donations_ignored()
+    # To trace or lower in: JAX's unusable-donation warning is expected in any mode.
+    tracing = staticmethod(_unusable_donations_ignored)
 
 
 def keep_undonated(
@@ -196,13 +204,3 @@ def _raise_if_donated_twice(leaves: list, indices, where: Callable[[int], str]) 
                 "Pass it once (tie weights with `eqx.nn.Shared`), or where it is not "
                 "donated."
             )
-
-
-@contextlib.contextmanager
-def _unusable_donations_ignored():
-    """Ignores JAX's warning of donated buffers that no output reuses."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message="Some donated buffers were not usable"
-        )
-        yield
