@@ -38,26 +38,22 @@ from .packing import getter, Packing
 traceback_util.register_exclusion(__file__)
 
 
-# The two keys of a call; `explain_misses` names differing fields by these names.
+# A call's two keys, whose fields `explain_misses` names.
 
 
 class StructureKey(NamedTuple):
-    """The key of `Cache.structures`: what a call's arguments must share to share an
-    `ArgStructure`."""
+    """What calls share to share an `ArgStructure` (`Cache.structures`)."""
 
-    # The structure of the bound `(args, kwargs)`.
+    # Of the bound `(args, kwargs)`.
     treedef: PyTreeDef  # pyright: ignore[reportInvalidTypeForm]
-    # The type of every leaf (which leaves are arrays, which are NumPy's).
     leaf_types: tuple
-    # Which leaves are traced (`.lower` also traces `jax.ShapeDtypeStruct`s).
+    # `.lower` also traces `jax.ShapeDtypeStruct`s.
     is_traced: Callable[[Any], bool]
 
 
 class EntryKey(NamedTuple):
-    """The key of `ArgStructure.entries` (`ArgStructure.entry_key`): what a call's
-    leaves must share to share an `Entry`, so one `jax.jit`."""
+    """What calls share to share an `Entry`: one `jax.jit` (`ArgStructure.entries`)."""
 
-    # The static leaves.
     static: tuple
     # The shape and dtype of each leaf that rules see (RFC §13).
     avals: tuple
@@ -65,14 +61,14 @@ class EntryKey(NamedTuple):
     mesh: Any
 
 
-# `StructureKey(*key)` and `EntryKey(*key)` from a tuple, without their Python frame.
+# `StructureKey(*key)` and `EntryKey(*key)` without their Python frame.
 _structure_key = ft.partial(tuple.__new__, StructureKey)
 _entry_key = ft.partial(tuple.__new__, EntryKey)
 
 
 def look_up(cache: "Cache", treedef, leaves: list, is_traced) -> tuple:
-    """A call's `StructureKey` (made here only), its `ArgStructure` and its `Entry`
-    (either `None` on a miss). `is_traced`: which leaves are traced."""
+    """A call's `StructureKey` (made here only), `ArgStructure` and `Entry` (`None` on
+    a miss)."""
     key = _structure_key((treedef, tuple(map(type, leaves)), is_traced))
     structure = cache.structures.get(key)
     if structure is None:
@@ -90,24 +86,22 @@ class Cache:
     def __init__(self, fun, donate, in_shardings, out_shardings):
         self.donation = Donation(donate)
         self.signature = signature = inspect.signature(fun)
-        params = list(signature.parameters.values())
-        positional = [
-            p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-        var = [p.name for p in params if p.kind is p.VAR_POSITIONAL]
-        var_keyword = [p.name for p in params if p.kind is p.VAR_KEYWORD]
+        params = signature.parameters.values()
+        positional = [p for p in params if p.kind <= p.POSITIONAL_OR_KEYWORD]
+        by_kind = {p.kind: p.name for p in params}  # read for the variadic kinds only
         self.names = tuple(p.name for p in positional)
-        self.var_name = var[0] if var else None
-        taken = {p.name for p in params}
+        self.var_name = var = by_kind.get(inspect.Parameter.VAR_POSITIONAL)
+        taken = set(signature.parameters)
         self.fun_name = unique_name("fun", taken)
-        self.kwargs_name = (
-            var_keyword[0] if var_keyword else unique_name("kwargs", taken)
-        )
+        kwargs_name = by_kind.get(inspect.Parameter.VAR_KEYWORD)
+        self.kwargs_name = kwargs_name or unique_name("kwargs", taken)
         # The numbers of positional arguments that bind without `inspect`'s help.
         self.arity = range(
             sum(p.default is p.empty for p in positional),
-            sys.maxsize if var else len(positional) + 1,
+            len(positional) + 1 if var is None else sys.maxsize,
         )
+        self.fun_names = fn_names(fun)
+        self.fun_source = fn_source(fun)
         self.in_shardings = in_shardings
         self.in_leaves: list = []
         if in_shardings is not unset:
@@ -123,11 +117,11 @@ class Cache:
                 self.in_kind = "broadcast"
             elif per_parameter:
                 self.in_kind = "positional"
-                if not var and len(in_shardings) != len(positional):
+                if var is None and len(in_shardings) != len(positional):
                     raise ValueError(
                         "`in_shardings` must be a single specification (applied to "
                         "every argument) or a tuple or list with one entry per "
-                        f"positional parameter of `{fn_names(fun)[1]}`, which has "
+                        f"positional parameter of `{self.fun_names[1]}`, which has "
                         f"{len(positional)} ({', '.join(self.names) or 'none'}); got "
                         f"{_count(len(in_shardings), 'entry', 'entries')}."
                     )
@@ -148,28 +142,22 @@ class Cache:
             needs_leaf(x) or isinstance(x, PathRules) for x in out_leaves
         )
         self.out_mesh = any(map(needs_mesh, out_leaves))
-        self.fun_names = fn_names(fun)
-        self.fun_source = fn_source(fun)
-        self.structures: dict = {}
-        self.entries: dict = {}
-        self.packings: dict = {}
-        # The calls that made entries, under `jax_explain_cache_misses`.
-        self.seen: list = []
         self.lock = threading.Lock()
+        self.clear()
         _live_caches.add(self)
 
     def _spec_where(self, path: tuple) -> str:
-        """A leaf of `in_shardings` (one entry per parameter), named as the leaves of
-        the parameter that it applies to are."""
+        """A leaf of per-parameter `in_shardings`, named as its parameter's leaves."""
         spec = "in_shardings" + jtu.keystr(path)
         return f"{_positional(self, path[0].idx)}{jtu.keystr(path[1:])} (`{spec}`)"
 
     def clear(self):
         with self.lock:
-            self.structures = {}
-            self.entries = {}
-            self.packings = {}
-            self.seen = []
+            self.structures: dict = {}
+            self.entries: dict = {}
+            self.packings: dict = {}
+            # The calls that made entries, under `jax_explain_cache_misses`.
+            self.seen: list = []
 
 
 # Every live `Cache`, cleared by `eqx.clear_caches()` through Equinox's `cache_clears`.
@@ -186,8 +174,8 @@ def _clear_caches() -> None:
 equinox._caches.cache_clears.append(_clear_caches)
 
 
-# Equal decorations of equal functions share one `Cache`, as in `eqx.filter_jit`, while
-# a wrapper lives and for the `_RECENT` latest after: nothing grows in a loop.
+# Equal decorations of equal functions share a `Cache`, as in `eqx.filter_jit`, while a
+# wrapper lives and for the `_RECENT` latest after: nothing grows in a loop.
 _RECENT = 4
 _shared_caches: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _recent_caches: co.OrderedDict = co.OrderedDict()
@@ -254,9 +242,8 @@ def fn_source(fun) -> Any:
     return fun if hasattr(fun, "__code__") else None
 
 
-# The `StructureKey` fields that the compiled program does not depend on, given which
-# leaves are traced (the `mask`): a NumPy leaf and a JAX array of its shape share one
-# `jax.jit` (issue 48), and `.lower`'s entries are those of calls (`Lowered.compile`).
+# The `StructureKey` fields the program does not depend on, given the traced leaves: a
+# NumPy leaf and a JAX array share one `jax.jit` (issue 48), `.lower` and calls too.
 _NOT_IN_PROGRAM = ("leaf_types", "is_traced")
 
 
@@ -274,10 +261,9 @@ class ArgStructure:
         # One `Packing` per traced leaves, as the entries: any packs for any entry.
         packing = cache.packings.get((treedef, mask))
         if packing is None:
-            packing = Packing(
+            packing = cache.packings[treedef, mask] = Packing(
                 args, kwargs, mask, len(cache.names), cache.donation.donates_any
             )
-            cache.packings[(treedef, mask)] = packing
         self.packing = packing
         self.donated = cache.donation.leaves(args, self.traced_indices)
         self.specs = _in_specs(cache, args, kwargs, leaves, is_traced)
@@ -285,8 +271,8 @@ class ArgStructure:
         in_rules = tuple(i for i in self.traced_indices if needs_leaf(self.specs[i]))
         self.rules = self.traced_indices if cache.out_rules else in_rules
         self.needs_mesh = cache.out_mesh or any(map(needs_mesh, self.specs))
-        # The `EntryKey`, or its `static` alone (a C-level getter) where every other
-        # field is constant here; a field not in `constant` (a new one) keys calls.
+        # Its `static` alone (a C-level getter) where every other field is constant; a
+        # field not in `constant` (a new one) keys calls.
         constant = {"avals": not self.rules, "mesh": not self.needs_mesh}
         self.key = (
             self.static_of
@@ -296,8 +282,7 @@ class ArgStructure:
         self.deleted = deleted_test(leaves, getter(self.traced_indices))
         # Tracers (inside an outer trace): `jax.jit` is called, not an executable.
         self.has_tracers = any(is_tracer(leaves[i]) for i in self.traced_indices)
-        # Shared by structures that differ only in `_NOT_IN_PROGRAM`'s fields: any other
-        # `StructureKey` field, a new one too, keys the entries.
+        # Any other `StructureKey` field, a new one too, keys the entries.
         shared = tuple(v for f, v in key._asdict().items() if f not in _NOT_IN_PROGRAM)
         self.entries = cache.entries.setdefault((*shared, mask), {})
 
@@ -339,13 +324,8 @@ def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, is_traced) 
     return out + [None] * (len(leaves) - len(out))  # keyword arguments
 
 
-#
-# Naming the user's arrays in errors.
-#
-
-
 def _positional(cache: Cache, position: int) -> str:
-    """The name of positional argument `position`: its parameter's, or `xs[k]`."""
+    """Positional argument `position`'s name: its parameter's, or `xs[k]`."""
     if position < len(cache.names):
         return cache.names[position]
     if cache.var_name is not None:
@@ -372,7 +352,7 @@ def path_name(cache: Cache, path: tuple) -> str:
 
 
 def raise_if_unhashable(cache: Cache, args, kwargs, leaves: list, static) -> None:
-    """Raises naming the first of the `static` leaves that cannot be hashed."""
+    """Raises naming the first `static` leaf that cannot be hashed."""
     for i in static:
         try:
             hash(leaves[i])

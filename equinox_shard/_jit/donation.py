@@ -21,16 +21,11 @@ from .packing import getter
 traceback_util.register_exclusion(__file__)
 
 
-#
-# Which inputs a mode donates.
-#
-
-
 DonateMode = Literal["all", "all-except-first", "warn", "warn-except-first", "none"]
 
 
-# mode -> (whether the argument at `position` (`None`: keyword arguments and the
-# function's arrays) is donated; whether JAX's unusable-donation warning is ignored).
+# mode -> (whether the argument at `position` is donated (`None`: the keyword arguments
+# and the function's arrays), whether JAX's unusable-donation warning is ignored).
 MODES: dict[str, tuple[Callable[[int | None, int], bool], bool]] = {
     "all": (lambda position, n_args: True, True),
     "all-except-first": (lambda position, n_args: position != 0, True),
@@ -38,6 +33,16 @@ MODES: dict[str, tuple[Callable[[int | None, int], bool], bool]] = {
     "warn-except-first": (lambda position, n_args: position != 0, False),
     "none": (lambda position, n_args: False, False),
 }
+
+
+@contextlib.contextmanager
+def _unusable_donations_ignored():
+    """Ignores JAX's warning of donated buffers that no output reuses."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="Some donated buffers were not usable"
+        )
+        yield
 
 
 class Donation:
@@ -55,18 +60,16 @@ class Donation:
                 f"`filter_jit(..., donate=...)` must be one of {', '.join(names)}, "
                 f"or {last}; got {mode!r}."
             ) from None
-        # Whether the mode donates anything: then the order of arguments matters.
+        # Then the order of arguments matters.
         self.donates_any = any(self._donates(p, 2) for p in (0, 1, None))
 
     def argnums(self, positions: tuple, n_args: int) -> tuple[int, ...]:
-        """`jax.jit`'s `donate_argnums` for the traced function, whose arguments hold
-        `positions` (`packing.Packing.positions`) of a call with `n_args` positional
-        arguments."""
+        """`jax.jit`'s `donate_argnums` for slots holding `positions`
+        (`Packing.positions`) of a call with `n_args` positional arguments."""
         return tuple(i for i, p in enumerate(positions) if self._donates(p, n_args))
 
     def leaves(self, args: tuple, traced_indices: tuple[int, ...]) -> tuple[int, ...]:
-        """The donated leaves of the bound `(args, kwargs)`, by index: the traced
-        leaves (`traced_indices`) in a donated argument."""
+        """The indices of the traced leaves of `(args, kwargs)` in donated arguments."""
         n_args = len(args)
         flags = []
         for p, arg in enumerate(args):
@@ -77,13 +80,9 @@ class Donation:
         )
 
     def donates(self, leaves: tuple[int, ...], dynamic_fun: Any, n_args: int) -> bool:
-        """Whether an entry donates anything: its donated `leaves` (`Donation.leaves`)
-        or the function's own arrays (`dynamic_fun`, `None` where it has none)."""
+        """Whether an entry donates its `leaves` or the arrays of `dynamic_fun` (`None`
+        where it has none)."""
         return bool(leaves) or (dynamic_fun is not None and self._donates(None, n_args))
-
-    #
-    # What a donating call does: the work of each call, made per entry.
-    #
 
     def keeper(
         self,
@@ -92,18 +91,16 @@ class Donation:
         n_args: int,
         fun_name: str,
     ) -> Callable:
-        """`keep(call_leaves, dynamic_fun, where)`, run before each call of an entry
-        that donates: see `keep_undonated`."""
+        """A donating entry's `keep(leaves, dynamic_fun, where)`: `keep_undonated`."""
         fun_donated = self._donates(None, n_args)
         traced = (traced_indices, getter(traced_indices))
         return ft.partial(keep_undonated, leaves, traced, fun_donated, fun_name)
 
     def may_alias(self, leaves: list, moves: list, donated: tuple[int, ...]) -> list:
-        """`place`'s `may_alias`, per leaf, for the moves `(i, sharding)` of a call's
-        inputs before `jax.jit`: a moved array is never returned to the caller, so it
-        may share the caller's buffers, except that a donated one shares all of them
-        (donating it then frees the caller's array, where `jax.jit` frees a donated
-        input that it moves) or none (`reuses_every_buffer`)."""
+        """`place`'s `may_alias` per leaf, for `moves` `(i, sharding)`: a moved array
+        never reaches the caller, so it may share the caller's buffers, but a donated
+        one shares all or none (`reuses_every_buffer`): donating it frees the caller's
+        array where `jax.jit` frees a donated input that it moves."""
         donated_set = frozenset(donated)
         may_alias = [True] * len(leaves)
         for i, sharding in moves:
@@ -111,22 +108,31 @@ class Donation:
                 may_alias[i] = reuses_every_buffer(leaves[i], sharding)
         return may_alias
 
-    def launch(self, dynamic_fun: Any, fun_at: int) -> Callable:
-        """The launch of an entry that donates (see `launch.stack`): under
-        `launch.dispatch_lock`, its inputs (and `dynamic_fun`'s arrays, `jax.jit`'s
-        argument `fun_at`) checked again, and JAX's warning of unusable donations
-        ignored where the mode says so."""
-        return _donating(self._quiet, fun_at if jtu.tree_leaves(dynamic_fun) else None)
+    def launch(self, dynamic_fun: Any, fun_at: int | None) -> Callable:
+        """A donating entry's launch (`launch.stack`): under `launch.dispatch_lock`, its
+        inputs and `dynamic_fun`'s arrays (slot `fun_at`) checked again, and JAX's
+        unusable-donation warning ignored where the mode says so."""
+        quiet = self._quiet
+        if not jtu.tree_leaves(dynamic_fun):
+            fun_at = None
 
-    def tracing(self) -> contextlib.AbstractContextManager:
-        """The context to trace or lower in: JAX's warning of unusable donations is
-        expected there, whatever the mode."""
-        return _unusable_donations_ignored()
+        def dispatch(run, dynamic, deleted, leaves, jit_id):
+            with dispatch_lock:
+                # Again under the lock: another thread may have donated an input since.
+                if deleted(leaves) or (
+                    fun_at is not None
+                    and any(map(is_deleted, jtu.tree_leaves(dynamic[fun_at])))
+                ):
+                    raise RuntimeError("An input was donated by another thread.")
+                if not quiet:
+                    return run(*dynamic)
+                with _unusable_donations_ignored():
+                    return run(*dynamic)
 
+        return dispatch
 
-#
-# Nothing kept is donated.
-#
+    # To trace or lower in: JAX's unusable-donation warning is expected in any mode.
+    tracing = staticmethod(_unusable_donations_ignored)
 
 
 def keep_undonated(
@@ -138,9 +144,8 @@ def keep_undonated(
     dynamic_fun: Any,
     where: Callable[[int], str],
 ) -> list:
-    """`leaves` with every `donated` array also passed where it is not donated replaced
-    by a private copy: donating it would free the other (XLA crashes). An array donated
-    twice is refused, as `jax.jit` refuses it (`_raise_if_donated_twice`)."""
+    """`leaves` with each `donated` array also passed where it is not donated replaced
+    by a private copy (donating it would free the other); one donated twice raises."""
     fun_leaves = jtu.tree_leaves(dynamic_fun) if fun_donated else []
     if any(map(is_deleted, fun_leaves)):
         raise_if_fun_deleted(fun_name, dynamic_fun)
@@ -166,16 +171,11 @@ def keep_undonated(
                 "again."
             )
     counts = co.Counter(id(leaves[i]) for i in traced_indices)
-    # NumPy inputs are copied onto the device by every call anyway.
-    copies = [
-        i
-        for i in donated
-        if counts[id(leaves[i])] > 1 and isinstance(leaves[i], jax.Array)
-    ]
-    tracers = [i for i in copies if is_tracer(leaves[i])]
-    kept = [i for i in copies if i not in tracers]
+    shared = [i for i in donated if counts[id(leaves[i])] > 1]
+    kept = [i for i in shared if _is_buffer(leaves[i])]
+    tracers = [i for i in shared if is_tracer(leaves[i])]
     _raise_if_donated_twice(leaves, kept, where)
-    if copies:
+    if kept or tracers:
         leaves = list(leaves)
         for i in tracers:  # under `grad` or `vmap` the primal values are donated
             leaves[i] = jax.numpy.array(leaves[i], copy=True)
@@ -188,7 +188,7 @@ def keep_undonated(
 
 
 def _is_buffer(x: Any) -> bool:
-    # NumPy arrays are copied by every call, tracers are no buffers of the caller's.
+    # NumPy arrays are copied by every call; tracers are not the caller's buffers.
     return isinstance(x, jax.Array) and not is_tracer(x)
 
 
@@ -204,37 +204,3 @@ def _raise_if_donated_twice(leaves: list, indices, where: Callable[[int], str]) 
                 "Pass it once (tie weights with `eqx.nn.Shared`), or where it is not "
                 "donated."
             )
-
-
-#
-# The launch of a donating call (see `launch`), and JAX's warning.
-#
-
-
-def _donating(quiet: bool, fun_at: int | None) -> Callable:
-    """`Donation.launch`; `fun_at`: the function's argument, if it holds arrays."""
-
-    def dispatch(run, dynamic, deleted, leaves, jit_id):
-        with dispatch_lock:
-            # Again under the lock: another thread may have donated an input since.
-            if deleted(leaves) or (
-                fun_at is not None
-                and any(map(is_deleted, jtu.tree_leaves(dynamic[fun_at])))
-            ):
-                raise RuntimeError("An input was donated by another thread.")
-            if not quiet:
-                return run(*dynamic)
-            with _unusable_donations_ignored():
-                return run(*dynamic)
-
-    return dispatch
-
-
-@contextlib.contextmanager
-def _unusable_donations_ignored():
-    """JAX's warning of donated buffers no output reuses: expected under `'all'`."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message="Some donated buffers were not usable"
-        )
-        yield

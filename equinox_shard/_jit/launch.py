@@ -41,8 +41,8 @@ def paced(inner: Callable, run, dynamic, deleted, leaves, jit_id):
 
 
 def paced_serialized(run, dynamic, deleted, leaves, jit_id):
-    """`paced` over a launch under `dispatch_lock`, in one frame: the launch of an
-    entry on several CPU devices that donates nothing."""
+    """`paced` over a launch under `dispatch_lock`, in one frame (a multi-device CPU
+    entry that donates nothing)."""
     with dispatch_lock:
         out = run(*dynamic)
     if next(launches) % PACE == 0:

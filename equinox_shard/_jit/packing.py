@@ -1,16 +1,13 @@
 """The forms in which a call's PyTrees cross `jax.jit` cheaply but keep their names.
 
-`jax.jit` flattens its arguments on every call, calling back into Python for every
-Module node. So each parameter whose structure JAX cannot flatten in C++ goes as its
-traced leaves, flat, each with the user's key path, which JAX's errors print
-(`model.layers[0].weight`): a namedtuple whose fields are those paths, which JAX
-flattens in C++, or, for paths that do not start with an attribute, a `Named`. An
-output under `out_shardings` goes as its `mirror`, in node types JAX flattens in C++
-and with the output's key paths, so that the mirrored `out_shardings` is a prefix of
-it."""
+`jax.jit` calls back into Python for every Module node on every call. So a parameter
+that JAX cannot flatten in C++ goes as its traced leaves, flat, named by the user's key
+paths, which JAX's errors print (`model.layers[0].weight`); an output under
+`out_shardings` goes as its `mirror`."""
 
 import collections
 import functools as ft
+import itertools
 import operator
 import weakref
 from collections.abc import Callable, Sequence
@@ -68,8 +65,7 @@ jtu.register_pytree_with_keys(
 
 
 def getter(indices: tuple[int, ...], key: bool = False) -> Callable[[Any], Any]:
-    """`leaves -> the items at indices`, gathered at C speed (`operator.itemgetter`,
-    which gives a bare item for one index: then a slice), as a tuple where `key`."""
+    """`leaves -> the items at indices` at C speed, as a tuple where `key`."""
     if len(indices) > 1:
         return operator.itemgetter(*indices)
     start = indices[0] if indices else 0
@@ -79,8 +75,7 @@ def getter(indices: tuple[int, ...], key: bool = False) -> Callable[[Any], Any]:
 
 
 def _is_builtin(treedef: Any) -> bool:
-    """Whether JAX flattens a structure in C++ (tuples, lists, dicts, namedtuples):
-    read from the structure itself, so no user class is rebuilt to find out."""
+    """Whether JAX flattens a structure in C++ (tuples, lists, dicts, namedtuples)."""
     if treedef.num_nodes == 1:
         return True
     node_type = treedef.node_data()[0]
@@ -93,10 +88,9 @@ def _is_builtin(treedef: Any) -> bool:
 
 class Packing:
     """How one layout's traced leaves go to `jax.jit`, as `slots`: each parameter in
-    its own structure (with `None` at static leaves) if JAX flattens that in C++; else,
-    where every key path in it starts with an attribute, as a namedtuple of its traced
-    leaves whose field names are their key paths (`_flat_named`: JAX flattens it in C++
-    and prints `model` + `.layers[0].weight`); else as a `Named`."""
+    its own structure (`None` at static leaves) if JAX flattens that in C++; else as a
+    namedtuple whose fields are its leaves' key paths (JAX prints `model` +
+    `.layers[0].weight`) where they all start with an attribute; else as a `Named`."""
 
     def __init__(
         self,
@@ -122,7 +116,8 @@ class Packing:
                 # Key paths after `args[p]` / `kwargs`.
                 keys = [jtu.keystr(paths[i][skip:]) for i in traced]
                 if all(k.startswith(".") for k in keys):
-                    cls = _flat_named(type(value).__name__, [k[1:] for k in keys])
+                    fields = tuple(k[1:] for k in keys)
+                    cls = _fields_namedtuple(type(value).__name__, fields)
                     tree = tuple.__new__(cls, (0,) * len(keys))
                     make = ft.partial(tuple.__new__, cls)
                 else:
@@ -133,21 +128,16 @@ class Packing:
             plan.append((make, getter(traced)))
         packed = (tuple(parts[:-1]), parts[-1])
         self.structure = jtu.tree_structure(packed)
-        # `(args, kwargs)` can go to `jax.jit` as they are.
         self.trivial = self.structure == jtu.tree_structure((args, kwargs))
-        # Per part of `(*args, kwargs)`: its traced leaves, gathered at C speed, and
-        # what makes the part from them (without a Python frame but for a `Named`).
+        # Per part of `(*args, kwargs)`: its traced leaves' getter and its maker.
         self.makes, self.gets = (tuple(x) for x in zip(*plan))
-        # The positional arguments of named parameters; whether there are variadic ones.
         n = len(args)
         self.named = named = min(n, n_named)
         self.variadic = n > n_named
         self.fun_at = min(n, 1)
-        # Variadic arguments alone, where the order matters (`ordered`: they are
-        # donated): the first goes apart (`slots`).
+        # Variadic arguments alone, donated (`ordered`): the first goes apart.
         self.apart = ordered and self.variadic and not named
-        # The argument position each slot holds (`None`: the function, the keyword
-        # arguments), for `donation.Donation.argnums`.
+        # The argument position in each slot (`None`: the function, the keywords).
         if not self.variadic:
             self.positions = (*range(n)[:1], None, *range(1, n), None)
         elif named or self.apart:
@@ -156,10 +146,9 @@ class Packing:
             self.positions = (0, None, None)  # nothing donated
 
     def slots(self, fun: Any, args: tuple, kwargs: Any) -> tuple:
-        """The arguments of `jax.jit`, in Equinox's order of donation, which decides
-        the donated inputs that XLA reuses (each output takes the first of its shape):
-        the first argument, the function, the other positional arguments (variadic
-        ones as one tuple), the keyword arguments."""
+        """The arguments of `jax.jit` in Equinox's order of donation (which decides the
+        donated inputs XLA reuses): the first argument, the function, the others
+        (variadic ones as one tuple), the keyword arguments."""
         if not self.variadic:
             return (*args[:1], fun, *args[1:], kwargs)
         named = self.named
@@ -170,17 +159,15 @@ class Packing:
         return (args, fun, kwargs)
 
     def pack(self, leaves: list) -> tuple:
-        """`slots` to give `jax.jit` (`None` for the function), from the leaves of
-        `(args, kwargs)` (or a leaf-for-leaf replacement of them, such as their
-        shardings)."""
+        """`slots` (`None` for the function) from the leaves of `(args, kwargs)`, or
+        a leaf-for-leaf replacement of them such as their shardings."""
         traced = map(_apply, self.gets, repeat(leaves))
         parts = tuple(map(_apply, self.makes, traced))
         return self.slots(None, parts[:-1], parts[-1])
 
     def arguments(self, fun: Any, args: tuple, kwargs: dict, leaves: list) -> tuple:
-        """`slots` to call `jax.jit` with: the call's own `args` and `kwargs` where they
-        go as they are (`trivial`; then `leaves` are theirs), else packed from
-        `leaves`."""
+        """`slots` to call `jax.jit` with: `args` and `kwargs` as they are where
+        `trivial`, else packed from `leaves`."""
         if not self.trivial:
             # As `pack`, at C speed: no frame (a comprehension is one on Python 3.11).
             traced = map(_apply, self.gets, repeat(leaves))
@@ -191,8 +178,7 @@ class Packing:
         return self.slots(fun, args, kwargs)
 
     def unpack(self, slots: Sequence[Any]) -> list:
-        """The traced leaves, in order, from what `pack` made (or `jax.jit` returned
-        for it, such as its input shardings)."""
+        """The traced leaves from what `pack` made (or `jax.jit` returned for it)."""
         kwargs = slots[-1]
         if not self.variadic:
             args = (*slots[: self.fun_at], *slots[self.fun_at + 1 : -1])
@@ -205,8 +191,7 @@ class Packing:
         return self.structure.flatten_up_to((args, kwargs))
 
 
-# `f(x)` for `map(_apply, fs, xs)`, at C speed (typed `Any`: the stubs of `map` over
-# two iterables do not match `operator.call`'s).
+# `map(_apply, fs, xs)` calls each `f(x)` at C speed (`Any`: `map`'s stubs refuse it).
 _apply: Any = operator.call
 
 
@@ -214,11 +199,11 @@ def _named(names: Names, leaves) -> Named:
     return Named(tuple(leaves), names)
 
 
-def _flat_named(name: str, fields: list[str]) -> type:
-    """A namedtuple class called `name` whose fields are `fields`, any strings: JAX
-    names a namedtuple's children by `_fields` (`GetAttrKey`, printed `.field`)."""
-    base = collections.namedtuple("Mirror", [f"f{k}" for k in range(len(fields))])
-    return type(name, (base,), {"__slots__": (), "_fields": tuple(fields)})
+def _fields_namedtuple(name: str, fields: tuple[str, ...]) -> type:
+    """A namedtuple class called `name` whose `_fields`, by which JAX names its
+    children (`.field`), are `fields`: any strings, also those `namedtuple` refuses."""
+    base = collections.namedtuple("Mirror", fields, rename=True)
+    return type(name, (base,), {"__slots__": (), "_fields": fields})
 
 
 # Module class -> its field names -> a namedtuple class with those fields.
@@ -227,14 +212,9 @@ _classes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _namedtuple(cls: type, names: tuple[str, ...]) -> type:
     by_names = _classes.setdefault(cls, {})
-    nt = by_names.get(names)
-    if nt is None:
-        base = collections.namedtuple("Mirror", names, rename=True)
-        # JAX names a namedtuple's children by `_fields`: the Module's own names, also
-        # those that `namedtuple` refuses (`_weight`).
-        nt = type(cls.__name__, (base,), {"__slots__": (), "_fields": names})
-        by_names[names] = nt
-    return nt
+    if names not in by_names:
+        by_names[names] = _fields_namedtuple(cls.__name__, names)
+    return by_names[names]
 
 
 class _Node:
@@ -257,10 +237,9 @@ jtu.register_pytree_with_keys(
 
 
 def mirror(tree: Any, is_leaf=None) -> Any:
-    """`tree` in node types that JAX owns, with the same leaves and key paths: a Module
-    (or any node whose children are attributes) as a namedtuple of its children, a
-    tuple, list or dict as itself, any other node as a `_Node`. Nothing of `tree`'s own
-    classes is constructed, so their constructors' checks never see placeholders."""
+    """`tree` in node types that JAX flattens in C++, with the same leaves and key
+    paths: a node whose children are attributes as a namedtuple, any other as a `_Node`.
+    None of `tree`'s classes is constructed, so their checks never see placeholders."""
     if tree is None or (is_leaf is not None and is_leaf(tree)):
         return tree
     node_type = type(tree)
@@ -298,29 +277,21 @@ def mirror_combine(dynamic: Any, static: tuple[tuple, Any]) -> Any:
 
 
 class OutStatic:
-    """The non-array part of an output. `jax.jit` returns it as it is (a node with no
-    children, itself its auxiliary data), so a call builds nothing for it."""
+    """The non-array part of an output, which `jax.jit` returns as it is (a static
+    node), so a call builds nothing for it."""
 
     def __init__(self, static_leaves: tuple, treedef: Any, mirrored: bool):
         self.treedef = treedef
         self.mirrored = mirrored
         self.static = tuple(x for x in static_leaves if x is not None)
-        # Output leaf `i` is item `order[i]` of `arrays + self.static`: one C-speed
-        # gather.
-        order, n_arrays = [], sum(x is None for x in static_leaves)
-        arrays = statics = 0
-        for x in static_leaves:
-            if x is None:
-                order.append(arrays)
-                arrays += 1
-            else:
-                order.append(n_arrays + statics)
-                statics += 1
-        self.gather = getter(tuple(order))
+        # Output leaf `i` is item `order[i]` of `arrays + self.static`.
+        arrays = itertools.count()
+        statics = itertools.count(len(static_leaves) - len(self.static))
+        order = tuple(next(arrays if x is None else statics) for x in static_leaves)
+        self.gather = getter(order)
 
     def combine(self, dynamic: Any) -> Any:
-        """The output, from the arrays that came back beside this: a tuple, else (under
-        `out_shardings`) the output's mirror."""
+        """The output, from its arrays: a tuple, or under `out_shardings` its mirror."""
         if self.mirrored:
             dynamic = tuple(jtu.tree_leaves(dynamic))
         return self.treedef.unflatten(self.gather(dynamic + self.static))

@@ -1,7 +1,5 @@
-"""The function that `jax.jit` traces for an entry of `filter_jit`: it rebuilds the call
-from the dynamic trees and the static part, applies `out_shardings` at trace time
-(checked against the output, named `out[...]`; callables and path rules resolved on
-it), and returns the output's arrays in the output's own structure."""
+"""The function that `jax.jit` traces for an entry of `filter_jit`: the call rebuilt,
+`out_shardings` checked and resolved against its output, and the output's arrays."""
 
 import functools as ft
 import inspect
@@ -95,10 +93,9 @@ def _is_single(specs) -> bool:
 
 
 def _out_shardings(out, out_specs, found: list | None, structured: bool, mesh):
-    """At trace time: checks `out_shardings` against the output, naming `out[...]`, and
-    (for callable spec leaves) records the resolved shardings in `found`, on `mesh`:
-    the mesh of the call, concrete where it was. Under `jax.disable_jit()` places the
-    output instead, as `jax.jit` would have."""
+    """Checks `out_shardings` against the output (named `out[...]`) at trace time and
+    records the shardings resolved on `mesh` in `found`; under `jax.disable_jit()`
+    places the output, as `jax.jit` would have."""
     out_leaves, out_def = jtu.tree_flatten(out)
     todo = resolve_leaves(
         out,
@@ -120,7 +117,7 @@ def _out_shardings(out, out_specs, found: list | None, structured: bool, mesh):
             out_leaves[i] = x
         out = out_def.unflatten(out_leaves)
     if found is not None:
-        # In the form in which the traced function returns the output's arrays.
+        # In the form in which the traced function returns the arrays.
         by_index = {i: None if in_body(s) else s for i, s in todo}
         shardings = [by_index.get(i) for i in range(len(out_leaves))]
         if structured:
@@ -134,9 +131,8 @@ def _out_shardings(out, out_specs, found: list | None, structured: bool, mesh):
 
 
 def _eager_targets(leaves: list, todo: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
-    """The items of `todo` whose leaf is a value: under `disable_jit`, a `vmap` or
-    `grad` tracer is left as `jax.jit` leaves it (it has no placement to make). A
-    `Layout.AUTO` has no compiler to choose it there: its sharding is placed."""
+    """The items of `todo` to place under `disable_jit`: no `vmap` or `grad` tracer
+    (`jax.jit` leaves it as it is), and a `Layout.AUTO` as its sharding."""
     return [
         (i, s.sharding if is_auto(s) else s)
         for i, s in todo
@@ -150,8 +146,8 @@ def in_body(spec: Any) -> bool:
 
 
 def static_out_shardings(out_specs):
-    """`out_shardings` with every spec leaf that needs no output resolved to a
-    `Sharding`: a `jax.Device`, or a bare `PartitionSpec` against the context mesh."""
+    """`out_shardings` with every spec leaf that needs no output resolved (a
+    `jax.Device`, a bare `PartitionSpec` against the context mesh)."""
 
     def resolve_leaf(path, spec):
         if spec is None or is_rule(spec) or isinstance(spec, PathRules):
@@ -163,8 +159,8 @@ def static_out_shardings(out_specs):
 
 
 class ResolveRules:
-    """`out_shardings` with callable leaves, resolved on the first trace's outputs, then
-    applied around that trace (JAX reuses it: the function is traced once)."""
+    """`out_shardings` with callable leaves, resolved on the first trace's output and
+    applied around that trace, which JAX reuses."""
 
     def __init__(self, make, out_specs, jit_kwargs):
         self.make = make
@@ -172,8 +168,7 @@ class ResolveRules:
         self.jit_kwargs = jit_kwargs
 
     def __call__(self, *args):
-        # Only under `jax.disable_jit()`, where nothing is traced: the function runs,
-        # and its outputs are placed as they come.
+        # Only under `jax.disable_jit()`: nothing is traced; outputs are placed as made.
         return jax.jit(self.make(self.out_specs, None), **self.jit_kwargs)(*args)
 
     def trace(self, *args):
@@ -186,9 +181,7 @@ class ResolveRules:
             return inner(*args)
 
         ft.update_wrapper(outer, fun_wrapped)
-        del outer.__wrapped__
-        source = getattr(fun_wrapped, "__wrapped__", None)  # the user's function
-        if source is not None:
-            ft.update_wrapper(outer, source, assigned=(), updated=())
+        del outer.__wrapped__  # then `fun_wrapped`'s: the user's function, if any
+        outer.__dict__.update(vars(fun_wrapped))
         out_shardings = (jtu.tree_map(for_jax, found[0]), None)
         return jax.jit(outer, **self.jit_kwargs, out_shardings=out_shardings)
