@@ -74,7 +74,7 @@ def look_up(cache: "Cache", treedef, leaves: list, is_traced) -> tuple:
     if structure is None:
         return key, None, None
     try:
-        return key, structure, structure.entries.get(structure.key(leaves))
+        return key, structure, structure.entries.get(structure.key_in_entries(leaves))
     except TypeError:  # an unhashable static leaf, which a miss names
         return key, structure, None
 
@@ -271,10 +271,10 @@ class ArgStructure:
         in_rules = tuple(i for i in self.traced_indices if needs_leaf(self.specs[i]))
         self.rules = self.traced_indices if cache.out_rules else in_rules
         self.needs_mesh = cache.out_mesh or any(map(needs_mesh, self.specs))
-        # Its `static` alone (a C-level getter) where every other field is constant; a
-        # field not in `constant` (a new one) keys calls.
+        # A call's key in `entries`: its `static` alone (a C-level getter) where every
+        # other `EntryKey` field is constant; a field not in `constant` keys calls.
         constant = {"avals": not self.rules, "mesh": not self.needs_mesh}
-        self.key = (
+        self.key_in_entries = (
             self.static_of
             if all(constant.get(name, False) for name in EntryKey._fields[1:])
             else self.entry_key

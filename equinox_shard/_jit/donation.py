@@ -200,7 +200,7 @@ def _raise_if_donated_twice(leaves: list, indices, where: Callable[[int], str]) 
         if j != i:
             raise ValueError(
                 f"{where(j)} and {where(i)} are the same array, and both are donated; "
-                "an array can be donated once per call (`jax.jit` refuses it too). "
-                "Pass it once (tie weights with `eqx.nn.Shared`), or where it is not "
-                "donated."
+                "an array can be donated once per call (`jax.jit` refuses a committed "
+                "one). Pass it once (tie weights with `eqx.nn.Shared`), or where it is "
+                "not donated."
             )

@@ -232,7 +232,7 @@ class Typed:
                 dtype = jax.typeof(x).dtype
                 leaves[k] = jax.ShapeDtypeStruct(x.shape, dtype, sharding=sharding)
                 moved = True
-        args, kwargs = packing.structure.unflatten(leaves)
+        args, kwargs = packing.treedef.unflatten(leaves)
         return packing.slots(dynamic[packing.fun_at], args, kwargs), moved
 
     def __call__(self, *dynamic):

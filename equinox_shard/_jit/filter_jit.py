@@ -101,7 +101,7 @@ def _build(wrapper, cache: Cache, args, kwargs, leaves, key) -> tuple:
         structure = cache.structures.get(key)
         if structure is None:
             structure = ArgStructure(cache, args, kwargs, leaves, key)
-        entry_key = structure.key(leaves)
+        entry_key = structure.key_in_entries(leaves)
         try:
             entry = structure.entries.get(entry_key)
         except TypeError:

@@ -127,8 +127,8 @@ class Packing:
             parts.append(tree)
             plan.append((make, getter(traced)))
         packed = (tuple(parts[:-1]), parts[-1])
-        self.structure = jtu.tree_structure(packed)
-        self.trivial = self.structure == jtu.tree_structure((args, kwargs))
+        self.treedef = jtu.tree_structure(packed)
+        self.trivial = self.treedef == jtu.tree_structure((args, kwargs))
         # Per part of `(*args, kwargs)`: its traced leaves' getter and its maker.
         self.makes, self.gets = (tuple(x) for x in zip(*plan))
         n = len(args)
@@ -188,7 +188,7 @@ class Packing:
             args = (*slots[0], *slots[2][1:])
         else:
             args = tuple(slots[0])
-        return self.structure.flatten_up_to((args, kwargs))
+        return self.treedef.flatten_up_to((args, kwargs))
 
 
 # `map(_apply, fs, xs)` calls each `f(x)` at C speed (`Any`: `map`'s stubs refuse it).
