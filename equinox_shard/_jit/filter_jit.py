@@ -60,7 +60,7 @@ def _call(wrapper, args, kwargs, compiled=None):
         key, structure, entry = look_up(cache, treedef, leaves, is_array)
     else:
         key, structure, entry = None, *compiled._check(treedef, leaves)
-    # 2. Prepare.
+    # 2. Prepare (on a miss, `_build` first makes the entry, under the cache's lock).
     if entry is None:
         structure, entry, leaves, dynamic, run = _build(
             wrapper, cache, args, kwargs, leaves, key
