@@ -52,14 +52,14 @@ def shares_source_buffer(leaf: Any, sharding: Sharding) -> bool:
     )
 
 
-def reuses_every_buffer(leaf: Any, sharding: Sharding) -> bool:
-    """Whether `jax.device_put(leaf, sharding)` hands back every one of `leaf`'s buffers
-    in its result, so that donating the result deletes `leaf`, as `jax.jit` deletes a
-    donated input that it moves."""
+def jit_frees(leaf: Any, sharding: Sharding) -> bool:
+    """Whether `jax.jit` frees `leaf`, donated, when it moves it onto `sharding`: where
+    one of the two uses only buffers of the other (same device, same index), so that
+    `jax.device_put(..., may_alias=True)` builds the result from `leaf`'s buffers (or
+    copies, onto the same devices in another order) and donating it frees `leaf`."""
     if not is_concrete(leaf):
         return False
-    target_map = sharding.devices_indices_map(leaf.shape)
-    return all(
-        target_map.get(device) == index
-        for device, index in leaf.sharding.devices_indices_map(leaf.shape).items()
-    )
+    source = leaf.sharding.devices_indices_map(leaf.shape)
+    target = sharding.devices_indices_map(leaf.shape)
+    within = lambda a, b: all(b.get(device) == index for device, index in a.items())
+    return within(source, target) or within(target, source)

@@ -1289,8 +1289,8 @@ def test_an_input_that_cannot_be_moved_is_reported_once():
     strict=True,
     raises=AssertionError,
     reason="known difference (docs/semantics.md): a call mixing inputs put on the one "
-    "device with uncommitted ones runs `Typed`'s executable, traced for committed types "
-    "apart from the `jax.jit` that runs the others (the new-user trial)",
+    "device with uncommitted ones runs `Typed`'s executable, traced for committed "
+    "types apart from the `jax.jit` that runs the others (the new-user trial)",
 )
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_one_device_mix_of_put_and_uncommitted_traces_as_jax_jit(axis_type):

@@ -13,7 +13,7 @@ import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 
 from .._arrays import is_deleted, is_tracer, raise_if_fun_deleted
-from .._buffers import private_copies, reuses_every_buffer
+from .._buffers import jit_frees, private_copies
 from .launch import dispatch_lock
 from .packing import getter
 
@@ -99,13 +99,13 @@ class Donation:
     def may_alias(self, leaves: list, moves: list, donated: tuple[int, ...]) -> list:
         """`place`'s `may_alias` per leaf, for `moves` `(i, sharding)`: a moved array
         never reaches the caller, so it may share the caller's buffers, but a donated
-        one shares all or none (`reuses_every_buffer`): donating it frees the caller's
-        array where `jax.jit` frees a donated input that it moves."""
+        one shares them only where `jax.jit` frees a donated input that it moves
+        (`jit_frees`), since donating the moved array frees the caller's."""
         donated_set = frozenset(donated)
         may_alias = [True] * len(leaves)
         for i, sharding in moves:
             if i in donated_set:
-                may_alias[i] = reuses_every_buffer(leaves[i], sharding)
+                may_alias[i] = jit_frees(leaves[i], sharding)
         return may_alias
 
     def launch(self, dynamic_fun: Any, fun_at: int | None) -> Callable:

@@ -352,11 +352,10 @@ def filter_jit(
         an input): give a sharding with a memory kind. Uncommitted and NumPy arrays
         go to `jax.jit` as they are, which moves them; a committed array on another
         sharding (which `jax.jit` refuses) is moved first, as a copy that leaves the
-        caller's array alive, unless it is donated: then it is freed where
-        `jax.jit` would free it, on a move onto its own device or a replication over
-        more devices that include its own (over the same devices in another order,
-        JAX copies; from a replication onto fewer of its devices, we copy where
-        `jax.jit` frees it: it stays alive).
+        caller's array alive, unless it is donated: then it is freed exactly where
+        `jax.jit` would free it (a move onto its own device, or a replication over
+        more or fewer devices that include its own; over the same devices in another
+        order, JAX copies, and it stays alive).
     - `out_shardings`: a PyTree prefix of the output, in the same language, given to
         `jax.jit`'s own `out_shardings`; a `jax.memory.Space` is taken here too, and
         applied inside the function. Non-array outputs are returned untouched.
