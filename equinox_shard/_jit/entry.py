@@ -243,14 +243,15 @@ class Typed:
         if compiled is not None:
             try:
                 return compiled(*dynamic)
-            except (TypeError, ValueError) as e:  # raised before it runs
+            except (TypeError, ValueError):  # refused before it runs
+                leaves = jtu.tree_leaves(dynamic)
                 # The function's own arrays inside an outer trace, or an input without
                 # target committed elsewhere (`jax.jit` compiles for its sharding).
-                if any(map(is_tracer, jtu.tree_leaves(dynamic))) or (
-                    "input shardings that disagree" in str(e)
+                if any(map(is_tracer, leaves)) or _committed_elsewhere(
+                    compiled, leaves
                 ):
                     return self.entry.jitted(*dynamic)
-                if "Argument types differ" not in str(e):  # other shapes or dtypes
+                if _same_types(compiled, leaves):  # not refused for its types
                     raise
         elif any(map(is_tracer, jtu.tree_leaves(dynamic))):
             return self.entry.jitted(*dynamic)
@@ -258,6 +259,23 @@ class Typed:
         with self.donation.tracing():
             compiled = self.compiled = self.entry.jitted.lower(*at).compile()
         return compiled(*dynamic)
+
+
+def _committed_elsewhere(compiled, leaves: list) -> bool:
+    """Whether a committed input is not on `compiled`'s sharding for it."""
+    shardings = jtu.tree_leaves(compiled.input_shardings)
+    return any(
+        getattr(x, "committed", False) and x.sharding != s
+        for x, s in zip(leaves, shardings)
+    )
+
+
+def _same_types(compiled, leaves: list) -> bool:
+    """Whether every input has the shape and dtype `compiled` was compiled for."""
+    avals = jtu.tree_leaves(compiled.in_avals)
+    types = [(a.shape, a.dtype) for a in avals]
+    given = [(t.shape, t.dtype) for t in map(jax.typeof, leaves)]
+    return types == given
 
 
 #
