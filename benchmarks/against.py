@@ -2,7 +2,7 @@
 process: the other commit's `equinox_shard/` is exported with `git archive` and imported
 under another name.
 
-    python -m benchmarks.against REF [--reps 11] [--quick] [--inputs]
+    python -m benchmarks.against REF [--reps 11] [--quick] [--inputs | --placement]
 
 `REF` is a git commit, or a folder holding another checkout's `equinox_shard/`.
 
@@ -10,7 +10,10 @@ Prints one row per cell (layout, tree, N, mode): each variant over the `jax.jit`
 and this checkout over `REF`, without and with `in_shardings`/`out_shardings`. With
 `--inputs`, issue 48's cells instead (`benchmarks.dispatch.run_inputs`: uncommitted,
 NumPy and committed inputs, one device and all, with shardings), asynchronous
-dispatch: this and `REF` over the flat sketch, and this over `REF`.
+dispatch: this and `REF` over the flat sketch, and this over `REF`. With
+`--placement`, eager `filter_device_put` and `filter_shard` (`benchmarks.placement`'s
+cells: uncommitted and placed trees, every layout), each call waited for: this over
+`REF`.
 """
 
 import argparse
@@ -50,6 +53,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=11)
     parser.add_argument("--quick", action="store_true", help="a few cells, 3 rounds")
     parser.add_argument("--inputs", action="store_true", help="issue 48's cells")
+    parser.add_argument(
+        "--placement", action="store_true", help="filter_device_put, filter_shard"
+    )
     args = parser.parse_args()
 
     import jax
@@ -65,6 +71,8 @@ def main() -> None:
         old = importlib.import_module(_export(args.ref, pathlib.Path(tmp)))
         if args.inputs:
             return _inputs(old, new, h, t, args)
+        if args.placement:
+            return _placement(old, new, h, t, args)
         ns = [1, 10] if args.quick else [1, 10, 100, 1000]
         layouts = ["batch"] if args.quick else ["replicated", "batch", "single"]
         reps = 3 if args.quick else args.reps
@@ -173,6 +181,51 @@ def _inputs(old, new, h, t, args) -> None:
         ratios.append(this_ref)
         row = [str(devices), source, kind, str(n), f"{medians['flat'] * 1e6:.1f}"]
         row += [f"{to_flat['ref']:.2f}", f"{to_flat['this']:.2f}", f"{this_ref:.2f}"]
+        rows.append(row)
+    print(h.table(headers, rows))
+    print(
+        f"this / ref: median {statistics.median(ratios):.2f}, worst {max(ratios):.2f}, "
+        f"best {min(ratios):.2f} over {len(ratios)} cells"
+    )
+
+
+def _placement(old, new, h, t, args) -> None:
+    ns = [1, 10] if args.quick else [1, 10, 100]
+    layouts = ["batch"] if args.quick else list(t.LAYOUTS)
+    reps = 3 if args.quick else args.reps
+    cells, keep = {}, []
+    for layout in layouts:
+        s = t.sharding(layout)
+        for source in ("uncommitted", "placed"):
+            for kind in t.TREES:
+                for n in ns:
+                    tree = t.make_tree(kind, n)
+                    tree = t.place(tree, s) if source == "placed" else tree
+                    keep.append(tree)
+                    samplers = {}
+                    for label, pkg in (("ref", old), ("this", new)):
+                        for name, fn in (
+                            ("fdp", pkg.filter_device_put),
+                            ("fs", pkg.filter_shard),
+                        ):
+                            fargs = (tree, s)
+                            inner = h.calibrate(fn, fargs, 0.003, 200)
+                            samplers[(label, name)] = (
+                                lambda fn=fn, fargs=fargs, inner=inner: h.sample_sync(
+                                    fn, fargs, inner
+                                )
+                            )
+                    cells[(layout, source, kind, n)] = samplers
+    measured = h.interleaved(cells, reps=reps, warmup=2, progress=lambda r: None)
+    headers = ["layout", "inputs", "tree", "N", "ref fdp µs", "fdp this/ref"]
+    headers += ["ref fs µs", "fs this/ref"]
+    rows, ratios = [], []
+    for (layout, source, kind, n), (medians, samples) in measured.items():
+        row = [layout, source, kind, str(n)]
+        for name in ("fdp", "fs"):
+            r = h.paired_ratios(samples, [("this", name)], ("ref", name))
+            ratios.append(r[("this", name)])
+            row += [f"{medians[('ref', name)] * 1e6:.1f}", f"{ratios[-1]:.2f}"]
         rows.append(row)
     print(h.table(headers, rows))
     print(

@@ -71,7 +71,8 @@ def _call(wrapper, args, kwargs, compiled=None):
         )
     if compiled is not None:
         run = compiled.compiled
-    # 3. Dispatch.
+    # 3. Dispatch: `run(*dynamic)` through the entry's layers, `run` being its
+    # `jax.jit` (or the executable that stands for it: `Typed`, `AutoLayouts`).
     try:
         if entry.dispatch is None:  # no layer: the launch alone
             out = run(*dynamic)
