@@ -235,12 +235,12 @@ def _heard(event: str, duration_secs: float, fun_name: Any = None, **_) -> None:
         call.append(True)
     if not call or event != _COMPILE or fun_name != f"jit({name})":
         return  # e.g. JAX's own `jax.jit`s, that place the inputs
-    cache, entry, leaves, *traced = call
+    cache, entry, leaves, *retraced = call
     with _never_failing():
         new = _describe(cache, entry.structure, leaves, entry)
         same = [old for old in cache.seen if old["entry"] is entry]
         if all(_array_diff(cache, new, old) for old in same):  # else its first compile
-            if not traced:
+            if not retraced:
                 head = "the jax.jit beneath recompiles without retracing"
                 _report(cache, new, same, head, _array_diff)
             cache.seen.append(new)

@@ -295,10 +295,10 @@ class _JitWrapper(Module):
         to it directly. Called under `jax.set_mesh(mesh)` (outside a trace), shardings
         are on `mesh` itself, not its abstract mesh, so the result can be passed to
         `equinox_shard.restore` or `equinox_shard.sharding_table` as it is."""
-        _, traced = self._ahead(
+        _, trace = self._ahead(
             args, kwargs, lambda entry, dynamic: entry.jitted.trace(*dynamic)
         )
-        return _combine(traced.out_info)
+        return _combine(trace.out_info)
 
     def __get__(self, instance, owner):
         del owner
