@@ -21,8 +21,7 @@ def one_level(x: Any) -> PyTreeDef:  # pyright: ignore[reportInvalidTypeForm]
 
 
 def is_pytree_node(x: Any) -> bool:
-    # Flattens one level only: this is called on every callable node of a
-    # specification, e.g. on every submodule of a Module-shaped one.
+    # One level only: this is called on every callable node of a specification.
     return not jtu.treedef_is_leaf(one_level(x))
 
 
@@ -81,16 +80,9 @@ class PathRules:
     r"""A sharding specification leaf that chooses each array's spec by its key path.
 
     For each array beneath it, the first pattern that `re.search` finds in the
-    array's key path gives its spec; if none does, `default` does. The key path is as
-    `jax.tree_util.keystr` prints it, relative to the subtree this `PathRules`
-    covers: `.layers[0].weight` for an `eqx.nn.MLP`'s first weight, and
-    `[0].mu.layers[0].weight` for its Adam moment, so patterns anchored at the end
-    (`r"layers\[\d+\]\.weight$"`) place a model and its optimiser state alike.
-
-    It works wherever a spec leaf works: [`equinox_shard.filter_device_put`][],
-    [`equinox_shard.filter_shard`][], [`equinox_shard.filter_jit`][]'s
-    `in_shardings`/`out_shardings`, and [`equinox_shard.filter_shard_map`][]'s
-    `in_specs`/`out_specs` (with `PartitionSpec`s). Only arrays are matched.
+    array's key path (as `jax.tree_util.keystr` prints it, relative to the subtree
+    this `PathRules` covers) gives its spec; if none does, `default` does. Only arrays
+    are matched.
 
     **Arguments:**
 
@@ -101,12 +93,9 @@ class PathRules:
         array as it is), or a callable `leaf -> spec`.
     - `default`: the spec of an array that no pattern matches. Without it, such an
         array is a `ValueError` naming its key path.
-    - `strict`: if `True`, every call that applies these rules checks, before
-        anything is placed or traced, that each rule matches some array and no array
-        matches two rules, and raises a `ValueError` naming them if not. Equal rules
-        count as one over the whole call, so `in_shardings=(rules, rules,
-        P("data"))` is fine when each rule matches somewhere in the model.
-        `filter_jit` checks once per argument structure. See
+    - `strict`: if `True`, every call that applies these rules raises a `ValueError`,
+        before anything is placed or traced, if a rule matches no array (equal rules
+        counted as one over the whole call) or an array matches two rules. See
         [`equinox_shard.explain_rules`][] for the same as data.
 
     !!! example
@@ -202,16 +191,6 @@ class PathRules:
                 return k
         return len(self._rules) if self._default is not unset else None
 
-    def lookup(self, path: str, where: Callable[[], str]) -> Any:
-        k = self.match(path)
-        if k is None:
-            raise ValueError(
-                f"{where()}: no rule matches its key path {path!r} and the "
-                f"`PathRules` has no `default`. Patterns, in order: "
-                f"{[p for p, _ in self._rules]}."
-            )
-        return self._default if k == len(self._rules) else self._rules[k][1]
-
     def _key(self) -> tuple:
         # Patterns compare with their flags: `re.I` makes another rule.
         flags = tuple(p.flags for p in self._patterns)
@@ -259,9 +238,7 @@ class RulesUsage:
         """Raises if a strict rule matched no array or an array matched two rules."""
         problems, names = [], []
         for rules, spec_names, seen in self.groups.values():
-            if not rules.strict:
-                continue
-            found = _strict_problems(rules, seen)
+            found = _strict_problems(rules, seen) if rules.strict else []
             if found:
                 problems += found
                 names += [n for n in spec_names if n not in names]
@@ -360,13 +337,9 @@ def match_path_rules(
     recorded in `usage`; if `usage.everything`, an unmatched leaf gets `None`."""
     if not any(isinstance(s, PathRules) for s in spec_leaves):
         return per_leaf
-    if spec_def.num_leaves == 1 and spec_def.num_nodes == 1:
-        subtrees = [value]
-    else:
-        subtrees = spec_def.flatten_up_to(value)
     out = list(per_leaf)
     start = 0
-    for spec, subtree in zip(spec_leaves, subtrees):
+    for spec, subtree in zip(spec_leaves, spec_def.flatten_up_to(value)):
         if not isinstance(spec, PathRules):
             start += len(jtu.tree_leaves(subtree))
             continue
@@ -380,14 +353,17 @@ def match_path_rules(
                 continue
             key = jtu.keystr(path)
             if seen is not None:
-                matches = spec.matches(key)
-                seen.append((lambda i=i: where(i), key, matches))
-                if matches:
-                    out[i] = spec.rules[matches[0]][1]
-                    continue
-                if spec.default is unset and usage.everything:  # pyright: ignore
-                    out[i] = None
-                    continue
-            out[i] = spec.lookup(key, lambda i=i: where(i))
+                seen.append((lambda i=i: where(i), key, spec.matches(key)))
+            k = spec.match(key)
+            if k is None and usage is not None and usage.everything:
+                out[i] = None  # `explain_rules` reports it
+            elif k is None:
+                raise ValueError(
+                    f"{where(i)}: no rule matches its key path {key!r} and the "
+                    f"`PathRules` has no `default`. Patterns, in order: "
+                    f"{[p for p, _ in spec.rules]}."
+                )
+            else:
+                out[i] = spec.default if k == len(spec.rules) else spec.rules[k][1]
         start += len(paths)
     return out
