@@ -48,8 +48,7 @@ def flatten_specs(
     arrays are placed; `jit_in`: `filter_jit`'s `in_shardings`)."""
     leaves, treedef = jtu.tree_flatten(specs, is_leaf=is_spec_leaf)
     if not all(map(is_spec_leaf, leaves)):  # the slow path names the leaf
-        # Not offered: placement-only kinds where nothing is placed, and the kinds
-        # `jax.jit` refuses in `filter_jit`'s `in_shardings`.
+        # Placement-only kinds where nothing is placed; inputs `jax.jit` refuses.
         refused = lambda kind: (
             (kind.placement_only and not placement) or (kind.jit_in_refused and jit_in)
         )
@@ -118,16 +117,6 @@ def _first_mismatch(spec: Any, value: Any, path: tuple) -> tuple[tuple, str] | N
     return None
 
 
-def prefix_error(specs: Any, value: Any, spec_name: str, value_name: str) -> ValueError:
-    """The error for `specs` not being a PyTree prefix of `value`, naming the first
-    mismatching path as `value_name[...]`."""
-    path, explanation = _first_mismatch(specs, value, ()) or ((), "they differ")
-    return ValueError(
-        f"`{spec_name}` must be a PyTree prefix of `{value_name}`, but at "
-        f"{value_name}{jtu.keystr(path)} {explanation}."
-    )
-
-
 def broadcast_specs(
     spec_leaves: list,
     spec_def: PyTreeDef,  # pyright: ignore[reportInvalidTypeForm]
@@ -143,7 +132,11 @@ def broadcast_specs(
     try:
         return broadcast_prefix(spec_leaves, spec_def, value)
     except (ValueError, TypeError):
-        raise prefix_error(specs, value, spec_name, value_name) from None
+        path, explanation = _first_mismatch(specs, value, ()) or ((), "they differ")
+        raise ValueError(
+            f"`{spec_name}` must be a PyTree prefix of `{value_name}`, but at "
+            f"{value_name}{jtu.keystr(path)} {explanation}."
+        ) from None
 
 
 def broadcast_prefix(prefix_leaves: list, prefix_def: PyTreeDef, value: Any) -> list:  # pyright: ignore[reportInvalidTypeForm]
@@ -172,8 +165,7 @@ def spread(
     try:
         spec_leaves, spec_def = flatten_specs(specs, spec_name, placement=placement)
     except TypeError:
-        # `Compiled.input_shardings`/`input_formats` hold the non-array leaves as
-        # themselves: where the value has that very leaf, it is `None`.
+        # `Compiled.input_shardings` and `input_formats` hold non-array leaves as is.
         specs = _own_leaves_as_none(specs, value)
         spec_leaves, spec_def = flatten_specs(specs, spec_name, placement=placement)
     per_leaf = broadcast_specs(
@@ -253,8 +245,7 @@ def needs_mesh(spec: Any) -> bool:
 
 
 def _concrete_mesh():
-    """The `jax.set_mesh` mesh (maybe empty), or `None` while JAX traces (where
-    `get_mesh` raises)."""
+    """The `jax.set_mesh` mesh (maybe empty), or `None` while JAX traces."""
     try:
         return jax.sharding.get_mesh()
     except ValueError:
