@@ -28,7 +28,6 @@ from .leaves import (
     is_pytree_node,
     is_rule,
     is_spec_leaf,
-    match_path_rules,
     one_level,
     PathRules,
     RulesUsage,
@@ -160,32 +159,51 @@ def spread(
     placement: bool = True,
 ) -> list:
     """One spec leaf per leaf of `value` (`leaves`), each `PathRules` replaced by its
-    choice (`None` where not `selected`). Strict rules are checked here, or given a
-    `usage`, by the caller's `usage.check()`."""
+    choice for the leaf's key path relative to the subtree it covers (`None` where not
+    `selected`). Matches are recorded in `usage` (if `usage.everything`, an unmatched
+    leaf gets `None`); strict rules are checked here, or given a `usage`, by the
+    caller's `usage.check()`."""
     try:
         spec_leaves, spec_def = flatten_specs(specs, spec_name, placement=placement)
     except TypeError:
         # `Compiled.input_shardings` and `input_formats` hold non-array leaves as is.
         specs = _own_leaves_as_none(specs, value)
         spec_leaves, spec_def = flatten_specs(specs, spec_name, placement=placement)
-    per_leaf = broadcast_specs(
+    out = broadcast_specs(
         spec_leaves, spec_def, specs, value, len(leaves), spec_name, value_name
     )
-    own = RulesUsage() if usage is None else None
-    usage = own or usage
-    out = match_path_rules(
-        per_leaf,
-        spec_leaves,
-        spec_def,
-        value,
-        leaves,
-        where,
-        selected,
-        spec_name,
-        usage,
-    )
-    if own is not None and own.groups:
-        own.check()
+    if not any(isinstance(s, PathRules) for s in spec_leaves):
+        return out
+    own = usage is None
+    usage = usage or RulesUsage()
+    start = 0
+    for spec, subtree in zip(spec_leaves, spec_def.flatten_up_to(value)):
+        if not isinstance(spec, PathRules):
+            start += len(jtu.tree_leaves(subtree))
+            continue
+        seen = usage.add(spec, spec_name) if usage.everything or spec.strict else None
+        paths = jtu.tree_flatten_with_path(subtree)[0]
+        for i, (path, _) in enumerate(paths, start):
+            if not selected(leaves[i]):
+                out[i] = None
+                continue
+            key = jtu.keystr(path)
+            if seen is not None:
+                seen.append((lambda i=i: where(i), key, spec.matches(key)))
+            k = spec.match(key)
+            if k is None and usage.everything:
+                out[i] = None  # `explain_rules` reports it
+            elif k is None:
+                raise ValueError(
+                    f"{where(i)}: no rule matches its key path {key!r} and the "
+                    f"`PathRules` has no `default`. Patterns, in order: "
+                    f"{[p for p, _ in spec.rules]}."
+                )
+            else:
+                out[i] = spec.default if k == len(spec.rules) else spec.rules[k][1]
+        start += len(paths)
+    if own:
+        usage.check()
     return out
 
 
