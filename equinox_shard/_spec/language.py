@@ -159,10 +159,8 @@ def spread(
     placement: bool = True,
 ) -> list:
     """One spec leaf per leaf of `value` (`leaves`), each `PathRules` replaced by its
-    choice for the leaf's key path relative to the subtree it covers (`None` where not
-    `selected`). Matches are recorded in `usage` (if `usage.everything`, an unmatched
-    leaf gets `None`); strict rules are checked here, or given a `usage`, by the
-    caller's `usage.check()`."""
+    choice (`None` where not `selected`, or unmatched if `usage.everything`). Strict
+    rules are checked here, or given a `usage`, by the caller's `usage.check()`."""
     try:
         spec_leaves, spec_def = flatten_specs(specs, spec_name, placement=placement)
     except TypeError:
@@ -207,25 +205,21 @@ def spread(
     return out
 
 
-def _same_leaf(spec: Any, leaf: Any) -> bool:
-    if spec is leaf:
-        return True
-    try:
-        return type(spec) is type(leaf) and bool(spec == leaf)
-    except Exception:
-        return False
-
-
 def _own_leaves_as_none(specs: Any, value: Any) -> Any:
     """`specs` with each non-spec leaf that is the value's own leaf there replaced by
     `None`; `specs` if they do not line up (`flatten_specs` then names the leaf)."""
+
+    def own_as_none(spec: Any, leaf: Any) -> Any:
+        if is_spec_leaf(spec):
+            return spec
+        try:
+            same = spec is leaf or (type(spec) is type(leaf) and bool(spec == leaf))
+        except Exception:  # e.g. an array's truth value: not the same
+            same = False
+        return None if same else spec
+
     try:
-        return jtu.tree_map(
-            lambda s, v: None if not is_spec_leaf(s) and _same_leaf(s, v) else s,
-            specs,
-            value,
-            is_leaf=is_spec_leaf,
-        )
+        return jtu.tree_map(own_as_none, specs, value, is_leaf=is_spec_leaf)
     except (ValueError, TypeError):
         return specs
 
@@ -237,8 +231,7 @@ def resolve_each(
     where: Callable[[int], str],
     resolver: Callable[[Any, Any, Callable[[], str]], Any],
 ) -> list[tuple[int, Any]]:
-    """`(i, resolver(spec, leaf, where))` for each `i` in `indices` whose spec leaf
-    resolves to something other than `None`."""
+    """Each `(i, resolved spec)` of `indices` whose spec does not resolve to `None`."""
     out = []
     for i in indices:
         spec = per_leaf[i]
@@ -288,8 +281,7 @@ def context_mesh(*, abstract_ok: bool):
 
 
 def mesh_or_context(mesh: Any, function: str) -> Any:
-    """`mesh` if given, else the (abstract) `jax.set_mesh` mesh; raises naming
-    `function` if there is neither or `mesh` is not a mesh."""
+    """`mesh`, else the abstract `jax.set_mesh` mesh; its errors name `function`."""
     if mesh is None:
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty:

@@ -137,19 +137,18 @@ class PathRules:
                     f"{describe_leaf(rule)}."
                 )
             pattern, spec = rule
-            if isinstance(pattern, str):
-                try:
-                    pattern = re.compile(pattern)
-                except re.error as e:
-                    raise ValueError(
-                        f"PathRules: the pattern {pattern!r} of rule {k} is not a "
-                        f"regular expression: {e}"
-                    ) from e
-            elif not isinstance(pattern, re.Pattern):
+            if not isinstance(pattern, (str, re.Pattern)):
                 raise TypeError(
                     f"PathRules: the pattern of rule {k} must be a string or a "
                     f"compiled regular expression; got {describe_leaf(pattern)}."
                 )
+            try:
+                pattern = re.compile(pattern)  # a compiled one as it is
+            except re.error as e:
+                raise ValueError(
+                    f"PathRules: the pattern {pattern!r} of rule {k} is not a regular "
+                    f"expression: {e}"
+                ) from e
             where = f"PathRules: the spec of rule {k} ({pattern.pattern!r})"
             _check_rule_spec(spec, where)
             patterns.append(pattern)
@@ -183,9 +182,8 @@ class PathRules:
         )
 
     def match(self, path: str) -> int | None:
-        """The index of the first rule whose pattern is found in `path`; `len(rules)`
-        if none is and there is a default; `None` if none is and there is no
-        default."""
+        """The index of the first rule whose pattern is found in `path`, else
+        `len(rules)` if there is a default, else `None`."""
         for k, pattern in enumerate(self._patterns):
             if pattern.search(path) is not None:
                 return k
