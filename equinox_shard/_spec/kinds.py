@@ -101,13 +101,9 @@ def _has_layout(x: jax.Array, fmt: Format) -> bool:
         have = x.format.layout  # pyright: ignore[reportAttributeAccessIssue]
     except Exception:
         return False
-    want = fmt.layout
-    return (
-        have.major_to_minor == want.major_to_minor  # pyright: ignore
-        and (want.tiling is None or have.tiling == want.tiling)  # pyright: ignore
-        and have.sub_byte_element_size_in_bits  # pyright: ignore
-        == want.sub_byte_element_size_in_bits  # pyright: ignore
-    )
+    want: Any = fmt.layout
+    tiling = have.tiling if want.tiling is None else want.tiling
+    return have == want.update(tiling=tiling)
 
 
 def _in_space(x: jax.Array, space: Any) -> bool:
