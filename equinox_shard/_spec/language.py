@@ -328,9 +328,8 @@ def resolve(
     kind = kind_of(spec)  # `None` for `None`, returned as it is
     if kind is None or kind.resolve is None:
         return spec
-    if mesh is None:
-        return kind.resolve(spec, lambda: context_mesh(abstract_ok=abstract_ok), where)
-    return kind.resolve(spec, lambda: mesh, where)
+    get_mesh = lambda: context_mesh(abstract_ok=abstract_ok) if mesh is None else mesh
+    return kind.resolve(spec, get_mesh, where)
 
 
 def resolve_leaves(

@@ -213,13 +213,12 @@ def _check_rule_spec(spec: Any, where: str) -> None:
 
 
 class RulesUsage:
-    """What the `PathRules` of one call matched, over every subtree they cover (equal
-    ones counted as one): checked (`check`) for strict rules, or, if `everything`,
-    gathered for all rules for `explain_rules`."""
+    """What the `PathRules` of one call matched (equal ones counted as one): of strict
+    ones for `check`, or, if `everything`, of all for `explain_rules`."""
 
     def __init__(self, *, everything: bool = False):
         self.everything = everything
-        # `PathRules` -> [the spec names it sits at, [(where, path, matches), ...]]
+        # `PathRules` or its id -> [it, its spec names, [(where, path, matches), ...]]
         self.groups: dict[Any, list] = {}
 
     def add(self, rules: "PathRules", spec_name: str) -> list:
