@@ -42,9 +42,8 @@ def flatten_specs(
     placement: bool = True,
     jit_in: bool = False,
 ) -> tuple[list, PyTreeDef]:  # pyright: ignore[reportInvalidTypeForm]
-    """A specification's spec leaves, each checked (named `name` plus its key path,
-    or `where(path)`); an error lists the kinds taken there (`placement`: where
-    arrays are placed; `jit_in`: `filter_jit`'s `in_shardings`)."""
+    """A specification's spec leaves, each checked and named `name` plus its key path
+    (or `where(path)`); `placement` and `jit_in` say which kinds an error lists."""
     leaves, treedef = jtu.tree_flatten(specs, is_leaf=is_spec_leaf)
     if not all(map(is_spec_leaf, leaves)):  # the slow path names the leaf
         # Placement-only kinds where nothing is placed; inputs `jax.jit` refuses.

@@ -261,9 +261,8 @@ def some(names: list[str], shown: int = 8) -> str:
 
 
 def did_you_mean(rules: "PathRules", k: int, paths: Sequence[str]) -> str | None:
-    """For rule `k` anchored at the start (`^embed`), which never matches as key
-    paths start with `.` or `[`: it anchored after the shortest start that matches
-    one of `paths` (`^\\.embed`), or `None`."""
+    """Rule `k`'s `^embed` (no key path matches it: they start with `.` or `[`) as
+    `^\\.embed`, anchored after the shortest start where it matches one of `paths`."""
     pattern = rules._patterns[k]
     if not pattern.pattern.startswith("^"):
         return None
