@@ -117,18 +117,15 @@ def explain_rules(
 
     - `tree`: any PyTree. Its arrays and `jax.ShapeDtypeStruct`s are matched.
     - `specs`: a sharding specification of `tree`, as given to
-        [`equinox_shard.filter_device_put`][]. For `filter_jit(f,
-        in_shardings=(rules, rules, P("data")))` called as `f(model, opt_state,
-        batch)`, pass `tree=(model, opt_state, batch)` and that tuple (and
-        `(rules, rules, rules)` for `in_shardings=rules`).
+        [`equinox_shard.filter_device_put`][]. For a `filter_jit` call, pass its
+        arguments as one tuple and its `in_shardings` as a tuple of the same length.
     - `name`: prepended to every key path, e.g. `name="model"` gives
         `model.layers[0].weight`.
 
     **Returns:**
 
     A [`equinox_shard.RulesReport`][]. Equal `PathRules` count as one, over every
-    subtree they cover: rules for a model are not unused because nothing in the
-    batch matches them.
+    subtree they cover.
 
     !!! example
 

@@ -45,8 +45,7 @@ class Kind(NamedTuple):
     # Whether a value of `type` is a spec leaf, and the hint of the error if not.
     valid: Callable[[Any], bool] = lambda x: True
     invalid: str = ""
-    # Whether only placement (`filter_device_put`, `filter_shard`, `filter_jit`) takes
-    # it, and the hint of the `TypeError` raised elsewhere.
+    # Whether only placement functions take it, and the hint of the error elsewhere.
     placement_only: bool = False
     placement_hint: str = ""
     # How it is applied inside a trace, and the hint where that is refused.
@@ -102,13 +101,9 @@ def _has_layout(x: jax.Array, fmt: Format) -> bool:
         have = x.format.layout  # pyright: ignore[reportAttributeAccessIssue]
     except Exception:
         return False
-    want = fmt.layout
-    return (
-        have.major_to_minor == want.major_to_minor  # pyright: ignore
-        and (want.tiling is None or have.tiling == want.tiling)  # pyright: ignore
-        and have.sub_byte_element_size_in_bits  # pyright: ignore
-        == want.sub_byte_element_size_in_bits  # pyright: ignore
-    )
+    want: Any = fmt.layout
+    tiling = have.tiling if want.tiling is None else want.tiling
+    return have == want.update(tiling=tiling)
 
 
 def _in_space(x: jax.Array, space: Any) -> bool:
@@ -155,9 +150,8 @@ KINDS: tuple[Kind, ...] = (
         "`format.sharding`, and the layout with "
         "`jax.experimental.layout.with_layout_constraint`",
     ),
-    # Moves an array to host or device memory keeping its sharding, as
-    # `jax.device_put(x, Space.Host)` does; `jax.jit` takes it in neither
-    # `in_shardings` nor `out_shardings` (JAX 0.10.2 and 0.12).
+    # Moves an array to host or device memory keeping its sharding, as `device_put`
+    # does; `jax.jit` takes it as neither in nor out shardings (JAX 0.10.2 and 0.12).
     Kind(
         jax.memory.Space,
         "`jax.memory.Space`",

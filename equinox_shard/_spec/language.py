@@ -28,7 +28,6 @@ from .leaves import (
     is_pytree_node,
     is_rule,
     is_spec_leaf,
-    match_path_rules,
     one_level,
     PathRules,
     RulesUsage,
@@ -43,13 +42,11 @@ def flatten_specs(
     placement: bool = True,
     jit_in: bool = False,
 ) -> tuple[list, PyTreeDef]:  # pyright: ignore[reportInvalidTypeForm]
-    """A specification's spec leaves, each checked (named `name` plus its key path,
-    or `where(path)`); an error lists the kinds taken there (`placement`: where
-    arrays are placed; `jit_in`: `filter_jit`'s `in_shardings`)."""
+    """A specification's spec leaves, each checked and named `name` plus its key path
+    (or `where(path)`); `placement` and `jit_in` say which kinds an error lists."""
     leaves, treedef = jtu.tree_flatten(specs, is_leaf=is_spec_leaf)
     if not all(map(is_spec_leaf, leaves)):  # the slow path names the leaf
-        # Not offered: placement-only kinds where nothing is placed, and the kinds
-        # `jax.jit` refuses in `filter_jit`'s `in_shardings`.
+        # Placement-only kinds where nothing is placed; inputs `jax.jit` refuses.
         refused = lambda kind: (
             (kind.placement_only and not placement) or (kind.jit_in_refused and jit_in)
         )
@@ -118,16 +115,6 @@ def _first_mismatch(spec: Any, value: Any, path: tuple) -> tuple[tuple, str] | N
     return None
 
 
-def prefix_error(specs: Any, value: Any, spec_name: str, value_name: str) -> ValueError:
-    """The error for `specs` not being a PyTree prefix of `value`, naming the first
-    mismatching path as `value_name[...]`."""
-    path, explanation = _first_mismatch(specs, value, ()) or ((), "they differ")
-    return ValueError(
-        f"`{spec_name}` must be a PyTree prefix of `{value_name}`, but at "
-        f"{value_name}{jtu.keystr(path)} {explanation}."
-    )
-
-
 def broadcast_specs(
     spec_leaves: list,
     spec_def: PyTreeDef,  # pyright: ignore[reportInvalidTypeForm]
@@ -143,7 +130,11 @@ def broadcast_specs(
     try:
         return broadcast_prefix(spec_leaves, spec_def, value)
     except (ValueError, TypeError):
-        raise prefix_error(specs, value, spec_name, value_name) from None
+        path, explanation = _first_mismatch(specs, value, ()) or ((), "they differ")
+        raise ValueError(
+            f"`{spec_name}` must be a PyTree prefix of `{value_name}`, but at "
+            f"{value_name}{jtu.keystr(path)} {explanation}."
+        ) from None
 
 
 def broadcast_prefix(prefix_leaves: list, prefix_def: PyTreeDef, value: Any) -> list:  # pyright: ignore[reportInvalidTypeForm]
@@ -167,55 +158,67 @@ def spread(
     placement: bool = True,
 ) -> list:
     """One spec leaf per leaf of `value` (`leaves`), each `PathRules` replaced by its
-    choice (`None` where not `selected`). Strict rules are checked here, or given a
-    `usage`, by the caller's `usage.check()`."""
+    choice (`None` where not `selected`, or unmatched if `usage.everything`). Strict
+    rules are checked here, or given a `usage`, by the caller's `usage.check()`."""
     try:
         spec_leaves, spec_def = flatten_specs(specs, spec_name, placement=placement)
     except TypeError:
-        # `Compiled.input_shardings`/`input_formats` hold the non-array leaves as
-        # themselves: where the value has that very leaf, it is `None`.
+        # `Compiled.input_shardings` and `input_formats` hold non-array leaves as is.
         specs = _own_leaves_as_none(specs, value)
         spec_leaves, spec_def = flatten_specs(specs, spec_name, placement=placement)
-    per_leaf = broadcast_specs(
+    out = broadcast_specs(
         spec_leaves, spec_def, specs, value, len(leaves), spec_name, value_name
     )
-    own = RulesUsage() if usage is None else None
-    usage = own or usage
-    out = match_path_rules(
-        per_leaf,
-        spec_leaves,
-        spec_def,
-        value,
-        leaves,
-        where,
-        selected,
-        spec_name,
-        usage,
-    )
-    if own is not None and own.groups:
-        own.check()
+    if not any(isinstance(s, PathRules) for s in spec_leaves):
+        return out
+    own = usage is None
+    usage = usage or RulesUsage()
+    start = 0
+    for spec, subtree in zip(spec_leaves, spec_def.flatten_up_to(value)):
+        if not isinstance(spec, PathRules):
+            start += len(jtu.tree_leaves(subtree))
+            continue
+        seen = usage.add(spec, spec_name) if usage.everything or spec.strict else None
+        paths = jtu.tree_flatten_with_path(subtree)[0]
+        for i, (path, _) in enumerate(paths, start):
+            if not selected(leaves[i]):
+                out[i] = None
+                continue
+            key = jtu.keystr(path)
+            if seen is not None:
+                seen.append((lambda i=i: where(i), key, spec.matches(key)))
+            k = spec.match(key)
+            if k is None and usage.everything:
+                out[i] = None  # `explain_rules` reports it
+            elif k is None:
+                raise ValueError(
+                    f"{where(i)}: no rule matches its key path {key!r} and the "
+                    f"`PathRules` has no `default`. Patterns, in order: "
+                    f"{[p for p, _ in spec.rules]}."
+                )
+            else:
+                out[i] = spec.default if k == len(spec.rules) else spec.rules[k][1]
+        start += len(paths)
+    if own:
+        usage.check()
     return out
-
-
-def _same_leaf(spec: Any, leaf: Any) -> bool:
-    if spec is leaf:
-        return True
-    try:
-        return type(spec) is type(leaf) and bool(spec == leaf)
-    except Exception:
-        return False
 
 
 def _own_leaves_as_none(specs: Any, value: Any) -> Any:
     """`specs` with each non-spec leaf that is the value's own leaf there replaced by
     `None`; `specs` if they do not line up (`flatten_specs` then names the leaf)."""
+
+    def own_as_none(spec: Any, leaf: Any) -> Any:
+        if is_spec_leaf(spec):
+            return spec
+        try:
+            same = spec is leaf or (type(spec) is type(leaf) and bool(spec == leaf))
+        except Exception:  # e.g. an array's truth value: not the same
+            same = False
+        return None if same else spec
+
     try:
-        return jtu.tree_map(
-            lambda s, v: None if not is_spec_leaf(s) and _same_leaf(s, v) else s,
-            specs,
-            value,
-            is_leaf=is_spec_leaf,
-        )
+        return jtu.tree_map(own_as_none, specs, value, is_leaf=is_spec_leaf)
     except (ValueError, TypeError):
         return specs
 
@@ -227,8 +230,7 @@ def resolve_each(
     where: Callable[[int], str],
     resolver: Callable[[Any, Any, Callable[[], str]], Any],
 ) -> list[tuple[int, Any]]:
-    """`(i, resolver(spec, leaf, where))` for each `i` in `indices` whose spec leaf
-    resolves to something other than `None`."""
+    """Each `(i, resolved spec)` of `indices` whose spec does not resolve to `None`."""
     out = []
     for i in indices:
         spec = per_leaf[i]
@@ -253,8 +255,7 @@ def needs_mesh(spec: Any) -> bool:
 
 
 def _concrete_mesh():
-    """The `jax.set_mesh` mesh (maybe empty), or `None` while JAX traces (where
-    `get_mesh` raises)."""
+    """The `jax.set_mesh` mesh (maybe empty), or `None` while JAX traces."""
     try:
         return jax.sharding.get_mesh()
     except ValueError:
@@ -279,8 +280,7 @@ def context_mesh(*, abstract_ok: bool):
 
 
 def mesh_or_context(mesh: Any, function: str) -> Any:
-    """`mesh` if given, else the (abstract) `jax.set_mesh` mesh; raises naming
-    `function` if there is neither or `mesh` is not a mesh."""
+    """`mesh`, else the abstract `jax.set_mesh` mesh; its errors name `function`."""
     if mesh is None:
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty:
@@ -327,9 +327,8 @@ def resolve(
     kind = kind_of(spec)  # `None` for `None`, returned as it is
     if kind is None or kind.resolve is None:
         return spec
-    if mesh is None:
-        return kind.resolve(spec, lambda: context_mesh(abstract_ok=abstract_ok), where)
-    return kind.resolve(spec, lambda: mesh, where)
+    get_mesh = lambda: context_mesh(abstract_ok=abstract_ok) if mesh is None else mesh
+    return kind.resolve(spec, get_mesh, where)
 
 
 def resolve_leaves(

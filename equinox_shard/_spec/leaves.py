@@ -21,8 +21,7 @@ def one_level(x: Any) -> PyTreeDef:  # pyright: ignore[reportInvalidTypeForm]
 
 
 def is_pytree_node(x: Any) -> bool:
-    # Flattens one level only: this is called on every callable node of a
-    # specification, e.g. on every submodule of a Module-shaped one.
+    # One level only: this is called on every callable node of a specification.
     return not jtu.treedef_is_leaf(one_level(x))
 
 
@@ -81,16 +80,9 @@ class PathRules:
     r"""A sharding specification leaf that chooses each array's spec by its key path.
 
     For each array beneath it, the first pattern that `re.search` finds in the
-    array's key path gives its spec; if none does, `default` does. The key path is as
-    `jax.tree_util.keystr` prints it, relative to the subtree this `PathRules`
-    covers: `.layers[0].weight` for an `eqx.nn.MLP`'s first weight, and
-    `[0].mu.layers[0].weight` for its Adam moment, so patterns anchored at the end
-    (`r"layers\[\d+\]\.weight$"`) place a model and its optimiser state alike.
-
-    It works wherever a spec leaf works: [`equinox_shard.filter_device_put`][],
-    [`equinox_shard.filter_shard`][], [`equinox_shard.filter_jit`][]'s
-    `in_shardings`/`out_shardings`, and [`equinox_shard.filter_shard_map`][]'s
-    `in_specs`/`out_specs` (with `PartitionSpec`s). Only arrays are matched.
+    array's key path (as `jax.tree_util.keystr` prints it, relative to the subtree
+    this `PathRules` covers) gives its spec; if none does, `default` does. Only arrays
+    are matched.
 
     **Arguments:**
 
@@ -101,12 +93,9 @@ class PathRules:
         array as it is), or a callable `leaf -> spec`.
     - `default`: the spec of an array that no pattern matches. Without it, such an
         array is a `ValueError` naming its key path.
-    - `strict`: if `True`, every call that applies these rules checks, before
-        anything is placed or traced, that each rule matches some array and no array
-        matches two rules, and raises a `ValueError` naming them if not. Equal rules
-        count as one over the whole call, so `in_shardings=(rules, rules,
-        P("data"))` is fine when each rule matches somewhere in the model.
-        `filter_jit` checks once per argument structure. See
+    - `strict`: if `True`, every call that applies these rules raises a `ValueError`,
+        before anything is placed or traced, if a rule matches no array (equal rules
+        counted as one over the whole call) or an array matches two rules. See
         [`equinox_shard.explain_rules`][] for the same as data.
 
     !!! example
@@ -148,19 +137,18 @@ class PathRules:
                     f"{describe_leaf(rule)}."
                 )
             pattern, spec = rule
-            if isinstance(pattern, str):
-                try:
-                    pattern = re.compile(pattern)
-                except re.error as e:
-                    raise ValueError(
-                        f"PathRules: the pattern {pattern!r} of rule {k} is not a "
-                        f"regular expression: {e}"
-                    ) from e
-            elif not isinstance(pattern, re.Pattern):
+            if not isinstance(pattern, (str, re.Pattern)):
                 raise TypeError(
                     f"PathRules: the pattern of rule {k} must be a string or a "
                     f"compiled regular expression; got {describe_leaf(pattern)}."
                 )
+            try:
+                pattern = re.compile(pattern)  # a compiled one as it is
+            except re.error as e:
+                raise ValueError(
+                    f"PathRules: the pattern {pattern!r} of rule {k} is not a regular "
+                    f"expression: {e}"
+                ) from e
             where = f"PathRules: the spec of rule {k} ({pattern.pattern!r})"
             _check_rule_spec(spec, where)
             patterns.append(pattern)
@@ -194,23 +182,12 @@ class PathRules:
         )
 
     def match(self, path: str) -> int | None:
-        """The index of the first rule whose pattern is found in `path`; `len(rules)`
-        if none is and there is a default; `None` if none is and there is no
-        default."""
+        """The index of the first rule whose pattern is found in `path`, else
+        `len(rules)` if there is a default, else `None`."""
         for k, pattern in enumerate(self._patterns):
             if pattern.search(path) is not None:
                 return k
         return len(self._rules) if self._default is not unset else None
-
-    def lookup(self, path: str, where: Callable[[], str]) -> Any:
-        k = self.match(path)
-        if k is None:
-            raise ValueError(
-                f"{where()}: no rule matches its key path {path!r} and the "
-                f"`PathRules` has no `default`. Patterns, in order: "
-                f"{[p for p, _ in self._rules]}."
-            )
-        return self._default if k == len(self._rules) else self._rules[k][1]
 
     def _key(self) -> tuple:
         # Patterns compare with their flags: `re.I` makes another rule.
@@ -236,13 +213,12 @@ def _check_rule_spec(spec: Any, where: str) -> None:
 
 
 class RulesUsage:
-    """What the `PathRules` of one call matched, over every subtree they cover (equal
-    ones counted as one): checked (`check`) for strict rules, or, if `everything`,
-    gathered for all rules for `explain_rules`."""
+    """What the `PathRules` of one call matched (equal ones counted as one): of strict
+    ones for `check`, or, if `everything`, of all for `explain_rules`."""
 
     def __init__(self, *, everything: bool = False):
         self.everything = everything
-        # `PathRules` -> [the spec names it sits at, [(where, path, matches), ...]]
+        # `PathRules` or its id -> [it, its spec names, [(where, path, matches), ...]]
         self.groups: dict[Any, list] = {}
 
     def add(self, rules: "PathRules", spec_name: str) -> list:
@@ -259,9 +235,7 @@ class RulesUsage:
         """Raises if a strict rule matched no array or an array matched two rules."""
         problems, names = [], []
         for rules, spec_names, seen in self.groups.values():
-            if not rules.strict:
-                continue
-            found = _strict_problems(rules, seen)
+            found = _strict_problems(rules, seen) if rules.strict else []
             if found:
                 problems += found
                 names += [n for n in spec_names if n not in names]
@@ -287,9 +261,8 @@ def some(names: list[str], shown: int = 8) -> str:
 
 
 def did_you_mean(rules: "PathRules", k: int, paths: Sequence[str]) -> str | None:
-    """For rule `k` anchored at the start (`^embed`), which never matches as key
-    paths start with `.` or `[`: it anchored after the shortest start that matches
-    one of `paths` (`^\\.embed`), or `None`."""
+    """Rule `k`'s `^embed` (no key path matches it: they start with `.` or `[`) as
+    `^\\.embed`, anchored after the shortest start where it matches one of `paths`."""
     pattern = rules._patterns[k]
     if not pattern.pattern.startswith("^"):
         return None
@@ -342,52 +315,3 @@ def _strict_problems(rules: "PathRules", seen: list) -> list[str]:
             f"places {them} (first match wins)."
         )
     return problems
-
-
-def match_path_rules(
-    per_leaf: list,
-    spec_leaves: list,
-    spec_def: PyTreeDef,  # pyright: ignore[reportInvalidTypeForm]
-    value: Any,
-    leaves: list,
-    where: Callable[[int], str],
-    selected: Callable[[Any], bool],
-    spec_name: str = "",
-    usage: RulesUsage | None = None,
-) -> list:
-    """`per_leaf` with each `PathRules` replaced by its choice for the leaf's key
-    path relative to the subtree it covers (`None` where not `selected`). Matches are
-    recorded in `usage`; if `usage.everything`, an unmatched leaf gets `None`."""
-    if not any(isinstance(s, PathRules) for s in spec_leaves):
-        return per_leaf
-    if spec_def.num_leaves == 1 and spec_def.num_nodes == 1:
-        subtrees = [value]
-    else:
-        subtrees = spec_def.flatten_up_to(value)
-    out = list(per_leaf)
-    start = 0
-    for spec, subtree in zip(spec_leaves, subtrees):
-        if not isinstance(spec, PathRules):
-            start += len(jtu.tree_leaves(subtree))
-            continue
-        seen = None
-        if usage is not None and (usage.everything or spec.strict):
-            seen = usage.add(spec, spec_name)
-        paths = jtu.tree_flatten_with_path(subtree)[0]
-        for i, (path, _) in enumerate(paths, start):
-            if not selected(leaves[i]):
-                out[i] = None
-                continue
-            key = jtu.keystr(path)
-            if seen is not None:
-                matches = spec.matches(key)
-                seen.append((lambda i=i: where(i), key, matches))
-                if matches:
-                    out[i] = spec.rules[matches[0]][1]
-                    continue
-                if spec.default is unset and usage.everything:  # pyright: ignore
-                    out[i] = None
-                    continue
-            out[i] = spec.lookup(key, lambda i=i: where(i))
-        start += len(paths)
-    return out
