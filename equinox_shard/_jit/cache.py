@@ -26,11 +26,10 @@ from .._placement import check_shapes
 from .._spec.language import (
     context_mesh,
     flatten_specs,
-    needs_leaf,
     needs_mesh,
     spread,
 )
-from .._spec.leaves import is_spec_leaf, PathRules, RulesUsage, unset
+from .._spec.leaves import is_rule, is_spec_leaf, PathRules, RulesUsage, unset
 from .donation import Donation
 from .packing import getter, Packing
 
@@ -138,9 +137,7 @@ class Cache:
         if out_shardings is not unset:
             out_leaves, _ = flatten_specs(out_shardings, "out_shardings")
         # Callables and path rules need the output: resolved from the first trace.
-        self.out_rules = any(
-            needs_leaf(x) or isinstance(x, PathRules) for x in out_leaves
-        )
+        self.out_rules = any(is_rule(x) or isinstance(x, PathRules) for x in out_leaves)
         self.out_mesh = any(map(needs_mesh, out_leaves))
         self.lock = threading.Lock()
         self.clear()
@@ -268,7 +265,8 @@ class ArgStructure:
         self.donated = cache.donation.leaves(args, self.traced_indices)
         self.specs = _in_specs(cache, args, kwargs, leaves, is_traced)
         # What resolving the specs depends on: the leaves rules see, and the mesh.
-        in_rules = tuple(i for i in self.traced_indices if needs_leaf(self.specs[i]))
+        # Rules read the leaf's shape and dtype: then those key the entries.
+        in_rules = tuple(i for i in self.traced_indices if is_rule(self.specs[i]))
         self.rules = self.traced_indices if cache.out_rules else in_rules
         self.needs_mesh = cache.out_mesh or any(map(needs_mesh, self.specs))
         # A call's key in `entries`: its `static` alone (a C-level getter) where every

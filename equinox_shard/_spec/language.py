@@ -241,11 +241,6 @@ def resolve_each(
     return out
 
 
-def needs_leaf(spec: Any) -> bool:
-    """Whether resolving `spec` reads the leaf's shape and dtype (a cache key)."""
-    return is_rule(spec)
-
-
 def needs_mesh(spec: Any) -> bool:
     """Whether resolving `spec` may read the `jax.set_mesh` mesh (a cache key)."""
     kind = kind_of(spec)
