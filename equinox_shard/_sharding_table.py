@@ -107,11 +107,9 @@ def sharding_table(tree: PyTree[Any], *, name: str = "", rules: Any = None) -> s
     - `name`: prepended to every key path, e.g. `name="model"` gives
         `model.layers[0].weight`.
     - `rules`: a [`equinox_shard.PathRules`][], or a specification of `tree` holding
-        some, matched as [`equinox_shard.explain_rules`][] matches it. A last column
-        then says which rule places each array: `#k pattern` (then `(over #j)` if
-        rule `j` matched too), `default`, `no rule` (placing `tree` would raise), or
-        `-` beneath no `PathRules`. Below the table follow the unused rules and the
-        arrays that several rules, or none, matched.
+        some. A last column then says which rule places each array (`#k pattern`,
+        `(over #j)`, `default`, `no rule` or `-`, as docs/why.md explains), and the
+        unused rules and the arrays that several rules, or none, matched follow.
 
     **Returns:**
 
