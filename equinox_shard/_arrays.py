@@ -1,5 +1,4 @@
-"""The state of an array at this moment (concrete, committed, deleted, a PRNG key, ...)
-and of a sharding (default memory, abstract mesh), each meaning defined once."""
+"""What an array (concrete, committed, deleted, ...) or a sharding is, defined once."""
 
 from collections.abc import Callable
 from itertools import compress, repeat
@@ -18,8 +17,7 @@ traceback_util.register_exclusion(__file__)
 # The memory kinds that mean a device's default memory (`None`: unspecified).
 DEFAULT_MEMORY = (None, "device")
 
-# Whether a value is a tracer (inside an outer trace): `isinstance(x, Tracer)` as a
-# C-level callable, so that `any(map(is_tracer, leaves))` runs no Python frame.
+# `isinstance(x, Tracer)` in C: `any(map(is_tracer, leaves))` runs no Python frame.
 is_tracer = jax.core.Tracer.__instancecheck__
 
 # The NumPy values that JAX places as arrays.
@@ -31,8 +29,7 @@ def in_default_memory(sharding: Any) -> bool:
     return sharding.memory_kind in DEFAULT_MEMORY
 
 
-# Whether `sharding` is a `SingleDeviceSharding`: JAX 0.12.1 deprecates naming the class
-# and adds this predicate; JAX 0.10.2 has only the class.
+# JAX 0.12.1 deprecates naming `SingleDeviceSharding` and adds this predicate.
 is_single_device_sharding: Callable[[Any], bool] = getattr(
     jax.sharding,
     "is_single_device_sharding",
@@ -83,8 +80,7 @@ def raise_if_deleted(
     what: str = "this array",
     then: str = "",
 ) -> None:
-    """Raises a `RuntimeError` naming `where(i)`, the key path, for the first deleted
-    `leaves[i]`, `i` in `indices`: the one message for a deleted array."""
+    """Raises the `RuntimeError` for the first deleted `leaves[i]`, at `where(i)`."""
     for i in indices:
         if is_deleted(leaves[i]):
             raise RuntimeError(
@@ -102,9 +98,8 @@ def raise_if_fun_deleted(fun_name: str, dynamic_fun: Any) -> None:
 
 
 def deleted_test(leaves: list, get: Callable[[list], tuple]) -> Callable[[list], bool]:
-    """A fast `leaves -> bool`: whether any of `get(leaves)` is deleted. For leaves of
-    one array type (as in `leaves` now), that type's own `is_deleted`, mapped at C
-    speed, past the NumPy leaves (never deleted) while they are still NumPy's."""
+    """A fast `leaves -> bool`: whether any of `get(leaves)` is deleted, mapping one
+    array type's own `is_deleted` in C past the leaves still NumPy's (never deleted)."""
 
     def slow(leaves):
         return any(map(is_deleted, get(leaves)))

@@ -1,5 +1,4 @@
-"""Which of an array's buffers `jax.device_put` hands back in its result (whatever
-`may_alias` says, RFC §6), and the private copy that shares none."""
+"""Which buffers `jax.device_put` hands back whatever `may_alias` says (RFC §6)."""
 
 from typing import Any
 
@@ -14,8 +13,7 @@ traceback_util.register_exclusion(__file__)
 
 
 def private_copies(leaves: list, indices: list[int]) -> None:
-    """Replaces each `leaves[i]`, `i` in `indices`, by a copy with the same sharding
-    that shares no buffer with it."""
+    """Replaces each `leaves[i]`, `i` in `indices`, by a copy sharing no buffer."""
     if not indices:
         return
     copies = jax.device_put(
@@ -28,15 +26,14 @@ def private_copies(leaves: list, indices: list[int]) -> None:
 
 
 def shares_single_device_buffer(sharding: Sharding) -> bool:
-    """Whether `jax.device_put(x, sharding, may_alias=False)` hands back the buffer of
-    an `x` on one of `sharding`'s devices alone: onto several devices, replicated."""
+    """Whether `jax.device_put(x, sharding, may_alias=False)` keeps the buffer of an `x`
+    on one of `sharding`'s devices alone: onto several devices, replicated."""
     return len(sharding.device_set) > 1 and sharding.is_fully_replicated
 
 
 def shares_source_buffer(leaf: Any, sharding: Sharding) -> bool:
-    """Whether `jax.device_put(leaf, sharding, may_alias=False)` may hand back one of
-    `leaf`'s buffers: JAX reuses any whose shard is unchanged on its device, whatever
-    `may_alias` says (upstream/jax-reports/device-put-may-alias-replicated)."""
+    """Whether `jax.device_put(leaf, sharding, may_alias=False)` may keep a buffer of
+    `leaf`: one whose shard stays on its device (RFC §6's table)."""
     if not isinstance(leaf, jax.Array):
         return False
     source = leaf.sharding
@@ -54,9 +51,7 @@ def shares_source_buffer(leaf: Any, sharding: Sharding) -> bool:
 
 def jit_frees(leaf: Any, sharding: Sharding) -> bool:
     """Whether `jax.jit` frees `leaf`, donated, when it moves it onto `sharding`: where
-    one of the two uses only buffers of the other (same device, same index), so that
-    `jax.device_put(..., may_alias=True)` builds the result from `leaf`'s buffers (or
-    copies, onto the same devices in another order) and donating it frees `leaf`."""
+    one of the two uses only buffers of the other (same device, same index)."""
     if not is_concrete(leaf):
         return False
     source = leaf.sharding.devices_indices_map(leaf.shape)

@@ -1,5 +1,4 @@
-"""Several processes (`jax.distributed`): global arrays from host-local values that
-every process holds whole, checked identical by one small collective of fingerprints."""
+"""Global arrays from host-local values, checked identical across processes."""
 
 import functools as ft
 import hashlib
@@ -24,8 +23,7 @@ def is_host_local(x: Any) -> bool:
 
 
 def to_host(x: Any, where: Callable[[], str]) -> tuple[np.ndarray, Any]:
-    """A host-local array as NumPy, in a dtype JAX uses, and its PRNG implementation
-    (or `None`)."""
+    """The host copy of `x` in a JAX dtype, and its PRNG implementation (or `None`)."""
     impl = None
     if isinstance(x, jax.Array):
         raise_if_deleted([x], (0,), lambda _: where(), then=", so it cannot be placed")
@@ -42,10 +40,6 @@ def processes_of(sharding: Sharding) -> frozenset[int]:
 
 def _hash64(data: bytes) -> np.ndarray:
     return np.frombuffer(hashlib.blake2b(data, digest_size=8).digest(), np.uint32)
-
-
-def _allgather(x: np.ndarray) -> np.ndarray:
-    return np.asarray(multihost_utils.process_allgather(x, tiled=False))
 
 
 def _differs(rows: np.ndarray) -> list[int]:
@@ -67,8 +61,8 @@ def check_identical(items: list[tuple[str, np.ndarray, Any, Sharding]]) -> None:
         description = repr((path, data.shape, str(data.dtype), str(impl), identity))
         per_leaf[k, :2] = _hash64(description.encode())
         per_leaf[k, 2:] = _hash64(np.ascontiguousarray(data).tobytes())
-    count = np.array([len(items)], np.uint32)
-    rows = _allgather(np.concatenate([count, _hash64(per_leaf.tobytes())]))
+    summary = np.append(np.uint32(len(items)), _hash64(per_leaf.tobytes()))
+    rows = multihost_utils.process_allgather(summary)
     if not _differs(rows):
         return
     counts = rows[:, 0]
@@ -80,7 +74,7 @@ def check_identical(items: list[tuple[str, np.ndarray, Any, Sharding]]) -> None:
             "process must make the same call, with PyTrees of the same structure and "
             "shardings."
         )
-    per_leaf = _allgather(per_leaf)
+    per_leaf = multihost_utils.process_allgather(per_leaf)
     for k, (path, data, _, sharding) in enumerate(items):
         bad = _differs(per_leaf[:, k, :2])
         if bad:
@@ -111,9 +105,8 @@ def place_host_local(
     targets: list[Sharding],
     where: Callable[[int], str],
 ) -> tuple[list[int], list[Sharding]]:
-    """Places each host-local array whose target spans several processes, in place,
-    built from its host copy (no compiled collective, unlike `jax.device_put`), after
-    `check_identical` where it spans them all; returns what is left to place."""
+    """Places each host-local array whose target spans processes, from its host copy
+    (checked identical where it spans all); returns what is left to place."""
     rest_indices, rest_targets, mine = [], [], []
     for i, sharding in zip(indices, targets):
         if sharding.is_fully_addressable or not is_host_local(leaves[i]):

@@ -48,8 +48,9 @@ def filter_make_array_from_process_local_data(
 ) -> PyTree[Any]:
     """Filtered version of `jax.make_array_from_process_local_data`: builds global
     arrays (spanning several processes) from the part of each array that this process
-    holds, e.g. its share of a batch. Values that every process holds whole (a model's
-    parameters) are placed with [`equinox_shard.filter_device_put`][] instead.
+    holds, e.g. its share of a batch, laid out as JAX lays it out (an example is in
+    docs/multiprocess.md). Values that every process holds whole (a model's parameters)
+    are placed with [`equinox_shard.filter_device_put`][] instead.
 
     **Arguments:**
 
@@ -77,26 +78,6 @@ def filter_make_array_from_process_local_data(
     process, or an array that every process holds whole (its global shape is its local
     shape, its sharding spans every process) with different values, found by one small
     collective of fingerprints.
-
-    !!! info "How local parts are laid out"
-
-        As in `jax.make_array_from_process_local_data`, which this calls for every
-        array: along a dimension split across processes, a process's part is the
-        concatenation, in order, of its devices' slices. With `P("data")` over a mesh
-        ordered process by process (as `jax.make_mesh` orders it), process `p` of `n`
-        holds rows `p * B // n` to `(p + 1) * B // n` of a batch of `B` rows.
-
-    !!! example
-
-        ```python
-        jax.distributed.initialize(...)  # one process per host
-        mesh = jax.make_mesh(
-            (jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,)
-        )
-        batch = jax.NamedSharding(mesh, jax.P("data"))
-        # Each process loads its own 32 rows; the global batch has 32 * process_count.
-        x, y = eqxs.filter_make_array_from_process_local_data(batch, (x_local, y_local))
-        ```
     """
     leaves, treedef = jtu.tree_flatten(local_data)
     todo = resolve_leaves(
@@ -108,11 +89,10 @@ def filter_make_array_from_process_local_data(
     path = lambda i: leaf_path(local_data, i, "local_data")
     if jax.process_count() == 1:
         for i, _ in todo:
-            shape = shapes[i]
-            if shape is not None and tuple(shape) != np.shape(leaves[i]):
+            if shapes[i] not in (None, np.shape(leaves[i])):
                 raise ValueError(
                     f"{path(i)}: in a single-process run, `global_shape` must be None "
-                    f"or the local shape {np.shape(leaves[i])}; got {shape}."
+                    f"or the local shape {np.shape(leaves[i])}; got {shapes[i]}."
                 )
         place(leaves, todo, path)
         return jtu.tree_unflatten(treedef, leaves)

@@ -1,5 +1,4 @@
-"""`filter_device_put` and `filter_shard`: a PyTree's arrays placed (eagerly) or
-constrained (in a trace) on what its specification resolves to (`_spec.language`)."""
+"""`filter_device_put` and `filter_shard`: place (eagerly) or constrain (in a trace)."""
 
 import functools as ft
 from collections.abc import Callable
@@ -65,30 +64,22 @@ def _constraint(sharding: Sharding, where: Callable[[], str]) -> Callable:
     return lax.with_sharding_constraint
 
 
-def _onto_mesh(x: Any, sharding: Any) -> Any:
-    """`x`, replicated on `sharding`'s mesh where neither its type nor the context
-    (`jax.set_mesh`) has a mesh: `reshard` takes the devices from those, so inside
-    `jax.jit` on JAX's default (Explicit) mesh the program would otherwise have none."""
-    if (
-        isinstance(sharding, NamedSharding)
-        and isinstance(sharding.mesh, Mesh)
-        and jax.typeof(x).sharding.mesh.empty
-        and context_mesh(abstract_ok=True) is None
-    ):
-        return jax.device_put(x, NamedSharding(sharding.mesh, PartitionSpec()))
-    return x
-
-
 def _reshard(inputs: list, targets: list) -> list:
-    return jax.sharding.reshard(list(map(_onto_mesh, inputs, targets)), targets)
+    """`reshard`, first replicating onto its target's mesh an input on no mesh (in its
+    type or `jax.set_mesh`): `reshard` inside `jax.jit` would find no devices."""
+    if context_mesh(abstract_ok=True) is None:
+        for k, (x, target) in enumerate(zip(inputs, targets)):
+            mesh = getattr(target, "mesh", None)  # None for a bare `PartitionSpec`
+            if isinstance(mesh, Mesh) and jax.typeof(x).sharding.mesh.empty:
+                inputs[k] = jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+    return jax.sharding.reshard(inputs, targets)
 
 
 def constrain_leaves(
     value: Any, leaves: list, todo: list[tuple[int, Any]], value_name: str
 ) -> None:
     """Constrains `leaves[i]` to `sharding` for each `(i, sharding)` in `todo`, in
-    place, in a trace: `reshard` on Explicit axes, `with_sharding_constraint` on Auto
-    ones, then `jax.device_put` where the memory kind changes (which they ignore)."""
+    place, in a trace (as `filter_shard` says)."""
     groups: dict[Callable, list[tuple[int, Any]]] = {}
     memory = []
     for i, sharding in todo:
@@ -133,10 +124,8 @@ def filter_device_put(
     device or sharding, and returns every non-array leaf as the very same object.
 
     Outside a trace this is one batched `jax.device_put`, compiling nothing of its own
-    (unlike an eager `jax.lax.with_sharding_constraint`) beyond what `jax.device_put`
-    does (a slicing helper, cached per shape, to split a single-device array). A
-    committed array already on an equivalent sharding (`Sharding.is_equivalent_to`) is
-    the same object in the result, never passed to `jax.device_put`.
+    (unlike an eager `jax.lax.with_sharding_constraint`). A committed array already on
+    an equivalent sharding (`Sharding.is_equivalent_to`) is returned as the same object.
 
     **Arguments:**
 
@@ -147,28 +136,22 @@ def filter_device_put(
         `jax.sharding.Sharding`, a `jax.Device`, a bare `jax.sharding.PartitionSpec`
         (on the mesh of `jax.set_mesh`), `None` (leave that subtree as it is), a
         callable `leaf -> spec` called on each array beneath it, a `jax.memory.Space`
-        (`Space.Host`: moves the array to that memory, keeping its sharding), or a
-        `jax.experimental.layout.Format(layout, sharding)`: placed on `sharding` in
-        `layout` (a typed PRNG key array on the sharding alone), e.g. the leaves of
-        `Compiled.input_formats`, whose non-array leaves (those of `x`) are accepted;
-        `Layout.AUTO` is a `ValueError` (lower and compile first).
-    - `donate`: passed to `jax.device_put`; a bool or a PyTree prefix of `x` of bools.
-        Best-effort, as in JAX: a donated input may hand its buffers to the result
-        (whatever `may_alias` says), so it must not be used again.
+        (moves the array there, keeping its sharding), or a
+        `jax.experimental.layout.Format`, e.g. the leaves of `Compiled.input_formats`
+        (non-array ones too; `Layout.AUTO` is a `ValueError`). See docs/semantics.md.
+    - `donate`: a bool or a PyTree prefix of `x` of bools, passed to `jax.device_put`:
+        best-effort, as in JAX, so a donated input must not be used again.
     - `may_alias`: a bool, `None`, or a PyTree prefix of `x`. `None` (the default)
-        returns an already placed array as the same object and copies every other one
-        not donated; `False` copies even those; `True` lets a result share its input's
-        buffers, as `jax.device_put` may, so donating that result later may delete the
-        input. `donate` and `may_alias` both `True` for one array is a `ValueError`.
-        An array that appears twice in `x` (tied weights) is placed once: both places
-        hold the one result.
+        copies every array not already placed nor donated; `False` copies even those;
+        `True` lets a result share its input's buffers, as `jax.device_put` may.
+        `donate` and `may_alias` both `True` for one array is a `ValueError`.
 
     **Returns:**
 
-    A PyTree with the structure of `x`: array leaves placed (committed), same shapes and
-    dtypes; other leaves the same objects. An array already placed is the very object of
-    `x` (donating it later donates the array of `x`); any other owns its buffers
-    (donating it never deletes an array of `x`) unless `may_alias=True`.
+    A PyTree like `x`, its array leaves placed (committed); an array that appears twice
+    (tied weights) is placed once. An array already placed is the very object of `x`;
+    any other owns its buffers (donating it never deletes an array of `x`) unless
+    `may_alias=True`.
 
     **Raises:**
 
@@ -184,8 +167,7 @@ def filter_device_put(
         Under `jax.jit`, `jax.vmap`, `jax.grad` or `jax.eval_shape`, this is
         `jax.device_put` on the traced values: on Auto mesh axes *not* a sharding
         constraint (XLA may ignore it), on Explicit axes a change of the type's
-        sharding. To constrain a value, use [`equinox_shard.filter_shard`][]. Under
-        `jax.disable_jit()` the values are concrete, so they are transferred.
+        sharding. To constrain a value, use [`equinox_shard.filter_shard`][].
 
     !!! example
 
@@ -218,30 +200,24 @@ def filter_shard(x: PyTree[Any], device_or_shardings: Any) -> PyTree[Any]:
     A drop-in replacement for `equinox.filter_shard`, right in every context:
 
     - **Outside a trace** (including under `jax.disable_jit()`): exactly
-        [`equinox_shard.filter_device_put`][], one batched `jax.device_put`: nothing
-        of its own compiled, already-placed arrays returned as the same object.
+        [`equinox_shard.filter_device_put`][].
     - **Inside a trace** (`jax.jit`, `equinox.filter_jit`, `jax.vmap`, `jax.grad`,
-        `jax.eval_shape`, ...), per array leaf, even one that is not a tracer (a
-        constant closed over by a jitted function): `jax.lax.with_sharding_constraint`
-        on Auto mesh axes, `jax.sharding.reshard` on Explicit ones (the default of
-        `jax.make_mesh`; an array on no mesh, outside `jax.set_mesh`, is first put on
-        the sharding's mesh, replicated, as `reshard` needs inside `jax.jit`); then,
-        for a non-default memory kind such as `"pinned_host"` (which those two
-        ignore), `jax.device_put`.
+        `jax.eval_shape`, ...), per array leaf, even a closed-over constant:
+        `jax.lax.with_sharding_constraint` on Auto mesh axes, `jax.sharding.reshard`
+        on Explicit ones (the default of `jax.make_mesh`, also outside `jax.set_mesh`),
+        then `jax.device_put` for a non-default memory kind such as `"pinned_host"`.
 
     **Arguments:**
 
     - `x`: any PyTree; only its array leaves (`equinox.is_array`) are affected.
-    - `device_or_shardings`: a PyTree prefix of `x` in the specification language of
-        [`equinox_shard.filter_device_put`][]: a `jax.sharding.Sharding`, a
-        `jax.Device`, a bare `jax.sharding.PartitionSpec` (needs `jax.set_mesh`), a
-        `jax.experimental.layout.Format` (outside a trace only), a `jax.memory.Space`
-        (also inside a trace), `None` (leave as is), a callable `leaf -> spec` or an
-        [`equinox_shard.PathRules`][].
+    - `device_or_shardings`: as in [`equinox_shard.filter_device_put`][] (a
+        `jax.sharding.Sharding`, `jax.Device`, `jax.sharding.PartitionSpec`,
+        `jax.memory.Space`, `None`, callable or [`equinox_shard.PathRules`][]), but a
+        `jax.experimental.layout.Format` outside a trace only.
 
     **Returns:**
 
-    A PyTree with the structure of `x`, array leaves placed or constrained.
+    A PyTree like `x`, its array leaves placed or constrained.
 
     **Raises:**
 
@@ -267,8 +243,7 @@ def filter_shard(x: PyTree[Any], device_or_shardings: Any) -> PyTree[Any]:
         ```
     """
     leaves, treedef = jtu.tree_flatten(x)
-    # Closed-over constants are constrained in a trace, but placed under
-    # `jax.disable_jit()` (nothing would constrain them).
+    # Closed-over constants are constrained in a trace, placed under `disable_jit`.
     traced = any(map(is_tracer, leaves)) or (
         in_trace() and not jax.config.jax_disable_jit  # pyright: ignore
     )

@@ -1,5 +1,4 @@
-"""`sharding_table`: where each array leaf of a PyTree lives, and which rule put it
-there, as a table a person reads."""
+"""`sharding_table`: where each array of a PyTree lives, and which rule put it there."""
 
 import collections as co
 import math
@@ -50,8 +49,7 @@ def _describe_sharding(sharding: Sharding, committed: bool) -> str:
 def _shard_sizes(sharding: Sharding, shape: tuple[int, ...]) -> dict[Any, int]:
     """The number of elements each device holds."""
     if isinstance(sharding, NamedSharding):
-        # Computed from the spec rather than `devices_indices_map`, which rejects
-        # uneven shardings: XLA pads those, so each device holds the rounded-up shard.
+        # Not `devices_indices_map`, which rejects an uneven shard (XLA pads it).
         mesh_shape = dict(sharding.mesh.shape)
         size = 1
         for dim, entry in zip(shape, sharding.spec):
@@ -99,10 +97,8 @@ def _rule_notes(report: RulesReport) -> list[str]:
 
 
 def sharding_table(tree: PyTree[Any], *, name: str = "", rules: Any = None) -> str:
-    """Describes how every array in a PyTree is laid out across devices: a table with
-    one row per array, giving its key path, shape, dtype, sharding, and the bytes of
-    it each device holds. Only metadata is read: nothing is transferred, compiled or
-    waited for.
+    """Describes how every array in a PyTree is laid out across devices, one row per
+    array. Only metadata is read: nothing is transferred, compiled or waited for.
 
     **Arguments:**
 
@@ -111,21 +107,18 @@ def sharding_table(tree: PyTree[Any], *, name: str = "", rules: Any = None) -> s
     - `name`: prepended to every key path, e.g. `name="model"` gives
         `model.layers[0].weight`.
     - `rules`: a [`equinox_shard.PathRules`][], or a specification of `tree` holding
-        some, matched as [`equinox_shard.explain_rules`][] matches it. A last column
-        then says which rule places each array: `#k pattern` (then `(over #j)` if
-        rule `j` matched too), `default`, `no rule` (placing `tree` would raise), or
-        `-` beneath no `PathRules`. Below the table follow the unused rules and the
-        arrays that several rules, or none, matched.
+        some. A last column then says which rule places each array (`#k pattern`,
+        `(over #j)`, `default`, `no rule` or `-`, as docs/why.md explains), and the
+        unused rules and the arrays that several rules, or none, matched follow.
 
     **Returns:**
 
     A string: a header, one line per array, and the bytes held by the most loaded
     device. The sharding column shows the `PartitionSpec` of a `NamedSharding`, the
-    device of a `SingleDeviceSharding`, else the sharding's type name; then the
-    memory kind if not the default, `uncommitted` for an array `jax.jit` may still
-    move, and `deleted` for one whose buffers are gone (e.g. donated). NumPy arrays
-    show as `host` and traced values as `traced`, and count no bytes. A dimension
-    that does not divide evenly counts as XLA pads it (the rounded-up shard).
+    device of a `SingleDeviceSharding`, else the type's name; then the memory kind if
+    not the default, `uncommitted` for an array `jax.jit` may still move, `deleted` for
+    one whose buffers are gone. NumPy arrays show as `host` and traced values as
+    `traced`, and count no bytes; an uneven dimension counts as XLA pads it.
 
     !!! example
 
