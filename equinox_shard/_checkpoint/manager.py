@@ -298,10 +298,9 @@ class CheckpointManager:
                 f"No checkpoint{which} in {self.directory} (its steps: "
                 f"{', '.join(map(str, steps)) or 'none'})."
             )
-        start = time.perf_counter()
         path: pathlib.Path = self.directory / str(step)
         try:
-            out, read = restore_from(path, like, shardings, f"step {step}")
+            return restore_from(path, like, shardings, f"step {step}")
         except (FileNotFoundError, ValueError) as e:
             # orbax writes this file when it finalises a step, and deletes it first.
             if (path / "_CHECKPOINT_METADATA").exists():
@@ -312,11 +311,6 @@ class CheckpointManager:
                 "interrupted); the next save removes it. Its steps: "
                 f"{', '.join(map(str, steps))}."
             ) from e
-        logger.info(
-            "restored step %d from %s: %d bytes in %.2f s",
-            step, path, nbytes(read), time.perf_counter() - start,
-        )  # fmt: skip
-        return out
 
     def close(self) -> None:
         """Waits for the saves still running and releases the directory. Raises,

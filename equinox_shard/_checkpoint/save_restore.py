@@ -241,20 +241,14 @@ def restore(
             model, opt_state, step = eqxs.restore("/tmp/checkpoints/step_100", like)
         ```
     """
-    start = time.perf_counter()
-    path = absolute_path(path)
-    out, read = restore_from(found(path), like, shardings)
-    logger.info(
-        "restored %s: %d arrays, %d bytes in %.2f s",
-        path, len(read), nbytes(read), time.perf_counter() - start,
-    )  # fmt: skip
-    return out
+    return restore_from(found(absolute_path(path)), like, shardings)
 
 
 def restore_from(
     path: pathlib.Path, like: Any, shardings: Any, what: str | None = None
-) -> tuple[Any, dict]:
-    """`restore`, and the arrays it read (by name); `what` names it on the bar."""
+) -> Any:
+    """`restore`, logged; `what` names it on the bar and in the log (`path.name`)."""
+    start, what = time.perf_counter(), what or path.name
     ocp = _orbax()
     flat, treedef = jtu.tree_flatten_with_path(like)
     paths, leaves = [jtu.keystr(p) for p, _ in flat], [x for _, x in flat]
@@ -294,7 +288,7 @@ def restore_from(
         read_json(path, path / "arrays" / "_METADATA")
         stored = data_files.check(path, names, "like")
         with (
-            progress.bar(f"restoring {what or path.name}", stored),
+            progress.bar(f"restoring {what}", stored),
             ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer,
         ):
             restore_args = ocp.checkpoint_utils.construct_restore_args(items)
@@ -315,7 +309,11 @@ def restore_from(
             new[i] = complex(*e["value"]) if e["type"] == "complex" else e["value"]
         elif form is not None:
             new[i] = _value(form, leaves[i], read.get(names[p]), placed[p], saved[p])
-    return jtu.tree_unflatten(treedef, new), read
+    logger.info(
+        "restored %s from %s: %d bytes in %.2f s",
+        what, path, nbytes(read), time.perf_counter() - start,
+    )  # fmt: skip
+    return jtu.tree_unflatten(treedef, new)
 
 
 def _placed(x: Any) -> Sharding | None:
