@@ -155,14 +155,12 @@ def _read_record(path: pathlib.Path) -> list[dict]:
             f"{path} is not a checkpoint written by `equinox_shard.save` (it has no "
             "'leaves' item)."
         )
-    # The JSON file that orbax's JSON handler writes, read as it is: no orbax call.
-    record = read_json(path, path / "leaves" / "metadata")
+    metadata = path / "leaves" / "metadata"  # orbax's JSON handler's: no orbax call
+    record = read_json(path, metadata)
     if record.get("format", manifest.FORMAT) != manifest.FORMAT:
         raise ValueError(f"{path} is not a checkpoint written by `equinox_shard.save`.")
     if (why := manifest.problem(record)) is not None:
-        raise damaged(
-            path, path / "leaves" / "metadata", f"is not as `save` writes it ({why})"
-        )
+        raise damaged(path, metadata, f"is not as `save` writes it ({why})")
     if record["version"] > manifest.VERSION:
         raise ValueError(
             f"{path} was written by a newer equinox_shard (format version "
