@@ -3,7 +3,6 @@ there and long enough, naming the leaf whose data is not (TensorStore's don't)."
 
 import functools
 import pathlib
-from typing import Any
 from urllib.parse import unquote
 
 
@@ -14,12 +13,8 @@ def check(path: pathlib.Path, names: dict[str, str | None], where: str) -> int |
     root = path / "arrays"
     if not (root / "manifest.ocdbt").is_file():
         return None  # not an OCDBT database: orbax's own errors
-    try:
-        import tensorstore as ts
+    import tensorstore as ts  # orbax 0.12's dependency, at 0.1.74 or later
 
-        dump: Any = ts.ocdbt.dump  # present since tensorstore 0.1.50
-    except (ImportError, AttributeError):
-        return None
     base = ts.KvStore.open({"driver": "file", "path": str(root) + "/"}).result()
     size = functools.cache(lambda f: f.stat().st_size if f.exists() else None)
     found: dict[bytes, str] = {}
@@ -43,7 +38,7 @@ def check(path: pathlib.Path, names: dict[str, str | None], where: str) -> int |
         return None
 
     def walk(location: str, prefix: bytes) -> None:
-        for e in dump(base, location).result()["entries"]:
+        for e in ts.ocdbt.dump(base, location).result()["entries"]:
             key = prefix + bytes(e["key"])
             if "location" in e:  # an interior node's child
                 if why := damage(e["location"]):
@@ -54,7 +49,7 @@ def check(path: pathlib.Path, names: dict[str, str | None], where: str) -> int |
                 found[key] = why
 
     try:
-        versions = dump(base).result()["versions"]
+        versions = ts.ocdbt.dump(base).result()["versions"]
         location = versions[-1]["root"].get("location") if versions else None
         if location is not None:
             if why := damage(location):

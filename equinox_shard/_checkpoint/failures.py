@@ -1,8 +1,5 @@
-"""What happens when a save fails or is interrupted: what it left is finished or removed
-(`tidy`); a `save` replaces a checkpoint in two renames and raises naming its path
-(`writing`); a failed save of a `CheckpointManager` raises once, naming its step
-(`Pending`). Each error is an `OSError` with the system's error number where there is
-one."""
+"""What happens when a save fails or is interrupted (docs/checkpoints.md, "When a save
+fails"): `tidy`, `writing` (`save`, and `overwrite=True`'s two renames), `Pending`."""
 
 import contextlib
 import errno
@@ -22,8 +19,7 @@ from .orbax import LOCK, operation_id, release
 logger = logging.getLogger("equinox_shard")
 
 
-# `overwrite=True` writes the new checkpoint at `SWAP`, renames the old one to `OLD` and
-# the new one to `path`.
+# `overwrite=True` writes at `SWAP`, renames the old one to `OLD` and `SWAP` to `path`.
 SWAP = ".eqxs-overwrite"
 OLD = ".eqxs-old"
 
@@ -57,8 +53,7 @@ def tidy(path: pathlib.Path) -> None:
 
 
 def _error(e: BaseException, message: str) -> Exception:
-    """An `OSError` with the `errno` of `e` (or that its message says), else a
-    `RuntimeError`."""
+    """An `OSError` with the `errno` of `e` (or of its message), else `RuntimeError`."""
     code = e.errno if isinstance(e, OSError) else None
     for known in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT):
         code = code or (known if os.strerror(known) in str(e) else None)
@@ -69,9 +64,8 @@ def _error(e: BaseException, message: str) -> Exception:
 def writing(
     path: pathlib.Path, sync: Callable[[str], object]
 ) -> Iterator[pathlib.Path]:
-    """Where the save to `path` writes: beside an existing `path`, swapped in once
-    written. What an earlier save left is tidied first; a failure raises naming `path`,
-    once what it wrote is removed."""
+    """Where the save to `path` writes (beside an existing `path`, swapped in once
+    written); a failure raises naming `path`, once what it wrote is removed."""
     first = jax.process_index() == 0
     if first:
         tidy(path)
@@ -92,8 +86,8 @@ def writing(
 
 
 class Pending:
-    """A `CheckpointManager`'s saves not yet logged: each is logged once its step
-    directory is final, or its failure raised once, naming its step."""
+    """A `CheckpointManager`'s saves not yet logged: each is logged once final, or its
+    failure raised once, naming its step."""
 
     def __init__(self, directory: pathlib.Path):
         self.directory = directory
@@ -114,8 +108,7 @@ class Pending:
                 )  # fmt: skip
 
     def save(self, save: Callable[..., bool], step: int, size: int, **kwargs) -> bool:
-        """orbax's `save(step, **kwargs)`, logged once final (`size` bytes); raises the
-        failure of an earlier save, named."""
+        """orbax's `save(step, **kwargs)`; raises an earlier save's failure, named."""
         start = time.perf_counter()
         with LOCK:
             saved = False
@@ -124,8 +117,7 @@ class Pending:
                     saved = save(step, **kwargs)
                     break
                 except Exception as e:
-                    # Unnamed: orbax raised again (once per thread) a failure
-                    # named already, so save once more.
+                    # orbax raised again (once per thread) a failure named already.
                     if (error := self._named(e, step)) is not None or again:
                         raise (error or e) from e
             with self.lock:
@@ -145,9 +137,8 @@ class Pending:
         self.finished()
 
     def _named(self, e: BaseException, current: int | None) -> Exception | None:
-        """The error for a failed save (found when `current`'s save started, or by a
-        wait), naming its step; wakes what is left of it (`release`). `None` if that
-        failure was raised already (orbax raises it again, once per thread)."""
+        """The error naming a failed save's step (found by `current`'s save, or by a
+        wait), once; wakes what is left of it (`release`). `None` if raised already."""
         self.finished()
         if str(e) in self.reported:
             return None

@@ -100,11 +100,10 @@ class CheckpointManager:
     `CheckpointManager`: save every N steps and/or T minutes, in the background; keep
     the last K and every M-th; resume from the latest complete one, on any layout.
 
-    Each checkpoint is `directory/<step>`, as [`equinox_shard.save`][] writes it. A
+    Each checkpoint is `directory/<step>`, as [`equinox_shard.save`][] writes it; a
     save killed at any moment is never listed. One manager writes to a directory at
-    a time: it holds the lock file `directory/.eqxs-writer` (`flock`) until `close()`
-    (process 0 holds it for a `jax.distributed` program). A manager left open is
-    closed when the program exits.
+    a time: it holds the lock file `directory/.eqxs-writer` until `close()`. A manager
+    left open is closed when the program exits.
 
     **Arguments:**
 
@@ -144,7 +143,6 @@ class CheckpointManager:
         _positive("every_minutes", every_minutes, (int, float))
         _positive("keep_last", keep_last, int)
         _positive("keep_every", keep_every, int)
-        self._closed = True  # until it holds its directory
         self.directory = absolute_path(directory)
         self._pending = Pending(self.directory)
         if os.path.lexists(self.directory) and not self.directory.is_dir():
@@ -158,18 +156,14 @@ class CheckpointManager:
             when.append(cm.ContinuousCheckpointingPolicy(minimum_interval_secs=seconds))
         keep: list = [cm.LatestN(keep_last)] if keep_last else []
         keep += [cm.EveryNSteps(keep_every)] if keep_every else []
+        logged = ocp.AsyncOptions(post_finalization_callback=self._pending.finished)
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=cm.AnySavePolicy(when or [cm.FixedIntervalPolicy(1)]),
             preservation_policy=cm.AnyPreservationPolicy(keep) if keep else None,
             enable_async_checkpointing=background,
             # orbax refuses this callback unless it saves in the background.
-            async_options=(
-                ocp.AsyncOptions(post_finalization_callback=self._pending.finished)
-                if background
-                else None
-            ),
+            async_options=logged if background else None,
             cleanup_tmp_directories=True,
-            create=True,
         )
         self._background = background
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -304,10 +298,9 @@ class CheckpointManager:
                 f"No checkpoint{which} in {self.directory} (its steps: "
                 f"{', '.join(map(str, steps)) or 'none'})."
             )
-        start = time.perf_counter()
         path: pathlib.Path = self.directory / str(step)
         try:
-            out, read = restore_from(path, like, shardings, f"step {step}")
+            return restore_from(path, like, shardings, f"step {step}")
         except (FileNotFoundError, ValueError) as e:
             # orbax writes this file when it finalises a step, and deletes it first.
             if (path / "_CHECKPOINT_METADATA").exists():
@@ -318,11 +311,6 @@ class CheckpointManager:
                 "interrupted); the next save removes it. Its steps: "
                 f"{', '.join(map(str, steps))}."
             ) from e
-        logger.info(
-            "restored step %d from %s: %d bytes in %.2f s",
-            step, path, nbytes(read), time.perf_counter() - start,
-        )  # fmt: skip
-        return out
 
     def close(self) -> None:
         """Waits for the saves still running and releases the directory. Raises,

@@ -52,11 +52,7 @@ def entry(form: str, x: Any) -> dict:
     return {"kind": form, "shape": list(np.shape(x)), "dtype": str(x.dtype)}
 
 
-#
-# Checksums
-#
-
-
+# Checksums (docs/checkpoints.md, "Checksums").
 _CHUNK = 1 << 16  # elements per step on the host: NumPy's temporaries stay in cache
 
 
@@ -69,8 +65,8 @@ def _fmix(h):
 
 
 def _mixed_sum(xp, lanes, offset: int, starts, strides, iota):
-    """The sum of `fmix(fmix(0x9E3779B9 + i) ^ lane)` over `lanes` at flat indices
-    `i = offset + sum((starts[a] + iota(a)) * strides[a])`, modulo 2**32, by `xp`."""
+    """The sum mod 2**32, by `xp`, of `fmix(fmix(0x9E3779B9 + i) ^ lane)` over `lanes`
+    at flat indices `i = offset + sum((starts[a] + iota(a)) * strides[a])`."""
     index = xp.uint32((0x9E3779B9 + offset) % 2**32)
     for a, (start, stride) in enumerate(zip(starts, strides)):
         index = index + (iota(a) + xp.uint32(start % 2**32)) * xp.uint32(stride % 2**32)
@@ -167,8 +163,7 @@ _device_sums = jax.jit(lambda arrays: [_device_sum(x) for x in arrays])
 
 
 def checksums(arrays: list) -> list[int]:
-    """The checksum of each array: on its devices on an accelerator, else on the host
-    from this process's shards."""
+    """Each array's checksum: on its devices on an accelerator, else on the host."""
     arrays = [jax.random.key_data(x) if is_key_array(x) else x for x in arrays]
     out: list = [None] * len(arrays)  # the sums, `None` until computed
     # One call per set of devices: one over several would move arrays between them.
@@ -215,8 +210,7 @@ def checksums(arrays: list) -> list[int]:
 
 
 def _stored_checksums(entries: list[dict], stored: dict) -> list[int]:
-    """The checksum of each entry's stored array (`stored`: by name). A saved NumPy
-    array's is the CRC-32 of its bytes."""
+    """The checksum of each entry's array in `stored` (a NumPy array's: its CRC-32)."""
     jax_entries = [e for e in entries if e["kind"] != "numpy"]
     sums = checksums([stored[e["name"]] for e in jax_entries])
     sums = dict(zip((e["name"] for e in jax_entries), sums))
@@ -227,14 +221,9 @@ def _stored_checksums(entries: list[dict], stored: dict) -> list[int]:
     ]
 
 
-#
-# The record: built on save, matched against `like` on restore.
-#
-
-
 def build(tree: Any, name: str) -> tuple[dict, dict]:
-    """The record of `tree`'s saved leaves, and the arrays to store by name. Raises
-    naming the leaf as `name<key path>`."""
+    """The record of `tree`'s saved leaves, and the arrays to store by name; errors
+    name the leaf as `name<key path>`."""
     entries, arrays = [], {}
     for key_path, x in jtu.tree_flatten_with_path(tree)[0]:
         where = name + jtu.keystr(key_path)
@@ -265,14 +254,9 @@ def build(tree: Any, name: str) -> tuple[dict, dict]:
     return {"format": FORMAT, "version": VERSION, "leaves": entries}, arrays
 
 
-def _json(x: Any) -> str:
-    """What JSON calls the type of `x` (as `json.loads` returned it)."""
-    if isinstance(x, bool):
-        return "a boolean"
-    if isinstance(x, (int, float)):
-        return "a number"
-    names = {dict: "an object", list: "an array", str: "a string"}
-    return names.get(type(x), "null")
+def json_type(x: Any) -> str:
+    """The type of `x`, as `json.loads` returned it, for an error."""
+    return "null" if x is None else f"a JSON {type(x).__name__}"
 
 
 def _dtype(x: Any) -> bool:
@@ -295,7 +279,7 @@ _FITS = {  # a scalar entry's "type" -> whether its "value" is one
 
 def _entry_problem(e: Any, version: int) -> str | None:
     if not isinstance(e, dict):
-        return f"it is {_json(e)}, not an object"
+        return f"it is {json_type(e)}, not a JSON object"
     k, t = e.get("kind"), e.get("type")
     # (field, whether it must be there, its test, what it must be)
     fields = [
@@ -339,7 +323,7 @@ def problem(record: Any) -> str | None:
     if version > VERSION:
         return None
     if not isinstance(record["leaves"], list):
-        return f"its 'leaves' is {_json(record['leaves'])}, not an array"
+        return f"its 'leaves' is {json_type(record['leaves'])}, not a JSON list"
     for i, e in enumerate(record["leaves"]):
         if (why := _entry_problem(e, version)) is not None:
             where = e.get("path") if isinstance(e, dict) else None
@@ -359,8 +343,8 @@ def names(entries: list[dict]) -> dict[str, str | None]:
 
 
 def match(path: Any, entries: list[dict], like: list) -> None:
-    """Raises, naming the first leaf that differs, unless `like` (`(key path, saved
-    form, leaf)`s) has exactly the saved leaves' paths, forms, shapes and dtypes."""
+    """Raises, naming the first leaf that differs, unless `like`'s `(key path, saved
+    form, leaf)`s have exactly the saved leaves' paths, forms, shapes and dtypes."""
     saved = {e["path"]: e for e in entries}
     for p, k, x in like:
         if p not in saved:
@@ -388,8 +372,7 @@ def match(path: Any, entries: list[dict], like: list) -> None:
 
 
 def verify(path: Any, entries: list[dict], stored: dict) -> None:
-    """Raises, naming the leaf, where an array read (`stored`: by name) does not have
-    the checksum saved with it."""
+    """Raises, naming the leaf, where an array read does not have its saved checksum."""
     checked = [e for e in entries if e.get("checksum") is not None]
     for e, read in zip(checked, _stored_checksums(checked, stored)):
         if read != e["checksum"]:

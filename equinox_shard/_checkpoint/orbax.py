@@ -32,9 +32,8 @@ def composite(ocp, record: dict, arrays: dict):
 
 
 def handlers(ocp) -> dict:
-    """orbax's handlers of the two items. `arrays`, in one process, without
-    "replica-parallel" writing, which there only slices each replicated array eagerly
-    on the caller's thread (docs/checkpoints.md)."""
+    """orbax's handlers of the two items; in one process without "replica-parallel"
+    writing, there only eager slicing on the caller's thread (docs/checkpoints.md)."""
     if jax.process_count() > 1:
         arrays = ocp.PyTreeCheckpointHandler()
     else:
@@ -55,9 +54,8 @@ def operation_id() -> str:
 
 
 def release(operation: str) -> None:
-    """Wakes the threads of orbax's failed save `operation` still waiting for a signal
-    the failed one never sends (Python would wait for them at exit: RFC.md, 15). Each
-    is sent its signal, runs, and fails on its own (its step is already lost)."""
+    """Sends the threads of orbax's failed save `operation` the signals they wait for
+    (else Python waits for them at exit: RFC.md, 10.15); each then fails on its own."""
     if jax.process_count() > 1:
         return  # the signals are the job's: its other processes wait on them too
     try:

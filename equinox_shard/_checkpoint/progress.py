@@ -42,13 +42,12 @@ def bar(description: str, total: int | None):
                 self.update(self.task_ids[0], completed=read)
             yield from super().get_renderables()
 
-    console = rich.console.Console(file=sys.stderr, force_terminal=True)
     progress = Progress(
         rp.TextColumn("{task.description}"),
         rp.BarColumn(bar_width=30),
         rp.DownloadColumn() if total is not None else rp.TextColumn(""),
         rp.TimeElapsedColumn(),
-        console=console,
+        console=rich.console.Console(file=sys.stderr, force_terminal=True),
         refresh_per_second=10,
     )
     progress.add_task(description, total=total)

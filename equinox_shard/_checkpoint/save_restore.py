@@ -32,25 +32,6 @@ def absolute_path(path: str | os.PathLike) -> pathlib.Path:
     return pathlib.Path(os.path.abspath(path))
 
 
-def _refuse_to_replace(path: pathlib.Path) -> None:
-    """Raises unless `path` is absent, an empty directory or a checkpoint."""
-    if not os.path.lexists(path):
-        return
-    if not path.is_dir():
-        raise FileExistsError(
-            f"{path} is a file, not a checkpoint directory; `save` does not replace "
-            "it (even with `overwrite=True`). Remove it, or save elsewhere."
-        )
-    checkpoint = (path / "_CHECKPOINT_METADATA").is_file() or (path / "leaves").is_dir()
-    if any(path.iterdir()) and not checkpoint:
-        raise FileExistsError(
-            f"{path} is a directory that is not a checkpoint (it has neither "
-            "'_CHECKPOINT_METADATA' nor 'leaves'); `save` does not replace it (even "
-            "with `overwrite=True`), so as not to delete its files. Remove it, or save "
-            "elsewhere."
-        )
-
-
 def damaged(path: pathlib.Path, file: pathlib.Path, why: str) -> ValueError:
     """The error for a checkpoint `path` whose metadata `file` cannot be used."""
     return ValueError(
@@ -66,7 +47,7 @@ def read_json(path: pathlib.Path, file: pathlib.Path) -> Any:
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise damaged(path, file, f"is not valid JSON ({e})") from None
     if not isinstance(value, dict):
-        what = "null" if value is None else f"a JSON {type(value).__name__}"
+        what = manifest.json_type(value)
         raise damaged(path, file, f"holds {what}, not a JSON object")
     return value
 
@@ -132,7 +113,19 @@ def save(
         raise FileExistsError(
             f"{path} already exists; pass `overwrite=True` to replace it."
         )
-    _refuse_to_replace(path)
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(
+            f"{path} is a file, not a checkpoint directory; `save` does not replace "
+            "it (even with `overwrite=True`). Remove it, or save elsewhere."
+        )
+    checkpoint = (path / "_CHECKPOINT_METADATA").is_file() or (path / "leaves").is_dir()
+    if path.is_dir() and any(path.iterdir()) and not checkpoint:
+        raise FileExistsError(
+            f"{path} is a directory that is not a checkpoint (it has neither "
+            "'_CHECKPOINT_METADATA' nor 'leaves'); `save` does not replace it (even "
+            "with `overwrite=True`), so as not to delete its files. Remove it, or save "
+            "elsewhere."
+        )
     start = time.perf_counter()
     handler = ocp.CompositeCheckpointHandler(**handlers(ocp))
     with (
@@ -162,14 +155,12 @@ def _read_record(path: pathlib.Path) -> list[dict]:
             f"{path} is not a checkpoint written by `equinox_shard.save` (it has no "
             "'leaves' item)."
         )
-    # The JSON file that orbax's JSON handler writes, read as it is: no orbax call.
-    record = read_json(path, path / "leaves" / "metadata")
+    metadata = path / "leaves" / "metadata"  # orbax's JSON handler's: no orbax call
+    record = read_json(path, metadata)
     if record.get("format", manifest.FORMAT) != manifest.FORMAT:
         raise ValueError(f"{path} is not a checkpoint written by `equinox_shard.save`.")
     if (why := manifest.problem(record)) is not None:
-        raise damaged(
-            path, path / "leaves" / "metadata", f"is not as `save` writes it ({why})"
-        )
+        raise damaged(path, metadata, f"is not as `save` writes it ({why})")
     if record["version"] > manifest.VERSION:
         raise ValueError(
             f"{path} was written by a newer equinox_shard (format version "
@@ -205,18 +196,14 @@ def restore(
     straight into its target sharding: each device receives only its own shards, and
     no device ever holds a whole array that its target sharding splits.
 
-    `like` gives the structure: every leaf that `save` did not save is returned as the
-    very object of `like`, as in `equinox.tree_deserialise_leaves`. It may be built
-    the usual way, or be abstract (`equinox.filter_eval_shape`, `jax.eval_shape`,
-    `equinox_shard.filter_jit(...).eval_shape(...)`).
-
     **Arguments:**
 
     - `path`: the checkpoint directory. In a multi-process program every process
         calls `restore` with the same `path`, and reads only the shards it holds.
     - `like`: a PyTree with the structure of the saved one: the same key paths,
         shapes and dtypes for every saved array and Python scalar. Its arrays'
-        values are never read.
+        values are never read, so it may be abstract (`equinox.filter_eval_shape`,
+        `jax.eval_shape`, `equinox_shard.filter_jit(...).eval_shape(...)`).
     - `shardings`: where each array goes, in the spec language of
         [`equinox_shard.filter_device_put`][] (a PyTree prefix of `like`). Where it is
         `None` (the default), an array goes where the leaf of `like` says: a JAX
@@ -228,8 +215,9 @@ def restore(
     **Returns:**
 
     A PyTree with the structure of `like`: saved arrays as JAX arrays (typed PRNG
-    keys as keys, NumPy arrays of `like` as NumPy arrays), saved Python
-    scalars with their saved values, and every other leaf the object of `like`.
+    keys as keys, NumPy arrays of `like` as NumPy arrays), saved Python scalars with
+    their saved values, and every other leaf the very object of `like` (as in
+    `equinox.tree_deserialise_leaves`).
 
     **Raises:**
 
@@ -251,20 +239,14 @@ def restore(
             model, opt_state, step = eqxs.restore("/tmp/checkpoints/step_100", like)
         ```
     """
-    start = time.perf_counter()
-    path = absolute_path(path)
-    out, read = restore_from(found(path), like, shardings)
-    logger.info(
-        "restored %s: %d arrays, %d bytes in %.2f s",
-        path, len(read), nbytes(read), time.perf_counter() - start,
-    )  # fmt: skip
-    return out
+    return restore_from(found(absolute_path(path)), like, shardings)
 
 
 def restore_from(
     path: pathlib.Path, like: Any, shardings: Any, what: str | None = None
-) -> tuple[Any, dict]:
-    """`restore`, and the arrays it read (by name); `what` names it on the bar."""
+) -> Any:
+    """`restore`, logged; `what` names it on the bar and in the log (`path.name`)."""
+    start, what = time.perf_counter(), what or path.name
     ocp = _orbax()
     flat, treedef = jtu.tree_flatten_with_path(like)
     paths, leaves = [jtu.keystr(p) for p, _ in flat], [x for _, x in flat]
@@ -281,7 +263,7 @@ def restore_from(
             like, leaves, shardings, "shardings", "like", abstract_ok=False,
             selected=array_like,
         ))  # fmt: skip
-    items, restore_args, placed = {}, {}, {}
+    items, placed = {}, {}  # `placed`: each array's shape, dtype and target sharding
     for i, (p, form, x) in enumerate(zip(paths, forms, leaves)):
         if form not in ("array", "key", "numpy"):
             continue
@@ -292,31 +274,22 @@ def restore_from(
             shape, dtype = data.shape, data.dtype
         else:
             shape, dtype = tuple(np.shape(x)), np.dtype(saved[p]["dtype"])
-        sharding = None
-        if form != "numpy":
-            sharding = targets[i] if i in targets else _placed(x)
+        sharding = None if form == "numpy" else targets.get(i, _placed(x))
         if sharding is not None:
             sharding = _concrete(sharding, "like" + p)
             check(tuple(np.shape(x)), sharding, lambda p=p: "like" + p)
-        placed[p] = (shape, dtype, sharding)
-        if names[p] is None:  # zero-size: nothing stored
-            continue
-        if sharding is None:  # read onto the host
-            items[names[p]] = np.empty(shape, dtype)
-            restore_args[names[p]] = ocp.RestoreArgs(restore_type=np.ndarray)
-        else:
-            items[names[p]] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-            restore_args[names[p]] = ocp.ArrayRestoreArgs(
-                sharding=sharding, global_shape=shape, dtype=dtype
-            )
+        placed[p] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        if names[p] is not None:  # `None`: zero-size, nothing stored
+            items[names[p]] = placed[p]  # without a sharding: read onto the host
     read = {}
     if items:
         read_json(path, path / "arrays" / "_METADATA")
         stored = data_files.check(path, names, "like")
         with (
-            progress.bar(f"restoring {what or path.name}", stored),
+            progress.bar(f"restoring {what}", stored),
             ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer,
         ):
+            restore_args = ocp.checkpoint_utils.construct_restore_args(items)
             arrays = ocp.args.PyTreeRestore(items, restore_args=restore_args)  # pyright: ignore[reportCallIssue]
             try:
                 read = checkpointer.restore(path, ocp.args.Composite(arrays=arrays))
@@ -334,7 +307,11 @@ def restore_from(
             new[i] = complex(*e["value"]) if e["type"] == "complex" else e["value"]
         elif form is not None:
             new[i] = _value(form, leaves[i], read.get(names[p]), placed[p], saved[p])
-    return jtu.tree_unflatten(treedef, new), read
+    logger.info(
+        "restored %s from %s: %d bytes in %.2f s",
+        what, path, nbytes(read), time.perf_counter() - start,
+    )  # fmt: skip
+    return jtu.tree_unflatten(treedef, new)
 
 
 def _placed(x: Any) -> Sharding | None:
@@ -346,7 +323,7 @@ def _placed(x: Any) -> Sharding | None:
 
 def _value(form, leaf, value, placed, e) -> Any:
     """The restored leaf, from what orbax read (`None` for a zero-size array)."""
-    shape, dtype, sharding = placed
+    shape, dtype, sharding = placed.shape, placed.dtype, placed.sharding
     if value is None:
         zeros = value = np.zeros(shape, dtype)
         if sharding is not None:
