@@ -245,13 +245,17 @@ class Typed:
                 return compiled(*dynamic)
             except (TypeError, ValueError):  # refused before it runs
                 leaves = jtu.tree_leaves(dynamic)
+                shardings = jtu.tree_leaves(compiled.input_shardings)
                 # The function's own arrays inside an outer trace, or an input without
                 # target committed elsewhere (`jax.jit` compiles for its sharding).
-                if any(map(is_tracer, leaves)) or _committed_elsewhere(
-                    compiled, leaves
+                if any(map(is_tracer, leaves)) or any(
+                    getattr(x, "committed", False) and x.sharding != s
+                    for x, s in zip(leaves, shardings)
                 ):
                     return self.entry.jitted(*dynamic)
-                if _same_types(compiled, leaves):  # not refused for its types
+                types = lambda avals: [(a.shape, a.dtype) for a in avals]
+                avals = jtu.tree_leaves(compiled.in_avals)
+                if types(map(jax.typeof, leaves)) == types(avals):  # not its types
                     raise
         elif any(map(is_tracer, jtu.tree_leaves(dynamic))):
             return self.entry.jitted(*dynamic)
@@ -259,23 +263,6 @@ class Typed:
         with self.donation.tracing():
             compiled = self.compiled = self.entry.jitted.lower(*at).compile()
         return compiled(*dynamic)
-
-
-def _committed_elsewhere(compiled, leaves: list) -> bool:
-    """Whether a committed input is not on `compiled`'s sharding for it."""
-    shardings = jtu.tree_leaves(compiled.input_shardings)
-    return any(
-        getattr(x, "committed", False) and x.sharding != s
-        for x, s in zip(leaves, shardings)
-    )
-
-
-def _same_types(compiled, leaves: list) -> bool:
-    """Whether every input has the shape and dtype `compiled` was compiled for."""
-    avals = jtu.tree_leaves(compiled.in_avals)
-    types = [(a.shape, a.dtype) for a in avals]
-    given = [(t.shape, t.dtype) for t in map(jax.typeof, leaves)]
-    return types == given
 
 
 #

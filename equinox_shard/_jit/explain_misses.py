@@ -1,8 +1,6 @@
-"""`jax.config.update("jax_explain_cache_misses", True)` for `filter_jit` (RFC §13):
-each miss of our cache (a new `jax.jit`), and a recompile without a retrace beneath
-(heard through `jax.monitoring`), explained on the `equinox_shard` logger, at the
-caller's line, in the caller's names, against the closest call seen before. JAX explains
-its retraces (shape, dtype, memory kind) itself. Nothing runs with the flag off."""
+"""JAX's `jax_explain_cache_misses` for `filter_jit` (RFC §13): each miss of our cache,
+and each recompile without a retrace beneath, explained on the `equinox_shard` logger in
+the caller's names. JAX explains its own retraces. Nothing runs with the flag off."""
 
 import contextlib
 import dataclasses

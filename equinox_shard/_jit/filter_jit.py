@@ -175,12 +175,9 @@ class Compiled(Module):
 
     @property
     def input_formats(self) -> tuple[tuple, dict]:
-        """The formats (`jax.experimental.layout.Format`: layout and sharding) of the
-        array arguments, as `(args, kwargs)` in the structure of the bound arguments;
-        non-array arguments appear as themselves. Those that `in_shardings` left to
-        the compiler (`Layout.AUTO`) are the layouts it chose:
-        `eqxs.filter_device_put(args_tree, compiled.input_formats[0])` places
-        arguments exactly as this executable wants them."""
+        """As `input_shardings`, the formats (layout and sharding); a `Layout.AUTO`
+        is the layout the compiler chose, so `eqxs.filter_device_put(args_tree,
+        compiled.input_formats[0])` places arguments as this executable wants them."""
         return self._inputs(self.compiled.input_formats)
 
     def _inputs(self, per_input) -> tuple[tuple, dict]:
@@ -288,13 +285,10 @@ class _JitWrapper(Module):
         return Lowered(lowered, self, entry)
 
     def eval_shape(self, /, *args, **kwargs) -> Any:
-        """The output's shapes, dtypes and shardings, as `jax.ShapeDtypeStruct`s,
-        without running the function; arguments as for `.lower`. Unlike
-        `jax.eval_shape(f, ...)`, this reports `out_shardings` on `Auto` mesh axes too:
-        JAX reports a `jax.jit`'s own `out_shardings` only for a `jax.jit` object passed
-        to it directly. Called under `jax.set_mesh(mesh)` (outside a trace), shardings
-        are on `mesh` itself, not its abstract mesh, so the result can be passed to
-        `equinox_shard.restore` or `equinox_shard.sharding_table` as it is."""
+        """The output as `jax.ShapeDtypeStruct`s with shardings, `out_shardings` on
+        `Auto` axes too, without running; arguments as for `.lower`. Under
+        `jax.set_mesh(mesh)`, shardings are on `mesh` itself (not its abstract mesh),
+        ready for `equinox_shard.restore` or `equinox_shard.sharding_table`."""
         _, trace = self._ahead(
             args, kwargs, lambda entry, dynamic: entry.jitted.trace(*dynamic)
         )
@@ -353,10 +347,8 @@ def filter_jit(
         an input): give a sharding with a memory kind. Uncommitted and NumPy arrays
         go to `jax.jit` as they are, which moves them; a committed array on another
         sharding (which `jax.jit` refuses) is moved first, as a copy that leaves the
-        caller's array alive, unless it is donated: then it is freed exactly where
-        `jax.jit` would free it (a move onto its own device, or a replication over
-        more or fewer devices that include its own; over the same devices in another
-        order, JAX copies, and it stays alive).
+        caller's array alive unless donated (then freed exactly where `jax.jit` would
+        free it; see docs/semantics.md).
     - `out_shardings`: a PyTree prefix of the output, in the same language, given to
         `jax.jit`'s own `out_shardings`; a `jax.memory.Space` is taken here too, and
         applied inside the function. Non-array outputs are returned untouched.

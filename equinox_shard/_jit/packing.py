@@ -1,9 +1,5 @@
-"""The forms in which a call's PyTrees cross `jax.jit` cheaply but keep their names.
-
-`jax.jit` calls back into Python for every Module node on every call. So a parameter
-that JAX cannot flatten in C++ goes as its traced leaves, flat, named by the user's key
-paths, which JAX's errors print (`model.layers[0].weight`); an output under
-`out_shardings` goes as its `mirror`."""
+"""The forms in which a call's PyTrees cross `jax.jit` without a Python call per Module
+node (flat, or as a `mirror`), keeping the key paths that JAX's errors print."""
 
 import collections
 import functools as ft
