@@ -43,8 +43,7 @@ def schedule(stages: int, microbatches: int, repeats: int = 1) -> np.ndarray:
 def _leading_size(
     tree: Any, name: str, axis: str, size: str, hint: str = ""
 ) -> tuple[int, str]:
-    """The size of the leading axis that every leaf of `tree` (all arrays) shares, and
-    the first leaf's key path."""
+    """The leading size that all arrays of `tree` share, and its first leaf's path."""
     paths = jtu.tree_flatten_with_path(tree)[0]
     first_path, first = paths[0]
     for path, leaf in paths:  # the first first: its size is the others'

@@ -83,8 +83,7 @@ def _leaf_specs(
 
 
 def _unreplicated(fun, refused: list, manual: tuple) -> ValueError:
-    """Our error for the outputs `(key path, spec)` that `out_specs` replicates over
-    some of the `manual` mesh axes (in the mesh's order) but that vary over them."""
+    """Our error for outputs `(key path, spec)` varying over `manual` axes they omit."""
     lines = []
     for key, spec in refused:
         left_out = tuple(a for a in manual if a not in _axes(spec))
