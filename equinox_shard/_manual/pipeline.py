@@ -27,12 +27,8 @@ traceback_util.register_exclusion(__file__)
 def schedule(stages: int, microbatches: int, repeats: int = 1) -> np.ndarray:
     """The schedule `filter_pipeline` runs: an integer array of shape
     `(stages, ticks, 2)` whose entry `[s, t]` is the `(microbatch, repeat)` that stage
-    `s` works on at tick `t`, or `(-1, -1)` when the stage is idle.
-
-    Stage 0 starts microbatch `m` of repeat `r` at tick `r * max(M, S) + m`, stage `s`
-    `s` ticks later: repeat `r + 1` of a microbatch starts after the last stage
-    finished repeat `r` of it. The backward pass runs the table from its last tick.
-    """
+    `s` works on at tick `t`, or `(-1, -1)` when the stage is idle (docs/pipeline.md
+    draws it). The backward pass runs the table from its last tick."""
     period = max(microbatches, stages)
     ticks = (repeats - 1) * period + microbatches + stages - 1
     table = np.full((stages, ticks, 2), -1, dtype=np.int32)
@@ -47,28 +43,24 @@ def schedule(stages: int, microbatches: int, repeats: int = 1) -> np.ndarray:
 def _leading_size(
     tree: Any, name: str, axis: str, size: str, hint: str = ""
 ) -> tuple[int, str]:
-    """The size of the leading axis that every leaf of `tree` (all arrays) shares, and
-    the first leaf's key path."""
+    """The leading size that all arrays of `tree` share, and its first leaf's path."""
     paths = jtu.tree_flatten_with_path(tree)[0]
     first_path, first = paths[0]
     for path, leaf in paths:  # the first first: its size is the others'
-        if leaf.ndim == 0:
-            raise ValueError(
-                f"{name}{jtu.keystr(path)}: every array of `{name}` needs the {axis} "
-                f"axis first; got shape ().{hint}"
+        if leaf.ndim == 0 or leaf.shape[0] != first.shape[0]:
+            same = leaf.ndim and (
+                f", of the same size {size} = {first.shape[0]} as "
+                f"{name}{jtu.keystr(first_path)}"
             )
-        if leaf.shape[0] != first.shape[0]:
             raise ValueError(
                 f"{name}{jtu.keystr(path)}: every array of `{name}` needs the {axis} "
-                f"axis first, of the same size {size} = {first.shape[0]} as "
-                f"{name}{jtu.keystr(first_path)}; got shape {leaf.shape}.{hint}"
+                f"axis first{same or ''}; got shape {leaf.shape}.{hint}"
             )
     return first.shape[0], name + jtu.keystr(first_path)
 
 
 def _refuse_layer_list(layers: Any) -> None:
-    # A list of unstacked layers has leaves that look stacked (a Linear's weight and
-    # bias share their first axis), so the layer-axis check alone lets it through.
+    # Unstacked layers can pass the layer-axis check (a Linear's weight and bias).
     if (
         isinstance(layers, (list, tuple))
         and len(layers) > 0
@@ -169,8 +161,7 @@ def _get_mesh(mesh: Any, axis_name: str) -> Any:
             f"axis_name={axis_name!r} is not an axis of the mesh (its axes are "
             f"{tuple(mesh.axis_names)})."
         )
-    # Inside a `jax.shard_map` the mesh in context marks its axes Manual; a second
-    # `jax.shard_map` over one of them fails deep inside JAX.
+    # Inside a `jax.shard_map` its axes are Manual: a second one fails deep in JAX.
     for where in (jax.sharding.get_abstract_mesh(), mesh):
         if axis_name in where.manual_axes:
             raise ValueError(
@@ -195,24 +186,6 @@ def _default_fn(layer, x, **kwargs):
     return layer(x, **kwargs)
 
 
-def _default_fn_hint(one_layer: Callable, shapes: tuple) -> str:
-    """What to do when `layer(x)` fails on a microbatch: most Equinox layers take one
-    example, so try the layer on each example of it."""
-    xm_shape, *rest = shapes
-    per_example = lambda xm, *rest: jax.vmap(lambda x: one_layer(x, *rest))(xm)
-    try:
-        jax.eval_shape(per_example, xm_shape, *rest)
-    except Exception:
-        return (
-            "Check that every array of `layers` has the layer axis first, or pass "
-            "`fn(layer, x) -> x`."
-        )
-    return (
-        "The layers take one example, as most Equinox layers (`eqx.nn.Linear`) do: "
-        "pass `fn=lambda layer, x: jax.vmap(layer)(x)`."
-    )
-
-
 def filter_pipeline(
     layers: PyTree[Any],
     x: PyTree[jax.Array],
@@ -227,58 +200,49 @@ def filter_pipeline(
 ) -> PyTree[jax.Array]:
     """Runs a stack of layers over a batch as a pipeline: the layers split into stages
     over the mesh axis `axis_name` (each device holds its stage's layers only), the
-    batch cut into microbatches that pass from stage to stage (`jax.lax.ppermute`).
-    Differentiate it (`jax.grad`) for the backward pipeline. Works inside `filter_jit`
-    and `jax.jit`; other mesh axes are left to the compiler, so data, FSDP or tensor
-    parallelism over them (by `PathRules`) compose with it.
+    batch cut into microbatches that pass from stage to stage. Differentiate it for the
+    backward pipeline. Other mesh axes are left to the compiler, so data, FSDP or tensor
+    parallelism over them compose with it.
 
     It computes what scanning `fn` over the layers computes on each microbatch in turn,
-    up to floating-point reassociation (docs/pipeline.md: the reference, an example).
+    up to floating-point reassociation. docs/pipeline.md gives that reference, an
+    example, the schedules and the errors.
 
     **Arguments:**
 
     - `layers`: a stacked Module (or any PyTree), as `eqx.filter_vmap(make_layer)(keys)`
-        builds it (a list of layers is refused): every array leaf has the layer axis,
-        of the same size `L`, first; every other leaf is shared by all layers. Placed
-        with the layer axis split over `axis_name` (`PartitionSpec(axis_name)`), each
-        stage holds its own layers and nothing moves (with `repeats=1`).
-    - `x`: a PyTree of arrays, each with the batch axis first. PRNG keys (typed or
-        raw), one per example, may ride in it with the activations.
+        builds it: every array leaf has the layer axis, of the same size `L`, first;
+        every other leaf is shared by all layers. Placed with `PartitionSpec(axis_name)`
+        and `repeats=1`, each stage holds its own layers and nothing moves.
+    - `x`: a PyTree of arrays, each with the batch axis first (PRNG keys per example
+        may ride in it).
     - `microbatches`: `M`, how many microbatches the batch (a multiple of `M`) is cut
-        into. Microbatch `m` is `x[m::M]`, so that a batch split over a data axis stays
-        split within each microbatch.
-    - `axis_name`: the mesh axis the `S` stages lie on; inside the `fn` of another
-        pipeline, another axis than that pipeline's.
-    - `repeats`: `R`, how many chunks of layers each stage holds. `1` (the default) is
-        the GPipe schedule, a fraction `(S - 1)/(M + S - 1)` of its ticks idle. With
-        `R > 1` stage `s` holds chunks `s, s + S, s + 2S, ...` of `S * R` (circular
-        schedule) and the idle fraction falls to `(S - 1)/(R * M + S - 1)` when
-        `M >= S`. `L` must divide by `S * R`.
+        into; microbatch `m` is `x[m::M]`.
+    - `axis_name`: the mesh axis the `S` stages lie on.
+    - `repeats`: `R`, how many chunks of layers each stage holds (`L` must divide by
+        `S * R`): `1` is the GPipe schedule, more the circular one, which idles less.
     - `fn`: the layer function, `fn(layer, x) -> x` (or `fn(layer, x, key=key)` when
         `key` is given), returning the same structure, shapes and dtypes as `x`;
         defaults to `layer(x)`. It may be a PyTree (a Module, an `eqx.Partial`) whose
         arrays every stage gets whole: pass arrays computed inside a JIT that way, not
         by closing over them, since `fn` runs inside `jax.shard_map`.
-    - `key`: one PRNG key (`jax.random.key`, or a raw `jax.random.PRNGKey`); layer `l`
-        of microbatch `m` gets `split(split(key, M)[m], L)[l]`.
-    - `remat`: whether to `jax.checkpoint` each stage's work at each tick: the backward
-        pass recomputes the activations inside a stage instead of storing them.
+    - `key`: one PRNG key (typed or raw); layer `l` of microbatch `m` gets
+        `split(split(key, M)[m], L)[l]`.
+    - `remat`: whether to `jax.checkpoint` each stage's work at each tick.
     - `mesh`: a `jax.sharding.Mesh` or `AbstractMesh`; defaults to the mesh set with
-        `jax.set_mesh`. Explicit axes are made Auto inside (`jax.sharding.auto_axes`)
-        and the output keeps the sharding of `x`; such a mesh must be the one set with
-        `jax.set_mesh`.
+        `jax.set_mesh`, as one with Explicit axes must be (the output then keeps the
+        sharding of `x`).
 
     **Returns:**
 
     `fn` applied by every layer in order, to the whole batch: a PyTree like `x`. Bad
     arguments are refused before anything runs, naming the argument or the leaf's key
-    path (the list is in docs/pipeline.md).
+    path.
 
     !!! warning
 
-        `fn` runs inside `jax.shard_map`, manual over `axis_name` only, where
-        `eqx.error_if` and `jax.pure_callback` fail when traced (`jax.debug.print`
-        works). Check values on the pipeline's output instead.
+        Inside `fn`, `eqx.error_if` and `jax.pure_callback` fail when traced
+        (`jax.debug.print` works): check values on the pipeline's output instead.
     """
     microbatches = _check_positive(microbatches, "microbatches")
     repeats = _check_positive(repeats, "repeats")
@@ -338,18 +302,14 @@ def filter_pipeline(
         f = eqx.combine(fn_arrays, fn_static)
         return f(layer, xm) if k is None else f(layer, xm, key=k)
 
-    # Checked abstractly, before anything runs: a layer keeps the microbatch's shape.
-    # Shapes without shardings, so that Explicit mesh axes need no slicing rules here.
+    # A layer keeps a microbatch's shape: checked on shapes without shardings, which on
+    # Explicit axes would need JAX's slicing rules.
+    struct = lambda a, *dims: jax.ShapeDtypeStruct(dims, a.dtype)
     xm_shape = jtu.tree_map(
-        lambda a: jax.ShapeDtypeStruct(
-            (a.shape[0] // microbatches, *a.shape[1:]), a.dtype
-        ),
-        x,
+        lambda a: struct(a, len(a) // microbatches, *a.shape[1:]), x
     )
-    layer_shape = jtu.tree_map(
-        lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), arrays
-    )
-    key_shape = None if key is None else jax.ShapeDtypeStruct(key.shape, key.dtype)
+    layer_shape = jtu.tree_map(lambda a: struct(a, *a.shape[1:]), arrays)
+    key_shape = None if key is None else struct(key, *key.shape)
     shapes = (xm_shape, layer_shape, key_shape, fn_arrays)
     try:
         out_shape = jax.eval_shape(one_layer, *shapes)
@@ -360,11 +320,24 @@ def filter_pipeline(
                 f"and one microbatch of `x`, {xm_shape}, before anything runs.)"
             )
             raise
+        # Most Equinox layers take one example: do they run on each of a microbatch?
+        per_example = lambda xm, *rest: jax.vmap(lambda x: one_layer(x, *rest))(xm)
+        try:
+            jax.eval_shape(per_example, *shapes)
+            hint = (
+                "The layers take one example, as most Equinox layers (`eqx.nn.Linear`) "
+                "do: pass `fn=lambda layer, x: jax.vmap(layer)(x)`."
+            )
+        except Exception:
+            hint = (
+                "Check that every array of `layers` has the layer axis first, or pass "
+                "`fn(layer, x) -> x`."
+            )
         raise ValueError(
             "fn=None: the default `fn` calls `layer(x)` on one layer of `layers` and "
             f"one microbatch of `x`, {xm_shape}, and that failed ("
             f"{type(error).__name__}: {str(error).splitlines()[0].rstrip('.')}). "
-            + _default_fn_hint(one_layer, shapes)
+            + hint
         ) from error
     if jtu.tree_structure(out_shape) != jtu.tree_structure(xm_shape) or any(
         (a.shape, a.dtype) != (b.shape, b.dtype)
@@ -377,21 +350,11 @@ def filter_pipeline(
         )
 
     # Chunk `r * S + s` of the layers goes to stage `s`: shape `(S, R, C, ...)`.
-    def by_stage(a):
-        a = a.reshape(repeats, stages, chunk, *a.shape[1:])
-        return jnp.swapaxes(a, 0, 1)
-
-    def per_layer_keys(key):  # `(S, M, R, C, ...)`
-        keys = lambda k: by_stage(jr.split(k, n_layers))
-        return jax.vmap(keys, out_axes=1)(jr.split(key, microbatches))
-
+    by_stage = lambda a: a.reshape(repeats, stages, chunk, *a.shape[1:]).swapaxes(0, 1)
     table = schedule(stages, microbatches, repeats)
 
     def run_chunk(xm, chunk_arrays, chunk_keys, fn_arrays):
-        def step(xm, layer_and_key):
-            layer_arrays, k = layer_and_key
-            return one_layer(xm, layer_arrays, k, fn_arrays), None
-
+        step = lambda xm, pair: (one_layer(xm, *pair, fn_arrays=fn_arrays), None)
         return jax.lax.scan(step, xm, (chunk_arrays, chunk_keys))[0]
 
     if remat:
@@ -403,8 +366,7 @@ def filter_pipeline(
         keys = None if keys is None else keys[0]
         varying = lambda a: jax.lax.pcast(a, axis_name, to="varying")
         inputs = jtu.tree_map(varying, inputs)
-        # Every slot is written before it is returned, so any start will do; not
-        # `zeros_like`, which drops the varying type of typed PRNG keys in `x`.
+        # Each slot is set before it is returned; `zeros_like` drops typed keys' type.
         outputs = inputs
         held = jtu.tree_map(lambda a: a[0], outputs)
         here = jnp.asarray(table)[stage]  # `(ticks, 2)`: this stage's column
@@ -437,8 +399,7 @@ def filter_pipeline(
         carry, _ = jax.lax.scan(tick, (inputs, outputs, held), (here, last))
         return jtu.tree_map(lambda a: a[None], carry[1])
 
-    # The arrays of `fn` (a Module, an `eqx.Partial`) go in whole, as inputs: an array
-    # that `fn` closes over must not be a value traced outside `jax.shard_map`.
+    # `fn`'s arrays go in as inputs: `fn` may not close over values traced outside.
     def pipelined(arrays, x, key, fn_arrays):
         stage_spec = PartitionSpec(axis_name)
         run = filter_shard_map(
@@ -450,11 +411,12 @@ def filter_pipeline(
             axis_names=frozenset({axis_name}),
         )
         stacked = jtu.tree_map(by_stage, arrays)
-        keys = None if key is None else per_layer_keys(key)
-        # Microbatch `m` is `x[m::M]`: a batch split over other mesh axes on its
-        # leading axis stays split the same way within every microbatch.
+        if key is not None:  # one per microbatch and layer: `(S, M, R, C, ...)`
+            per_layer = lambda k: by_stage(jr.split(k, n_layers))
+            key = jax.vmap(per_layer, out_axes=1)(jr.split(key, microbatches))
+        # Microbatch `m` is `x[m::M]`: a batch split over a data axis stays split.
         cut = lambda a: a.reshape(-1, microbatches, *a.shape[1:]).swapaxes(0, 1)
-        out = run(stacked, jtu.tree_map(cut, x), keys, fn_arrays)
+        out = run(stacked, jtu.tree_map(cut, x), key, fn_arrays)
         uncut = lambda a: a[stages - 1].swapaxes(0, 1).reshape(-1, *a.shape[3:])
         return jtu.tree_map(uncut, out)
 

@@ -39,16 +39,14 @@ _T = TypeVar("_T", bound=Callable)
 
 
 def _check_specs(specs: Any, name: str) -> None:
-    """`filter_shard_map`'s specs are `PartitionSpec`s over its own mesh: no sharding
-    or device leaves."""
+    """Spec leaves are `PartitionSpec`s over `mesh`: no sharding or device leaves."""
     flatten_specs(specs, name)  # the error for what is no spec leaf at all
     for path, leaf in jtu.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)[0]:
+        inner = [("", leaf)]
         if isinstance(leaf, PathRules):
             inner = [(f" (its rule {p!r})", spec) for p, spec in leaf.rules]
             if leaf.default is not unset:
                 inner.append((" (its default)", leaf.default))
-        else:
-            inner = [("", leaf)]
         for which, spec in inner:
             if not (spec is None or isinstance(spec, PartitionSpec) or is_rule(spec)):
                 raise TypeError(
@@ -57,17 +55,6 @@ def _check_specs(specs: Any, name: str) -> None:
                     "`mesh`), `None`, a callable `leaf -> PartitionSpec`, or an "
                     f"`equinox_shard.PathRules` of those; got {describe_leaf(spec)}."
                 )
-
-
-def _resolve(spec: Any, leaf: Any, where: Callable[[], str]) -> PartitionSpec | None:
-    if is_rule(spec):
-        spec = call_rule(spec, leaf, where)
-    if spec is None or isinstance(spec, PartitionSpec):
-        return spec
-    raise TypeError(
-        f"{where()}: a `filter_shard_map` specification must resolve to a "
-        f"`jax.sharding.PartitionSpec` or `None`; got {describe_leaf(spec)}."
-    )
 
 
 def _leaf_specs(
@@ -79,7 +66,13 @@ def _leaf_specs(
     per_leaf = spread(specs, value, leaves, spec_name, value_name, where, is_array)
     indices = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
     out: list = [None] * len(leaves)
-    for i, spec in resolve_each(per_leaf, leaves, indices, where, _resolve):
+    resolver = lambda s, leaf, at: call_rule(s, leaf, at) if is_rule(s) else s
+    for i, spec in resolve_each(per_leaf, leaves, indices, where, resolver):
+        if not isinstance(spec, PartitionSpec):
+            raise TypeError(
+                f"{where(i)}: a `filter_shard_map` specification must resolve to a "
+                f"`jax.sharding.PartitionSpec` or `None`; got {describe_leaf(spec)}."
+            )
         try:
             sharding = NamedSharding(mesh, spec)
         except Exception as e:  # an unknown axis, an axis used twice
@@ -89,32 +82,8 @@ def _leaf_specs(
     return out
 
 
-def _padded(spec: PartitionSpec, ndim: int) -> tuple:
-    entries = tuple(
-        e[0] if isinstance(e, tuple) and len(e) == 1 else (e or None) for e in spec
-    )
-    return entries + (None,) * (ndim - len(entries))
-
-
-def _to_explicit(mesh, leaves: list, specs: list, indices: list) -> None:
-    """Reshards, in place, inputs whose sharding differs from `in_specs` on Explicit
-    axes, which `jax.shard_map` requires (on Auto axes it moves them itself)."""
-    todo = []
-    for i in indices:
-        current = jax.typeof(leaves[i]).sharding
-        ndim = leaves[i].ndim
-        if current.mesh.empty or _padded(current.spec, ndim) != _padded(specs[i], ndim):
-            todo.append(i)
-    if todo:
-        targets = [NamedSharding(mesh, specs[i]) for i in todo]
-        moved = jax.sharding.reshard([leaves[i] for i in todo], targets)
-        for i, x in zip(todo, moved):
-            leaves[i] = x
-
-
 def _unreplicated(fun, refused: list, manual: tuple) -> ValueError:
-    """Our error for the outputs `(key path, spec)` that `out_specs` replicates over
-    some of the `manual` mesh axes (in the mesh's order) but that vary over them."""
+    """Our error for outputs `(key path, spec)` varying over `manual` axes they omit."""
     lines = []
     for key, spec in refused:
         left_out = tuple(a for a in manual if a not in _axes(spec))
@@ -171,22 +140,19 @@ def filter_shard_map(
 ) -> Any:
     """Filtered version of `jax.shard_map`: maps a function over the shards of the
     arrays in any PyTree (an `eqx.Module`, an optax state, a batch), and holds every
-    other leaf static, as `equinox.filter_jit` does. Works eagerly, inside
-    `filter_jit` or `jax.jit`, under `jax.grad` and `jax.vmap`, on Auto and Explicit
-    mesh axes (on Explicit ones, inputs are resharded to their `in_specs`).
+    other leaf static, as `equinox.filter_jit` does. Works eagerly, inside `filter_jit`
+    or `jax.jit`, under `jax.grad` and `jax.vmap`, on Auto and Explicit mesh axes.
 
     **Arguments:**
 
     - `fun`: the function to map, called with the positional arguments, each array
         replaced by the block one device holds. Arrays in `fun` itself and in keyword
         arguments are not mapped: `fun` sees them whole.
-    - `in_specs`: a PyTree prefix of the tuple of positional arguments. Leaves are
-        `PartitionSpec`s over `mesh`, `None` (the array is not mapped: `fun` sees it
-        whole), callables `leaf -> PartitionSpec | None`, or
-        [`equinox_shard.PathRules`][] of those.
+    - `in_specs`: a PyTree prefix of the tuple of positional arguments. Its leaves are
+        `PartitionSpec`s over `mesh`, `None` (`fun` sees the array whole), callables
+        `leaf -> PartitionSpec | None`, or [`equinox_shard.PathRules`][] of those.
     - `out_specs`: a PyTree prefix of `fun`'s output, in the same language; `None`
-        only over non-array outputs, which are returned as the very objects `fun`
-        returned.
+        only over non-array outputs, which come back as the objects `fun` returned.
     - `mesh`: a `jax.sharding.Mesh` or `AbstractMesh`; defaults to the mesh set with
         `jax.set_mesh`.
     - `axis_names`, `check_vma`: as in `jax.shard_map`.
@@ -194,8 +160,7 @@ def filter_shard_map(
     **Returns:**
 
     A function with the same signature as `fun`, whose array outputs are assembled
-    from their blocks according to `out_specs`. Errors name the leaf's key path
-    (`args[0].layers[1].weight`, `out[...]`).
+    from their blocks according to `out_specs`.
 
     !!! example
 
@@ -237,14 +202,19 @@ def filter_shard_map(
         indices = [i for i, s in enumerate(specs) if s is not None]
         manual = frozenset(axis_names) or frozenset(mesh_.axis_names)
         if indices and manual and all(a in mesh_.explicit_axes for a in manual):
+            # Explicit axes: `jax.shard_map` needs each input typed as its spec.
             leaves = list(leaves)
-            _to_explicit(mesh_, leaves, specs, indices)
-        # Filled in by `body`, which `jax.shard_map` traces; named by the outputs' key
-        # paths, which JAX's errors print (`out_specs['loss']`).
+            for i in indices:
+                typed, spec = jax.typeof(leaves[i]).sharding, specs[i]
+                # A type's spec has an entry per dimension; `P` equates `("x",)`, `"x"`.
+                padded = PartitionSpec(*spec, *[None] * (leaves[i].ndim - len(spec)))
+                if typed.mesh.empty or typed.spec != padded:
+                    target = NamedSharding(mesh_, spec)
+                    leaves[i] = jax.sharding.reshard(leaves[i], target)
+        # Filled in by `body`; named by key path, which JAX's errors print.
         out_specs_named = Named((), Names(()))
         out_static: list = [None]
-        # `(key path, spec)` of each output that varies over an axis its spec leaves
-        # out, which JAX then refuses (its message names no leaf when eager).
+        # Outputs varying over an axis their spec leaves out: JAX's error names none.
         unreplicated: list = []
         in_order = tuple(a for a in mesh_.axis_names if a in manual)
 
@@ -267,9 +237,7 @@ def filter_shard_map(
                         "`PartitionSpec` in `out_specs` (`P()` if it is the same on "
                         "every device); got `None`."
                     )
-            # `jax.shard_map` reads `out_specs` only after tracing `body`, so this list
-            # can be filled here (tests/test_jax_facts.py::
-            # test_shard_map_reads_out_specs_after_tracing).
+            # JAX reads `out_specs` after tracing `body` (tests/test_jax_facts.py).
             paths = jtu.tree_flatten_with_path(out)[0]
             names = Names(tuple(KeyPath(jtu.keystr(paths[i][0])) for i in positions))
             out_specs_named.leaves = tuple(per_leaf[i] for i in positions)
