@@ -222,3 +222,23 @@ def test_missing_or_truncated_data_names_the_leaf(tmp_path, damage, manager):
     assert ("missing" if damage == "delete" else "truncated") in message, message
     assert "Event loop is closed" not in out.output, out
     assert "Traceback" not in out.output, out
+
+
+@pytest.mark.parametrize("shardings", [None, "device"])
+@pytest.mark.parametrize("dtype", [np.int64, np.float64])
+def test_64_bit_leaf_restored_as_a_jax_array_is_refused_not_cast(
+    tmp_path, dtype, shardings
+):
+    # Found by the new-user trial: without x64, a 64-bit leaf restored into a JAX
+    # `like` came back cast to 32 bits (2**40 + 1 as 1), or was called damaged.
+    value = np.array([2**40 + 1, 3], dtype)
+    path = tmp_path / "ckpt"
+    eqxs.save(path, {"v": value})
+    like = {"v": jax.ShapeDtypeStruct((2,), dtype)}
+    targets = None if shardings is None else jax.devices()[0]
+    with pytest.raises(ValueError, match=r"like\['v'\].*jax_enable_x64"):
+        eqxs.restore(path, like, shardings=targets)
+    # As NumPy it comes back bit for bit.
+    restored = eqxs.restore(path, {"v": np.empty(2, dtype)})["v"]
+    assert type(restored) is np.ndarray and restored.dtype == dtype
+    np.testing.assert_array_equal(restored, value)

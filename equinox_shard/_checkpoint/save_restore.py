@@ -274,6 +274,12 @@ def restore_from(
             shape, dtype = data.shape, data.dtype
         else:
             shape, dtype = tuple(np.shape(x)), np.dtype(saved[p]["dtype"])
+        if form == "array" and jax.dtypes.canonicalize_dtype(dtype) != dtype:
+            raise ValueError(
+                f"like{p}: the checkpoint holds a {dtype} array, which a JAX array "
+                "cannot hold without `jax_enable_x64`: enable it, or restore this "
+                "leaf as NumPy (a NumPy array in `like`)."
+            )
         sharding = None if form == "numpy" else targets.get(i, _placed(x))
         if sharding is not None:
             sharding = _concrete(sharding, "like" + p)

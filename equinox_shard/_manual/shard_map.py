@@ -90,7 +90,7 @@ def _unreplicated(fun, refused: list, manual: tuple) -> ValueError:
         lines.append(
             f"- out{key}: its `out_specs` entry {spec} leaves out mesh axes "
             f"{left_out}, so it must be the same over them, but JAX infers that it "
-            "varies across at least one"
+            "varies across at least one of them."
         )
     name = getattr(fun, "__name__", type(fun).__name__)
     return ValueError(
