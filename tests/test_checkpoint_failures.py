@@ -287,6 +287,30 @@ def test_second_writer_through_a_symbolic_link(tmp_path):
         assert manager.all_steps() == [1]
 
 
+@pytest.mark.parametrize("through", ["directory", "symbolic link"])
+def test_save_into_a_managed_directory_is_refused(tmp_path, through):
+    # Found by the new-user trial: `eqxs.save` into a live manager's directory added
+    # or replaced steps behind its back (a foreign step became the latest).
+    real = tmp_path / "real"
+    real.mkdir()
+    root = real
+    if through == "symbolic link":
+        root = tmp_path / "link"
+        root.symlink_to(real)
+    with eqxs.CheckpointManager(real) as manager:
+        manager.save(1, {"x": jnp.ones(2)})
+        manager.wait_until_finished()
+        for step, overwrite in ((50, False), (1, True)):
+            with pytest.raises(RuntimeError, match=r"A CheckpointManager writes to"):
+                eqxs.save(root / str(step), {"x": jnp.zeros(2)}, overwrite=overwrite)
+        assert manager.all_steps() == [1]
+        restored = manager.restore({"x": jax.ShapeDtypeStruct((2,), jnp.float32)}, 1)
+        np.testing.assert_array_equal(restored["x"], np.ones(2, np.float32))
+    assert sorted(p.name for p in real.iterdir()) == ["1"]
+    eqxs.save(root / "50", {"x": jnp.zeros(2)})  # closed: free again
+    assert sorted(p.name for p in real.iterdir()) == ["1", "50"]
+
+
 def _writer(directory):
     return subprocess.Popen(
         [sys.executable, worker.__file__, "manager-writer", str(directory)],

@@ -18,7 +18,7 @@ from jaxtyping import PyTree
 from . import manifest
 from .failures import Pending
 from .orbax import composite, handlers, orbax as _orbax
-from .save_restore import absolute_path, logger, nbytes, restore_from
+from .save_restore import absolute_path, LOCK_FILE, logger, nbytes, restore_from
 
 
 traceback_util.register_exclusion(__file__)
@@ -40,9 +40,6 @@ def _step(step: Any) -> int:
     if step < 0:
         raise ValueError(f"`step` must be a non-negative int, not {step}.")
     return int(step)
-
-
-LOCK_FILE = ".eqxs-writer"
 
 
 def _take_lock(directory: pathlib.Path) -> int | OSError | None:

@@ -85,7 +85,8 @@ def save(
     `overwrite`, or (even with `overwrite`) if `path` is a file, a symbolic link, or
     a non-empty directory that is not a checkpoint; `ValueError` (naming the leaf by
     its key path) for an abstract leaf; `RuntimeError`, as
-    [`equinox_shard.filter_jit`][] raises it, for a deleted (donated) array;
+    [`equinox_shard.filter_jit`][] raises it, for a deleted (donated) array, or if a
+    [`equinox_shard.CheckpointManager`][] writes to `path`'s directory;
     `ImportError` without orbax-checkpoint. While writing: `OSError` (with the
     system's error number; else `RuntimeError`) naming `path`, once what the failed
     save wrote is removed (a checkpoint that `overwrite` was to replace is kept).
@@ -109,6 +110,7 @@ def save(
             f"the path it names ({path.resolve()}) to replace that checkpoint, or "
             "remove the link."
         )
+    _raise_if_managed(path)
     if not overwrite and (path.exists() or found(path) != path):
         raise FileExistsError(
             f"{path} already exists; pass `overwrite=True` to replace it."
@@ -138,6 +140,30 @@ def save(
         "saved %s: %d arrays, %d bytes in %.2f s",
         path, len(arrays), nbytes(arrays), time.perf_counter() - start,
     )  # fmt: skip
+
+
+LOCK_FILE = ".eqxs-writer"  # a `CheckpointManager`'s writer lock, in its directory
+
+
+def _raise_if_managed(path: pathlib.Path) -> None:
+    """Raises if a `CheckpointManager` of any process writes to `path`'s directory."""
+    try:
+        import fcntl  # POSIX only, as the lock
+
+        fd = os.open(path.parent / LOCK_FILE, os.O_RDONLY)
+    except (ImportError, OSError):
+        return  # no writer's lock there
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise RuntimeError(
+            f"A CheckpointManager writes to {path.parent} (it holds its lock "
+            f"{path.parent / LOCK_FILE}); `save` there would add or replace its steps "
+            "behind its back, so it is refused. Save with the manager "
+            "(`manager.save(step, tree, force=True)`), or elsewhere."
+        ) from None
+    finally:
+        os.close(fd)
 
 
 def _read_record(path: pathlib.Path) -> list[dict]:
