@@ -86,8 +86,7 @@ def jit_takes(values, expected: tuple) -> int:
     `PLACED` (all committed there, or where `is_placed` says they stand for it),
     `MOVES` (the committed ones there, and it moves the others itself), or `0`."""
     try:
-        # Weak-typed inputs are `place`'s: `MOVES`' executable (`entry.Typed`) runs
-        # either type as the other. (`jax.Array.aval`: no Python frame per value.)
+        # Weak types are `place`'s: `entry.Typed` runs either as the other.
         if any(map(getattr, map(getattr, values, _AVAL, _NONE), _WEAK, _FALSE)):
             return 0
         committed = list(map(getattr, values, _COMMITTED, _FALSE))
@@ -96,8 +95,7 @@ def jit_takes(values, expected: tuple) -> int:
         unequal = list(map(operator.ne, map(_sharding, held), wanted))
         if not any(unequal):
             return PLACED if all(committed) else MOVES
-        # An equivalent sharding (a batch put on the one device of a one-device mesh)
-        # `jax.jit` runs as it is; `MOVES`' executable would refuse it.
+        # An equivalent sharding `jax.jit` takes as it is; `entry.Typed` would refuse.
         pairs = (compress(held, unequal), compress(wanted, unequal))
         return PLACED if all(map(is_placed, *pairs)) else 0
     except Exception:  # a tracer: `place` leaves it to the enclosing call
@@ -197,8 +195,7 @@ def plan(
         elif isinstance(target, Sharding):
             given = target
             if isinstance(target, NamedSharding) and _UNCONSTRAINED in target.spec:
-                # Unconstrained dimensions placed replicated, as eager
-                # `with_sharding_constraint` does.
+                # Unconstrained: replicated, as eager `with_sharding_constraint` does.
                 spec = [None if e is _UNCONSTRAINED else e for e in target.spec]
                 target = NamedSharding(
                     target.mesh, PartitionSpec(*spec), memory_kind=target.memory_kind
@@ -258,8 +255,7 @@ def transfer(
     if isinstance(donate, list) or isinstance(may_alias, list) or donate:
         donated = [bool(_flag(donate, i)) for i in indices]
         for k, i in enumerate(indices):
-            # Key arrays are never donated here (JAX frees them without marking them
-            # deleted): upstream/jax-reports/device-put-donate-single-device-sharding.
+            # Key arrays are not donated here: JAX frees them unmarked (as below).
             donated[k] = donated[k] and not is_key_array(leaves[i])
         # `None`: "copy unless donated".
         aliased = [

@@ -344,7 +344,6 @@ def _close_all() -> None:
             logger.exception("closing the CheckpointManager of %s", manager.directory)
 
 
-# Open managers, closed before Python joins orbax's threads (`atexit` runs after that
-# join, which a failed save's threads would hang).
+# Open managers, closed before Python joins orbax's threads (which `atexit` follows).
 _OPEN: set[CheckpointManager] = set()
 getattr(threading, "_register_atexit", atexit.register)(_close_all)

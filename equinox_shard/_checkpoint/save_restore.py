@@ -251,8 +251,9 @@ def restore(
     there is no checkpoint at `path`; `ValueError` if `like` differs from the
     checkpoint (with both values), if a sharding does not divide the saved shape or
     is on an abstract mesh with no matching mesh set, or if a data file holding the
-    leaf is missing or truncated. Once read: `ValueError`, naming the leaf, if an
-    array does not match the checksum saved with it.
+    leaf is missing or truncated, or if a 64-bit array is asked for as a JAX array
+    without `jax_enable_x64`. Once read: `ValueError`, naming the leaf, if an array
+    does not match the checksum saved with it.
 
     !!! example
 

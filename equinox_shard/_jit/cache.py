@@ -171,8 +171,7 @@ def _clear_caches() -> None:
 equinox._caches.cache_clears.append(_clear_caches)
 
 
-# Equal decorations of equal functions share a `Cache`, as in `eqx.filter_jit`, while a
-# wrapper lives and for the `_RECENT` latest after: nothing grows in a loop.
+# Equal decorations share a `Cache` while alive and `_RECENT` after: no loop grows it.
 _RECENT = 4
 _shared_caches: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _recent_caches: co.OrderedDict = co.OrderedDict()
@@ -239,8 +238,7 @@ def fn_source(fun) -> Any:
     return fun if hasattr(fun, "__code__") else None
 
 
-# The `StructureKey` fields the program does not depend on, given the traced leaves: a
-# NumPy leaf and a JAX array share one `jax.jit` (issue 48), `.lower` and calls too.
+# `StructureKey` fields the program ignores: NumPy and JAX leaves share a `jax.jit`.
 _NOT_IN_PROGRAM = ("leaf_types", "is_traced")
 
 
@@ -265,12 +263,10 @@ class ArgStructure:
         self.donated = cache.donation.leaves(args, self.traced_indices)
         self.specs = _in_specs(cache, args, kwargs, leaves, is_traced)
         # What resolving the specs depends on: the leaves rules see, and the mesh.
-        # Rules read the leaf's shape and dtype: then those key the entries.
         in_rules = tuple(i for i in self.traced_indices if is_rule(self.specs[i]))
         self.rules = self.traced_indices if cache.out_rules else in_rules
         self.needs_mesh = cache.out_mesh or any(map(needs_mesh, self.specs))
-        # A call's key in `entries`: its `static` alone (a C-level getter) where every
-        # other `EntryKey` field is constant; a field not in `constant` keys calls.
+        # A call's key in `entries`: its `static` alone where the others are fixed.
         constant = {"avals": not self.rules, "mesh": not self.needs_mesh}
         self.key_in_entries = (
             self.static_of

@@ -55,8 +55,7 @@ def _rewrite(jaxpr: jc.Jaxpr, guard: Callable) -> jc.Jaxpr:
         if "callback" in eqn.params and "result_avals" in eqn.params:
             avals = eqn.params["result_avals"]
             new["callback"] = guard(eqn.params["callback"], avals)
-        # `Layout.AUTO` as the argument's own: calls pass arguments placed as the
-        # executable wants, which `jax.jit` refuses for `Layout.AUTO` itself.
+        # `Layout.AUTO` as the argument's own, which calls pass as placed for it.
         layouts = eqn.params.get("in_layouts")
         if layouts is not None and any(x is Layout.AUTO for x in layouts):
             new["in_layouts"] = tuple(None if x is Layout.AUTO else x for x in layouts)
@@ -169,8 +168,7 @@ def waiting(guards: Guards, inner: Callable, run, dynamic, deleted, leaves, jit_
         return guards(
             call, run if isinstance(run, jax.stages.Compiled) else None, jit_id
         )
-    # Else an outer call guards, and here callbacks raise: as in `eqx.filter_jit`,
-    # without JAX's log of each, and Equinox's error (its new info) rebuilt.
+    # Else callbacks raise here, as in `eqx.filter_jit` (Equinox's error rebuilt).
     before = getattr(eqx_jit, "last_error_info", None)
     quiet = lambda record: record.getMessage() != "jax.pure_callback failed"
     callback_logger = logging.getLogger("jax._src.callback")

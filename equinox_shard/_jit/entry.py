@@ -246,8 +246,7 @@ class Typed:
             except (TypeError, ValueError):  # refused before it runs
                 leaves = jtu.tree_leaves(dynamic)
                 shardings = jtu.tree_leaves(compiled.input_shardings)
-                # The function's own arrays inside an outer trace, or an input without
-                # target committed elsewhere (`jax.jit` compiles for its sharding).
+                # Tracers, or an input without target committed elsewhere: `jax.jit`.
                 if any(map(is_tracer, leaves)) or any(
                     getattr(x, "committed", False) and x.sharding != s
                     for x, s in zip(leaves, shardings)
@@ -263,11 +262,6 @@ class Typed:
         with self.donation.tracing():
             compiled = self.compiled = self.entry.jitted.lower(*at).compile()
         return compiled(*dynamic)
-
-
-#
-# Each call: the checks and placements before `jax.jit`, then the dispatch layers.
-#
 
 
 def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple:
@@ -332,15 +326,11 @@ def _auto_layouts(targets, leaves, where) -> str | None:
     if not auto:
         return None
     message = lambda i: (
-        f"{where(i)}: `in_shardings` gives it a `Format` with `Layout.AUTO`, a layout "
-        "that the compiler chooses when the function is lowered, so it cannot be "
-        "called with an array before then (`jax.jit` refuses a committed one, and "
-        "`filter_jit` commits what it places). Lower and compile first, with "
-        "`jax.ShapeDtypeStruct`s (`compiled = f.lower(*structs).compile()`), then "
-        "place the arguments as the executable wants them "
-        "(`args, _ = compiled.input_formats`; "
-        "`eqxs.filter_device_put((model, ...), args)`) and call `compiled` or `f`, "
-        "which then runs that executable."
+        f"{where(i)}: `in_shardings` gives it a `Format` with `Layout.AUTO`, which the "
+        "compiler chooses when the function is lowered, so no array can be passed "
+        "before then. Lower and compile first (`compiled = f.lower(*structs)"
+        ".compile()`), place the arguments as `compiled.input_formats` says "
+        "(`eqxs.filter_device_put`), and call `compiled` or `f`."
     )
     for i in auto:
         if is_value(leaves[i]):

@@ -71,8 +71,7 @@ def _call(wrapper, args, kwargs, compiled=None):
         )
     if compiled is not None:
         run = compiled.compiled
-    # 3. Dispatch: `run(*dynamic)` through the entry's layers, `run` being its
-    # `jax.jit` (or the executable that stands for it: `Typed`, `AutoLayouts`).
+    # 3. Dispatch `run(*dynamic)`: the entry's `jax.jit` (or `Typed`, `AutoLayouts`).
     try:
         if entry.dispatch is None:  # no layer: the launch alone
             out = run(*dynamic)
@@ -221,8 +220,7 @@ class Lowered(Module):
     ) -> Compiled:
         compiled = self.lowered.compile(compiler_options=compiler_options)
         if isinstance(self._entry.jitted, AutoLayouts):
-            # `jax.jit` refuses arrays for `Layout.AUTO`: calls run this executable,
-            # changed under the lock that guards the cache's entries.
+            # `jax.jit` refuses arrays for `Layout.AUTO`: calls run this executable.
             with self._wrapper._cache.lock:
                 self._entry.jitted.compiled = compiled
         return Compiled(compiled, self._wrapper, self._entry)

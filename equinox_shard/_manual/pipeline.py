@@ -302,8 +302,7 @@ def filter_pipeline(
         f = eqx.combine(fn_arrays, fn_static)
         return f(layer, xm) if k is None else f(layer, xm, key=k)
 
-    # A layer keeps a microbatch's shape: checked on shapes without shardings, which on
-    # Explicit axes would need JAX's slicing rules.
+    # A layer keeps a microbatch's shape: checked without shardings (JAX's slicing).
     struct = lambda a, *dims: jax.ShapeDtypeStruct(dims, a.dtype)
     xm_shape = jtu.tree_map(
         lambda a: struct(a, len(a) // microbatches, *a.shape[1:]), x

@@ -132,8 +132,7 @@ KINDS: tuple[Kind, ...] = (
         # As to `jax.device_put`, `Format(None, None)` leaves the array as it is.
         resolve=lambda x, mesh, where: None if is_empty_format(x) else x,
         sharding=lambda x: x.sharding,
-        # `jax.device_put` onto a `Format` over other devices than the array's fails
-        # (JAX 0.10.2 and 0.12).
+        # `jax.device_put` onto a `Format` over other devices fails (JAX 0.10.2, 0.12).
         target=_format_target,
         is_placed=_has_layout,
         sharding_first=True,
