@@ -3,6 +3,7 @@ process: the other commit's `equinox_shard/` is exported with `git archive` and 
 under another name.
 
     python -m benchmarks.against REF [--reps 11] [--quick] [--inputs | --placement]
+                                     [--wall]
 
 `REF` is a git commit, or a folder holding another checkout's `equinox_shard/`.
 
@@ -56,6 +57,12 @@ def main() -> None:
     parser.add_argument(
         "--placement", action="store_true", help="filter_device_put, filter_shard"
     )
+    parser.add_argument(
+        "--wall",
+        action="store_true",
+        help="time asynchronous dispatch by the wall clock (a host whose thread clock "
+        "is too coarse, as an accelerator's may be)",
+    )
     args = parser.parse_args()
 
     import jax
@@ -66,6 +73,9 @@ def main() -> None:
     import equinox_shard as new
 
     from . import _harness as h, _trees as t
+
+    if args.wall:
+        h.sample_async = h.sample_async_wall
 
     with tempfile.TemporaryDirectory() as tmp:
         old = importlib.import_module(_export(args.ref, pathlib.Path(tmp)))
