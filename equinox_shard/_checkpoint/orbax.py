@@ -1,4 +1,4 @@
-"""How the checkpoints call orbax-checkpoint."""
+"""How the checkpoints call orbax-checkpoint (its failed saves: `failures`)."""
 
 import threading
 
@@ -44,32 +44,3 @@ def handlers(ocp) -> dict:
         )
         arrays = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
     return {"leaves": ocp.JsonCheckpointHandler(), "arrays": arrays}
-
-
-def operation_id() -> str:
-    """orbax's id of the save it started last in this process (call under `LOCK`)."""
-    from orbax.checkpoint._src.futures import synchronization
-
-    return synchronization.OperationIdGenerator.get_current_operation_id()
-
-
-def release(operation: str) -> None:
-    """Sends the threads of orbax's failed save `operation` the signals they wait for
-    (else Python waits for them at exit: RFC.md, 10.15); each then fails on its own."""
-    if jax.process_count() > 1:
-        return  # the signals are the job's: its other processes wait on them too
-    try:
-        from orbax.checkpoint._src.futures import future, signaling_client
-
-        thread_type, contract = future._SignalingThread, future.AwaitableSignalsContract
-    except (ImportError, AttributeError):
-        return
-    client = signaling_client.get_signaling_client()
-    for thread in threading.enumerate():
-        waiting = isinstance(thread, thread_type) and thread.is_alive()
-        if not waiting or getattr(thread, "_operation_id", None) != operation:
-            continue
-        for signal in getattr(thread, "_receive_signals", ()):
-            key = contract.get_unique_awaitable_singal_key(signal, operation)
-            if client.key_value_try_get(key) is None:
-                client.key_value_set(key, "released", allow_overwrite=True)
