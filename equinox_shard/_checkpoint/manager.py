@@ -2,15 +2,12 @@
 `like`/`shardings` language, one writer per directory, and errors naming the step."""
 
 import atexit
-import errno
 import os
 import pathlib
-import socket
 import threading
 import time
 from typing import Any
 
-import jax
 import jax._src.traceback_util as traceback_util
 import numpy as np
 from jaxtyping import PyTree
@@ -18,7 +15,14 @@ from jaxtyping import PyTree
 from . import manifest
 from .failures import Pending
 from .orbax import composite, handlers, orbax as _orbax
-from .save_restore import absolute_path, LOCK_FILE, logger, nbytes, restore_from
+from .save_restore import (
+    absolute_path,
+    drop_lock,
+    logger,
+    nbytes,
+    restore_from,
+    take_lock,
+)
 
 
 traceback_util.register_exclusion(__file__)
@@ -40,56 +44,6 @@ def _step(step: Any) -> int:
     if step < 0:
         raise ValueError(f"`step` must be a non-negative int, not {step}.")
     return int(step)
-
-
-def _take_lock(directory: pathlib.Path) -> int | OSError | None:
-    """The open lock file, `flock`ed (the system releases it when the process ends);
-    an `OSError` where `directory` cannot be written; `None` but on process 0."""
-    import fcntl  # POSIX only: imported here so that the package imports anywhere
-
-    if jax.process_index() != 0:
-        return None
-    lock = directory / LOCK_FILE
-    while True:
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
-        except OSError as e:
-            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-                return e  # no writer there: `save` raises, naming it
-            raise
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.read(fd, 256).decode(errors="replace").split()
-            os.close(fd)
-            who = "another process"
-            if len(owner) == 2:
-                who = f"process {owner[0]} on host {owner[1]}"
-            if owner == [str(os.getpid()), socket.gethostname()]:
-                who = "another CheckpointManager of this process (close it first)"
-            raise RuntimeError(
-                f"Another CheckpointManager writes to {directory}: {who} holds its "
-                f"lock {lock}. Two writers on one directory overwrite and delete each "
-                "other's steps, so this one is refused."
-            ) from None
-        # Locked, unless its closing writer unlinked that file meanwhile: lock anew.
-        if os.path.exists(lock) and os.path.samestat(os.fstat(fd), os.stat(lock)):
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()} {socket.gethostname()}".encode())
-            return fd
-        os.close(fd)
-
-
-def _drop_lock(directory: pathlib.Path, fd: int) -> None:
-    """Releases the lock; a lock file that cannot be removed is logged and left."""
-    try:
-        (directory / LOCK_FILE).unlink()
-    except OSError as e:
-        logger.warning(
-            "could not remove the writer's lock %s of %s (%s: %s); it is released.",
-            directory / LOCK_FILE, directory, type(e).__name__, e,
-        )  # fmt: skip
-    os.close(fd)
 
 
 class CheckpointManager:
@@ -164,7 +118,7 @@ class CheckpointManager:
         )
         self._background = background
         self.directory.mkdir(parents=True, exist_ok=True)
-        lock = _take_lock(self.directory)
+        lock = take_lock(self.directory)
         self._lock = lock if isinstance(lock, int) else None
         self._read_only = lock if isinstance(lock, OSError) else None
         try:
@@ -173,7 +127,7 @@ class CheckpointManager:
             )
         except BaseException:
             if self._lock is not None:
-                _drop_lock(self.directory, self._lock)
+                drop_lock(self.directory, self._lock)
             raise
         self._closed = False
         _OPEN.add(self)
@@ -321,7 +275,7 @@ class CheckpointManager:
             self._pending.wait(self._manager.wait_until_finished, self._manager.close)
         finally:
             if self._lock is not None:
-                _drop_lock(self.directory, self._lock)
+                drop_lock(self.directory, self._lock)
 
     def __enter__(self) -> "CheckpointManager":
         self._check_open("with")

@@ -1,11 +1,13 @@
-"""`save` and `restore`: a checkpoint is one orbax checkpoint directory with two items,
-`arrays` (orbax's PyTree handler) and `leaves` (the JSON record of `manifest`, which
-lets `restore` check `like` before a single array is read)."""
+"""`save` and `restore` (one orbax checkpoint directory, items `arrays` and `leaves`:
+`manifest`'s JSON record, which `restore` checks `like` against before reading), and a
+directory's writer lock, which a `CheckpointManager` takes and `save` asks."""
 
+import errno
 import json
 import logging
 import os
 import pathlib
+import socket
 import time
 from typing import Any
 
@@ -164,6 +166,56 @@ def _raise_if_managed(path: pathlib.Path) -> None:
         ) from None
     finally:
         os.close(fd)
+
+
+def take_lock(directory: pathlib.Path) -> int | OSError | None:
+    """The open lock file, `flock`ed (the system releases it when the process ends);
+    an `OSError` where `directory` cannot be written; `None` but on process 0."""
+    import fcntl  # POSIX only: imported here so that the package imports anywhere
+
+    if jax.process_index() != 0:
+        return None
+    lock = directory / LOCK_FILE
+    while True:
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
+        except OSError as e:
+            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                return e  # no writer there: `save` raises, naming it
+            raise
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.read(fd, 256).decode(errors="replace").split()
+            os.close(fd)
+            who = "another process"
+            if len(owner) == 2:
+                who = f"process {owner[0]} on host {owner[1]}"
+            if owner == [str(os.getpid()), socket.gethostname()]:
+                who = "another CheckpointManager of this process (close it first)"
+            raise RuntimeError(
+                f"Another CheckpointManager writes to {directory}: {who} holds its "
+                f"lock {lock}. Two writers on one directory overwrite and delete each "
+                "other's steps, so this one is refused."
+            ) from None
+        # Locked, unless its closing writer unlinked that file meanwhile: lock anew.
+        if os.path.exists(lock) and os.path.samestat(os.fstat(fd), os.stat(lock)):
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()} {socket.gethostname()}".encode())
+            return fd
+        os.close(fd)
+
+
+def drop_lock(directory: pathlib.Path, fd: int) -> None:
+    """Releases the lock; a lock file that cannot be removed is logged and left."""
+    try:
+        (directory / LOCK_FILE).unlink()
+    except OSError as e:
+        logger.warning(
+            "could not remove the writer's lock %s of %s (%s: %s); it is released.",
+            directory / LOCK_FILE, directory, type(e).__name__, e,
+        )  # fmt: skip
+    os.close(fd)
 
 
 def _read_record(path: pathlib.Path) -> list[dict]:
