@@ -10,12 +10,7 @@ from typing import Any
 
 import jax
 import jax._src.traceback_util as traceback_util
-from jax.sharding import (
-    AxisType,
-    NamedSharding,
-    PartitionSpec,
-    Sharding,
-)
+from jax.sharding import AxisType, NamedSharding, PartitionSpec, Sharding
 
 from . import _multihost
 from ._arrays import (
@@ -26,11 +21,7 @@ from ._arrays import (
     is_tracer,
     raise_if_deleted,
 )
-from ._buffers import (
-    private_copies,
-    shares_single_device_buffer,
-    shares_source_buffer,
-)
+from ._buffers import private_copies, shares_single_device_buffer, shares_source_buffer
 from ._spec.kinds import kind_of, sharding_of
 from ._spec.language import check, for_jax
 

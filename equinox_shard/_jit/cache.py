@@ -16,19 +16,9 @@ import jax.tree_util as jtu
 from equinox import Module
 from jax.tree_util import PyTreeDef
 
-from .._arrays import (
-    deleted_test,
-    is_tracer,
-    raise_if_deleted,
-    raise_if_fun_deleted,
-)
+from .._arrays import deleted_test, is_tracer, raise_if_deleted, raise_if_fun_deleted
 from .._placement import check_shapes
-from .._spec.language import (
-    context_mesh,
-    flatten_specs,
-    needs_mesh,
-    spread,
-)
+from .._spec.language import context_mesh, flatten_specs, needs_mesh, spread
 from .._spec.leaves import is_rule, is_spec_leaf, PathRules, RulesUsage, unset
 from .donation import Donation
 from .packing import getter, Packing

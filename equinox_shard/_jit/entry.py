@@ -22,12 +22,7 @@ from .._arrays import (
 )
 from .._placement import all_placed, check_shapes, jit_takes, MOVES, place
 from .._spec.kinds import is_auto, kind_of, sharding_of
-from .._spec.language import (
-    context_mesh,
-    for_jax,
-    resolve,
-    resolve_each,
-)
+from .._spec.language import context_mesh, for_jax, resolve, resolve_each
 from .._spec.leaves import is_spec_leaf, unset
 from . import callbacks, launch
 from .cache import arg_path, ArgStructure, Cache, diagnose

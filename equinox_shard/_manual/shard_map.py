@@ -23,13 +23,7 @@ from .._spec.language import (
     resolve_each,
     spread,
 )
-from .._spec.leaves import (
-    describe_leaf,
-    is_rule,
-    is_spec_leaf,
-    PathRules,
-    unset,
-)
+from .._spec.leaves import describe_leaf, is_rule, is_spec_leaf, PathRules, unset
 
 
 traceback_util.register_exclusion(__file__)
