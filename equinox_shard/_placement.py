@@ -14,6 +14,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec, Sharding
 
 from . import _multihost
 from ._arrays import (
+    identity_hash,
     in_default_memory,
     is_committed,
     is_key_array,
@@ -240,7 +241,7 @@ def transfer(
     if not indices:
         return
     repeated = []
-    if len(set(map(id, map(leaves.__getitem__, indices)))) < len(indices):
+    if len(set(map(identity_hash, map(leaves.__getitem__, indices)))) < len(indices):
         indices, targets, repeated = _first_occurrences(leaves, indices, targets)
     n = len(indices)
     if isinstance(donate, list) or isinstance(may_alias, list) or donate:

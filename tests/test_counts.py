@@ -18,6 +18,7 @@ counted at its boundary only):
 A change that lowers a count lowers its entry."""
 
 import math
+import sys
 
 import jax
 import jax.tree_util as jtu
@@ -111,3 +112,34 @@ def test_device_copies(cases, name, monkeypatch):
         f"{name}: {len(seen)} calls of `jax.device_put` putting {seen} arrays, pinned "
         f"at {_COPIES[name]}"
     )
+
+
+# The audit events of the call being counted, else `None`: a hook cannot be removed, so
+# `_recording` adds one once, idle outside this test.
+_events: list | None = None
+
+
+def _record(event: str, args) -> None:
+    if _events is not None:
+        _events.append(event)
+
+
+@pytest.fixture(scope="module")
+def _recording():
+    sys.addaudithook(_record)
+
+
+@pytest.mark.parametrize("name", list(_WORK))
+def test_no_audit_events(cases, _recording, name):
+    # Each event runs every audit hook, in Python: filelock's (imported by JAX on
+    # Python >= 3.12) made `id` ~4x slower. `jax.jit`'s warm call raises none.
+    global _events
+    fn, make_args = cases[name]
+    args = make_args()
+    _events = []
+    try:
+        out = fn(*args)
+    finally:
+        events, _events = _events, None
+    jax.block_until_ready(out)
+    assert events == [], f"{name}: a warm call raised the audit events {events}"

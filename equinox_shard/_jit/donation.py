@@ -12,7 +12,7 @@ import jax
 import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 
-from .._arrays import is_deleted, is_tracer, raise_if_fun_deleted
+from .._arrays import identity_hash, is_deleted, is_tracer, raise_if_fun_deleted
 from .._buffers import jit_frees, private_copies
 from .launch import dispatch_lock
 from .packing import getter
@@ -150,14 +150,15 @@ def keep_undonated(
     if any(map(is_deleted, fun_leaves)):
         raise_if_fun_deleted(fun_name, dynamic_fun)
     traced_indices, get_traced = traced  # the indices, and their C-level getter
-    traced_ids = set(map(id, get_traced(leaves)))
-    fun_ids = {id(x) for x in fun_leaves}
+    traced_ids = set(map(identity_hash, get_traced(leaves)))
+    fun_ids = set(map(identity_hash, fun_leaves))
     if (
         len(traced_ids) == len(traced_indices)
         and traced_ids.isdisjoint(fun_ids)
         and len(fun_ids) == len(fun_leaves)
     ):
         return leaves  # the common case, checked at C speed
+    fun_ids = {id(x) for x in fun_leaves}
     if len(fun_ids) < len(fun_leaves):
         paths = jtu.tree_flatten_with_path(dynamic_fun)[0]
         fun_where = lambda k: fun_name + jtu.keystr(paths[k][0])
