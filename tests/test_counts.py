@@ -30,11 +30,11 @@ from tools import hot_path
 # Python calls into `_jit/packing.py`).
 _WORK = {
     "plain": (18, 1038, 2, 2),
-    "donating": (39, 1581, 3, 2),
+    "donating": (37, 1540, 3, 2),
     "in_shardings": (27, 1095, 2, 2),
     "in_shardings uncommitted": (32, 1228, 1, 2),
     "in_shardings numpy": (35, 1237, 1, 2),
-    "one device, batch on it": (64, 1760, 3, 2),
+    "one device, batch on it": (62, 1719, 3, 2),
     "callback": (28, 1177, 4, 2),
     "filter_device_put replicated uncommitted": (112, 2604, 2, 0),
     "filter_device_put replicated placed": (41, 932, 2, 0),

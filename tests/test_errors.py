@@ -1049,6 +1049,30 @@ def test_deleted_input(warm, donate):
         f({"w": deleted}, batch)
 
 
+@pytest.mark.parametrize("warm", [False, True], ids=["first call", "cached"])
+@pytest.mark.parametrize("donate", ["none", "all"])
+@pytest.mark.parametrize("committed", [True, False])
+def test_deleted_input_on_one_device(warm, donate, committed):
+    # Here `jax.jit` (or a donating launch) finds it first; the error still names it.
+    s = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)), P())
+    f = eqxs.filter_jit(_step, in_shardings=s, donate=donate)
+    if warm:
+        f({"w": jax.device_put(jnp.arange(8.0), s)}, [jnp.zeros(8)])
+    deleted = jax.device_put(jnp.arange(8.0), s) if committed else jnp.arange(8.0)
+    deleted.delete()
+    batch = [jnp.zeros(8)]
+    with _raises(RuntimeError, _kp("model", "w"), inputs=batch, match="deleted"):
+        f({"w": deleted}, batch)
+
+
+def test_deleted_input_donated_and_passed_again():
+    f = eqxs.filter_jit(_step, donate="all-except-first")
+    deleted = jnp.arange(8.0)
+    deleted.delete()
+    with _raises(RuntimeError, _kp("model"), match="deleted"):
+        f(deleted, deleted)
+
+
 # Passing an array that an earlier call *donated* (rather than one deleted with
 # `.delete()`) to a function that has run before crashes the process (SIGSEGV, JAX
 # 0.10.2, CPU, an array sharded over several devices): JAX's C++ dispatch path does not

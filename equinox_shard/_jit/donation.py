@@ -12,7 +12,13 @@ import jax
 import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 
-from .._arrays import identity_hash, is_deleted, is_tracer, raise_if_fun_deleted
+from .._arrays import (
+    identity_hash,
+    is_deleted,
+    is_tracer,
+    raise_if_deleted,
+    raise_if_fun_deleted,
+)
 from .._buffers import jit_frees, private_copies
 from .launch import dispatch_lock
 from .packing import getter
@@ -176,6 +182,7 @@ def keep_undonated(
     kept = [i for i in shared if _is_buffer(leaves[i])]
     tracers = [i for i in shared if is_tracer(leaves[i])]
     _raise_if_donated_twice(leaves, kept, where)
+    raise_if_deleted(leaves, traced_indices, where)  # before a copy is tried
     if kept or tracers:
         leaves = list(leaves)
         for i in tracers:  # under `grad` or `vmap` the primal values are donated

@@ -47,6 +47,7 @@ class Entry:
         "donates",
         "keep",  # `donation.Donation.keeper`'s, where the entry donates
         "packs_only",  # nothing placed, nothing donated: `prepare` only packs
+        "checks_deleted",  # whether `prepare` looks for deleted inputs
         "typed",  # a `Typed` where calls with uncommitted inputs run it, else `None`
         "places_uncommitted",  # whether uncommitted and NumPy inputs are ours to place
         "jitted",
@@ -91,6 +92,12 @@ def build_entry(
         structure.donated, structure.traced_indices, len(args), cache.fun_name
     )
     entry.packs_only = not entry.donates and not targets
+    # XLA crashes on a deleted multi-device input: `jax.jit` refuses one on one device,
+    # a donating launch looks under its lock (`diagnose` names it).
+    sets = [getattr(s, "device_set", ()) for _, s in targets if not on_abstract_mesh(s)]
+    entry.checks_deleted = not entry.donates and not (
+        len(sets) == len(structure.traced_indices) and all(len(d) == 1 for d in sets)
+    )
     entry.typed = None
     entry.places_uncommitted = False
     entry.jitted = _jit(static_fun, cache, structure, args, leaves, formats)
@@ -262,9 +269,8 @@ class Typed:
 def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple:
     """A call's checks and placements before `jax.jit`: the leaves as placed, the
     dynamic trees to call, and what to call them with (`Entry.jitted` or `Typed`)."""
-    # XLA crashes on a deleted multi-device input, donated or not.
-    deleted = structure.deleted(leaves)
     ready = entry.packs_only or all_placed(entry.get_targets(leaves), entry.shardings)
+    deleted = entry.checks_deleted and structure.deleted(leaves)
     if ready and not (deleted or entry.donates):  # nothing to check, donate or place
         dynamic = structure.packing.arguments(dynamic_fun, args, kwargs, leaves)
         return leaves, dynamic, entry.jitted
