@@ -20,6 +20,7 @@ from equinox_shard._manual.pipeline import (
     _check_fn,
     _check_key,
     _check_positive,
+    _check_x,
     _get_mesh,
     schedule,
 )
@@ -386,6 +387,7 @@ def _bad_inputs():
         ),
         (dict(layers=stateful), r"layers\.batch_counter is an `eqx\.nn\.StateIndex`"),
         (dict(x={"t": jnp.float32(0), "z": x}), r"x\['t'\]: every array .*got shape"),
+        (dict(x={}), r"x: a PyTree of arrays .* no array"),
         (dict(microbatches=0), r"microbatches must be a positive integer"),
         (
             dict(mesh=explicit_mesh((4, 2), ("stage", "data"))),
@@ -457,6 +459,12 @@ def test_wrong_types_of_key_remat_and_fn_are_refused_by_name():
             _check_bool(bad, "remat")
     with pytest.raises(TypeError, match=r"fn must be callable.*; got 'tanh'"):
         _check_fn("tanh")
+    with pytest.raises(
+        ValueError, match=r"x\['b'\]: `x` must hold arrays only.*str 'text'"
+    ):
+        _check_x({"a": jnp.ones(2), "b": "text"})
+    with pytest.raises(ValueError, match=r"x\[1\]: `x` must hold arrays only.*int 3"):
+        _check_x([jnp.ones(2), 3])
     # What they accept.
     for key in (jr.key(0), jr.PRNGKey(0), np.zeros(2, np.uint32), None):
         _check_key(key)

@@ -135,6 +135,21 @@ def _check_bool(value: Any, name: str) -> bool:
     raise TypeError(f"{name} must be a bool; got {value!r}.")
 
 
+def _check_x(x: Any) -> None:
+    x_leaves = jtu.tree_leaves_with_path(x)
+    for path, leaf in x_leaves:
+        if not eqx.is_array(leaf):
+            raise ValueError(
+                f"x{jtu.keystr(path)}: `x` must hold arrays only (each with the batch "
+                f"axis first); got {type(leaf).__name__} {leaf!r}."
+            )
+    if not x_leaves:
+        raise ValueError(
+            "x: a PyTree of arrays (each with the batch axis first) is needed; got no "
+            "array."
+        )
+
+
 def _check_fn(fn: Any) -> None:
     if fn is not None and not callable(fn):
         raise TypeError(
@@ -277,13 +292,7 @@ def filter_pipeline(
             f"= {stages} * {repeats} equal chunks (the mesh axis {axis_name!r} has "
             f"{stages} devices)."
         )
-    x_leaves = jtu.tree_leaves(x)
-    x_arrays = [leaf for leaf in x_leaves if eqx.is_array(leaf)]
-    if not x_arrays or len(x_arrays) != len(x_leaves):
-        raise ValueError(
-            "x: a PyTree of arrays (each with the batch axis first) is needed; got "
-            + ("no array." if not x_arrays else "a non-array leaf.")
-        )
+    _check_x(x)
     batch, first = _leading_size(x, "x", "batch", "B")
     if batch % microbatches:
         raise ValueError(
