@@ -47,7 +47,7 @@ class Entry:
         "donates",
         "keep",  # `donation.Donation.keeper`'s, where the entry donates
         "packs_only",  # nothing placed, nothing donated: `prepare` only packs
-        "checks_deleted",  # whether `prepare` looks for deleted inputs
+        "checks_deleted",  # whether `prepare` looks for deleted inputs placed
         "typed",  # a `Typed` where calls with uncommitted inputs run it, else `None`
         "places_uncommitted",  # whether uncommitted and NumPy inputs are ours to place
         "jitted",
@@ -92,10 +92,10 @@ def build_entry(
         structure.donated, structure.traced_indices, len(args), cache.fun_name
     )
     entry.packs_only = not entry.donates and not targets
-    # XLA crashes on a deleted multi-device input: `jax.jit` refuses one on one device,
-    # a donating launch looks under its lock (`diagnose` names it).
+    # XLA crashes on a deleted multi-device input; `jax.jit` refuses a committed one on
+    # one device before Execute (`diagnose` names it).
     sets = [getattr(s, "device_set", ()) for _, s in targets if not on_abstract_mesh(s)]
-    entry.checks_deleted = not entry.donates and not (
+    entry.checks_deleted = not (
         len(sets) == len(structure.traced_indices) and all(len(d) == 1 for d in sets)
     )
     entry.typed = None
@@ -270,7 +270,9 @@ def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple
     """A call's checks and placements before `jax.jit`: the leaves as placed, the
     dynamic trees to call, and what to call them with (`Entry.jitted` or `Typed`)."""
     ready = entry.packs_only or all_placed(entry.get_targets(leaves), entry.shardings)
-    deleted = entry.checks_deleted and structure.deleted(leaves)
+    # A donating launch looks again, under its lock.
+    looks = not entry.donates and (entry.checks_deleted or not ready)
+    deleted = looks and structure.deleted(leaves)
     if ready and not (deleted or entry.donates):  # nothing to check, donate or place
         dynamic = structure.packing.arguments(dynamic_fun, args, kwargs, leaves)
         return leaves, dynamic, entry.jitted
