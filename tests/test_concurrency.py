@@ -256,6 +256,55 @@ def test_same_array_donated_from_threads():
         assert result["deleted"], run
 
 
+# One array donated by one thread's call and passed to another's that donates nothing,
+# on 8 devices: the other call looked for deleted inputs before taking the launch lock,
+# so it could launch one donated since (SIGSEGV on JAX 0.10.2, as with `jax.jit`).
+_DONATED_WHILE_ANOTHER_THREAD_READS = """
+import threading
+
+import equinox_shard as eqxs
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+s = NamedSharding(mesh, P())
+donating = eqxs.filter_jit(lambda k, b: (k.sum() + b, b * 2), donate="all-except-first")
+reading = eqxs.filter_jit(lambda b: b * 5)
+keep = jax.device_put(jnp.arange(8.0), s)
+shared = [jax.device_put(jnp.full(8, float(i)), s) for i in range(200)]
+barrier = threading.Barrier(2)
+errors = set()
+
+
+def work(call):
+    for b in shared:
+        barrier.wait()
+        try:
+            call(b)
+        except RuntimeError as e:
+            errors.add(str(e))
+
+
+threads = [
+    threading.Thread(target=work, args=(call,))
+    for call in (lambda b: donating(keep, b), reading)
+]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+report(dict(errors=sorted(errors), keep=keep.tolist()))
+"""
+
+
+def test_array_donated_while_another_thread_reads_it():
+    run = run_isolated(_DONATED_WHILE_ANOTHER_THREAD_READS, timeout=300)
+    assert run.returncode == 0, run
+    deleted = "b: this array has been deleted (was it donated to an earlier call?)."
+    assert run.result["errors"] == [deleted], run
+    assert run.result["keep"] == list(range(8)), run
+
+
 # The same with a callback in the body (`eqx.error_if`), through the wrapper and through
 # its `Compiled`: the callback's wait stacks on the donating dispatch (its lock and its
 # re-check), it does not replace it. It crashed the process (SIGSEGV).

@@ -47,7 +47,7 @@ class Entry:
         "donates",
         "keep",  # `donation.Donation.keeper`'s, where the entry donates
         "packs_only",  # nothing placed, nothing donated: `prepare` only packs
-        "checks_deleted",  # whether `prepare` looks for deleted inputs placed
+        "checks_deleted",  # whether `prepare` looks for deleted inputs, not the launch
         "typed",  # a `Typed` where calls with uncommitted inputs run it, else `None`
         "places_uncommitted",  # whether uncommitted and NumPy inputs are ours to place
         "jitted",
@@ -92,12 +92,7 @@ def build_entry(
         structure.donated, structure.traced_indices, len(args), cache.fun_name
     )
     entry.packs_only = not entry.donates and not targets
-    # XLA crashes on a deleted multi-device input; `jax.jit` refuses a committed one on
-    # one device before Execute (`diagnose` names it).
-    sets = [getattr(s, "device_set", ()) for _, s in targets if not on_abstract_mesh(s)]
-    entry.checks_deleted = not (
-        len(sets) == len(structure.traced_indices) and all(len(d) == 1 for d in sets)
-    )
+    entry.checks_deleted = not entry.donates
     entry.typed = None
     entry.places_uncommitted = False
     entry.jitted = _jit(static_fun, cache, structure, args, leaves, formats)
@@ -119,6 +114,9 @@ def build_entry(
         getattr(placed[i], "sharding", None) for i in structure.traced_indices
     ]
     serialized = launch.serialize_dispatch(shardings)
+    # XLA crashes on a deleted multi-device input: a launch under `dispatch_lock` looks
+    # there, as an input donated by another thread's launch is deleted by then.
+    entry.checks_deleted = not (entry.donates or serialized)
     layers = [launch.paced] if serialized and entry.donates else []
     if guards is not None:
         layers.append(ft.partial(callbacks.waiting, guards))
@@ -270,9 +268,7 @@ def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple
     """A call's checks and placements before `jax.jit`: the leaves as placed, the
     dynamic trees to call, and what to call them with (`Entry.jitted` or `Typed`)."""
     ready = entry.packs_only or all_placed(entry.get_targets(leaves), entry.shardings)
-    # A donating launch looks again, under its lock.
-    looks = not entry.donates and (entry.checks_deleted or not ready)
-    deleted = looks and structure.deleted(leaves)
+    deleted = entry.checks_deleted and structure.deleted(leaves)
     if ready and not (deleted or entry.donates):  # nothing to check, donate or place
         dynamic = structure.packing.arguments(dynamic_fun, args, kwargs, leaves)
         return leaves, dynamic, entry.jitted

@@ -44,6 +44,8 @@ def paced_serialized(run, dynamic, deleted, leaves, jit_id):
     """`paced` over a launch under `dispatch_lock`, in one frame (a multi-device CPU
     entry that donates nothing)."""
     with dispatch_lock:
+        if deleted(leaves):  # donated by another thread since `prepare`
+            raise RuntimeError("An input was donated by another thread.")
         out = run(*dynamic)
     if next(launches) % PACE == 0:
         _wait(out)
