@@ -92,6 +92,15 @@ def raise_if_deleted(
             )
 
 
+def raise_if_not_jax_type(leaves, indices, where: Callable[[int], str]) -> None:
+    """Raises JAX's `TypeError` for a NumPy `leaves[i]` of no JAX type at `where(i)`."""
+    for i in indices:
+        try:
+            isinstance(leaves[i], NUMPY) and jax.typeof(leaves[i])
+        except TypeError as error:
+            raise TypeError(f"{where(i)}: {error}") from None
+
+
 def raise_if_fun_deleted(fun_name: str, dynamic_fun: Any) -> None:
     """As `raise_if_deleted`, for the arrays of the function being JIT'd."""
     flat = jax.tree_util.tree_flatten_with_path(dynamic_fun)[0]

@@ -1072,6 +1072,19 @@ def test_deleted_input_on_one_device(warm, donate, committed, gone, capfd):
     assert capfd.readouterr().err == ""
 
 
+@pytest.mark.parametrize("devices", [1, 8])
+@pytest.mark.parametrize("warm", [False, True], ids=["first call", "cached"])
+@pytest.mark.parametrize("bad", [np.array(["a", "b"]), np.array([None, 1])])
+def test_numpy_leaf_of_no_jax_type_is_named(devices, warm, bad):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("x",))
+    f = eqxs.filter_jit(_step, in_shardings=NamedSharding(mesh, P()))
+    batch = [jnp.zeros(8)]
+    if warm:  # an entry for these shapes, with a number there
+        f({"w": np.zeros(2, np.float32)}, batch)
+    with _raises(TypeError, _kp("model", "w"), inputs=batch, match="valid JAX"):
+        f({"w": bad}, batch)
+
+
 def test_deleted_input_donated_and_passed_again():
     f = eqxs.filter_jit(_step, donate="all-except-first")
     deleted = jnp.arange(8.0)

@@ -16,7 +16,13 @@ import jax.tree_util as jtu
 from equinox import Module
 from jax.tree_util import PyTreeDef
 
-from .._arrays import deleted_test, is_tracer, raise_if_deleted, raise_if_fun_deleted
+from .._arrays import (
+    deleted_test,
+    is_tracer,
+    raise_if_deleted,
+    raise_if_fun_deleted,
+    raise_if_not_jax_type,
+)
 from .._placement import check_shapes
 from .._spec.language import context_mesh, flatten_specs, needs_mesh, spread
 from .._spec.leaves import is_rule, is_spec_leaf, PathRules, RulesUsage, unset
@@ -353,5 +359,6 @@ def diagnose(cache: Cache, args, kwargs, leaves: list, entry: Any, dynamic_fun=N
     """After `jax.jit` raised: raises our own error if we can name the culprit."""
     where = ft.partial(arg_path, cache, args, kwargs)
     raise_if_deleted(leaves, entry.structure.traced_indices, where)
+    raise_if_not_jax_type(leaves, entry.structure.traced_indices, where)
     raise_if_fun_deleted(cache.fun_name, dynamic_fun)
     check_shapes(leaves, entry.targets, where)

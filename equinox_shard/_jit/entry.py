@@ -19,6 +19,7 @@ from .._arrays import (
     is_value,
     on_abstract_mesh,
     raise_if_deleted,
+    raise_if_not_jax_type,
 )
 from .._placement import all_placed, check_shapes, jit_takes, MOVES, place
 from .._spec.kinds import is_auto, kind_of, sharding_of
@@ -69,6 +70,7 @@ def build_entry(
     """The entry for this call, in four steps: targets, `jax.jit`, trace, dispatch
     (with `watch`'s layer if given). Returns it and what `prepare` returns."""
     where = ft.partial(arg_path, cache, args, kwargs)
+    raise_if_not_jax_type(leaves, structure.traced_indices, where)
     formats = _targets(structure, leaves, where)
     auto = _auto_layouts(formats, leaves, where)
     targets = [(i, sharding_of(s)) for i, s in formats]
