@@ -359,7 +359,9 @@ def restore_from(
                 "cannot hold without `jax_enable_x64`: enable it, or restore this "
                 "leaf as NumPy (a NumPy array in `like`)."
             )
-        sharding = None if form == "numpy" else targets.get(i, _placed(x))
+        # Where `like`'s leaf says its array goes (`None`: uncommitted).
+        own = getattr(x, "sharding", None) if getattr(x, "committed", True) else None
+        sharding = None if form == "numpy" else targets.get(i, own)
         if sharding is not None:
             sharding = _concrete(sharding, "like" + p)
             check(tuple(np.shape(x)), sharding, lambda p=p: "like" + p)
@@ -397,13 +399,6 @@ def restore_from(
         what, path, nbytes(read), time.perf_counter() - start,
     )  # fmt: skip
     return jtu.tree_unflatten(treedef, new)
-
-
-def _placed(x: Any) -> Sharding | None:
-    """Where `like`'s leaf says its array goes; `None`: uncommitted."""
-    if isinstance(x, jax.Array):
-        return x.sharding if x.committed else None
-    return getattr(x, "sharding", None)
 
 
 def _value(form, leaf, value, placed, e) -> Any:

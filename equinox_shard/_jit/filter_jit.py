@@ -183,12 +183,9 @@ class Compiled(Module):
         slots, _ = per_input
         structure = self._entry.structure
         leaves: list = [None] * structure.treedef.num_leaves
-        pairs = zip(structure.static_indices, self._entry.static)
-        pairs = (
-            *pairs,
-            *zip(structure.traced_indices, structure.packing.unpack(slots)),
-        )
-        for i, x in pairs:
+        for i, x in zip(structure.static_indices, self._entry.static):
+            leaves[i] = x
+        for i, x in zip(structure.traced_indices, structure.packing.unpack(slots)):
             leaves[i] = x
         return structure.treedef.unflatten(leaves)
 

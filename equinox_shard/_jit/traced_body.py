@@ -36,7 +36,8 @@ def traced_function(
     static_leaves = tuple(None if i in traced else x for i, x in enumerate(leaves))
     treedef = structure.treedef
     # A single spec leaf is a prefix of any output, also of its flat arrays.
-    structured = out_specs is not unset and not _is_single(out_specs)
+    single = jtu.tree_structure(out_specs, is_leaf=is_spec_leaf).num_nodes == 1
+    structured = out_specs is not unset and not single
     packing = structure.packing
 
     def fun_wrapped(*slots):
@@ -86,10 +87,6 @@ def traced_function(
     params = [inspect.Parameter(name, positional) for name in names]
     fun_wrapped.__signature__ = inspect.Signature(params)  # pyright: ignore
     return fun_wrapped
-
-
-def _is_single(specs) -> bool:
-    return jtu.tree_structure(specs, is_leaf=is_spec_leaf).num_nodes == 1
 
 
 def _out_shardings(out, out_specs, found: list | None, structured: bool, mesh):

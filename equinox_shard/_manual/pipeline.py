@@ -144,10 +144,7 @@ def _check_x(x: Any) -> None:
                 f"axis first); got {type(leaf).__name__} {leaf!r}."
             )
     if not x_leaves:
-        raise ValueError(
-            "x: a PyTree of arrays (each with the batch axis first) is needed; got no "
-            "array."
-        )
+        raise ValueError("x: a PyTree of arrays is needed; got no array.")
 
 
 def _check_fn(fn: Any) -> None:
