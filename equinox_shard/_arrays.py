@@ -86,10 +86,10 @@ def raise_if_deleted(
     """Raises the `RuntimeError` for the first deleted `leaves[i]`, at `where(i)`."""
     for i in indices:
         if is_deleted(leaves[i]):
-            raise RuntimeError(
+            raise RuntimeError(  # said once, not after JAX's or a launch's error
                 f"{where(i)}: {what} has been deleted (was it donated to an earlier "
                 f"call?){then}."
-            )
+            ) from None
 
 
 def raise_if_not_jax_type(leaves, indices, where: Callable[[int], str]) -> None:

@@ -1045,8 +1045,12 @@ def test_deleted_input(warm, donate):
     deleted = jax.device_put(jnp.arange(8.0), s)
     deleted.delete()
     batch = [jnp.zeros(8)]
-    with _raises(RuntimeError, _kp("model", "w"), inputs=batch, match="deleted"):
+    with _raises(
+        RuntimeError, _kp("model", "w"), inputs=batch, match="deleted"
+    ) as info:
         f({"w": deleted}, batch)
+    # Said once: not after another error (one from a launch's own look, or JAX's).
+    assert info.value.__suppress_context__ or info.value.__context__ is None
 
 
 @pytest.mark.parametrize("warm", [False, True], ids=["first call", "cached"])
@@ -1067,8 +1071,12 @@ def test_deleted_input_on_one_device(warm, donate, committed, gone, capfd):
         eqxs.filter_jit(lambda x: x + 1, in_shardings=s, donate="all")(deleted)
     batch = [jax.device_put(jnp.zeros(8), s) if committed else jnp.zeros(8)]
     capfd.readouterr()
-    with _raises(RuntimeError, _kp("model", "w"), inputs=batch, match="deleted"):
+    with _raises(
+        RuntimeError, _kp("model", "w"), inputs=batch, match="deleted"
+    ) as info:
         f({"w": deleted}, batch)
+    # Said once: not after another error (one from a launch's own look, or JAX's).
+    assert info.value.__suppress_context__ or info.value.__context__ is None
     assert capfd.readouterr().err == ""
 
 
