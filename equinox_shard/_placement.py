@@ -75,21 +75,25 @@ def all_placed(values, expected: tuple) -> bool:
 
 def jit_takes(values, expected: tuple) -> int:
     """Whether `jax.jit` takes every value as it is for its target in `expected`:
-    `PLACED` (all committed there, or where `is_placed` says they stand for it),
-    `MOVES` (the committed ones there, and it moves the others itself), or `0`."""
+    `PLACED` (all there, or committed where `is_placed` says they stand for it),
+    `MOVES` (those, and it moves the uncommitted others itself), or `0`."""
     try:
+        if getattr(values[-1], "committed", False):
+            # A placed model (a fresh batch beside it): one pass finds the few off target.
+            off = list(map(operator.ne, map(getattr, values, _SHARDING, _NONE), expected))
+            values_off, expected_off = list(compress(values, off)), compress(expected, off)
+        else:  # a model never placed: off target throughout
+            values_off, expected_off = values, expected
+        committed = list(map(getattr, values_off, _COMMITTED, _FALSE))
+        pairs = (compress(values_off, committed), compress(expected_off, committed))
+        if not all(map(is_placed, *pairs)):
+            return 0
+        if all(committed):
+            return PLACED
         # Weak types are `place`'s: `entry.Typed` runs either as the other.
         if any(map(getattr, map(getattr, values, _AVAL, _NONE), _WEAK, _FALSE)):
             return 0
-        committed = list(map(getattr, values, _COMMITTED, _FALSE))
-        held = list(compress(values, committed))
-        wanted = list(compress(expected, committed))
-        unequal = list(map(operator.ne, map(_sharding, held), wanted))
-        if not any(unequal):
-            return PLACED if all(committed) else MOVES
-        # An equivalent sharding `jax.jit` takes as it is; `entry.Typed` would refuse.
-        pairs = (compress(held, unequal), compress(wanted, unequal))
-        return PLACED if all(map(is_placed, *pairs)) else 0
+        return MOVES
     except Exception:  # a tracer: `place` leaves it to the enclosing call
         return 0
 
@@ -102,6 +106,7 @@ _FALSE = repeat(False)
 _NONE = repeat(None)
 _AVAL = repeat("aval")
 _COMMITTED = repeat("committed")
+_SHARDING = repeat("sharding")
 _WEAK = repeat("weak_type")
 
 
