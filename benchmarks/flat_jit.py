@@ -21,6 +21,9 @@ and output (issue 48's peer for `in_shardings`), and launches each call under `l
 the sketch with the thread safety that `equinox_shard.filter_jit` gives a multi-device
 call on the CPU (its `dispatch_lock`, RFC §6), so that the two can be compared at
 equal safety. Without a lock the call path is unchanged.
+
+`flat_step_jit` is the same sketch for a training step (`benchmarks/step.py`'s fed
+step): one sharding per argument, and the first arguments' arrays donated.
 """
 
 import dataclasses
@@ -90,6 +93,53 @@ def flat_jit(fun, lock=None, sharding=None):
         if jitted is None:
             jitted = cache[key] = build(treedef, mask, static)
         out_dynamic, out = jitted([x for x, m in zip(leaves, mask) if m])
+        it_d, it_s = iter(out_dynamic), iter(out.static)
+        leaves = [next(it_d) if m else next(it_s) for m in out.mask]
+        return jax.tree.unflatten(out.treedef, leaves)
+
+    return call
+
+
+def flat_step_jit(fun, in_shardings: tuple, out_sharding, donated: int):
+    """The sketch for a training step (`benchmarks/step.py`): one sharding per
+    positional argument, one for every output, and the array leaves of the first
+    `donated` arguments donated (as one flat list, the others as another)."""
+    cache = {}
+
+    def build(args, treedef, mask, static):
+        shardings = [s for a, s in zip(args, in_shardings) for _ in jax.tree.leaves(a)]
+        n = len(jax.tree.leaves(args[:donated]))
+        split = sum(mask[:n])
+        arrays = [s for s, m in zip(shardings, mask) if m]
+
+        def flat(donated_leaves, kept_leaves):
+            it_d, it_s = iter([*donated_leaves, *kept_leaves]), iter(static)
+            leaves = [next(it_d) if m else next(it_s) for m in mask]
+            out_leaves, out_def = jax.tree.flatten(fun(*treedef.unflatten(leaves)))
+            out_mask = _mask(out_leaves)
+            out_static = tuple([x for x, m in zip(out_leaves, out_mask) if not m])
+            out_dynamic = [x for x, m in zip(out_leaves, out_mask) if m]
+            return out_dynamic, _Out(out_def, out_mask, out_static)
+
+        jitted = jax.jit(
+            flat,
+            in_shardings=(arrays[:split], arrays[split:]),
+            out_shardings=out_sharding,
+            donate_argnums=0,
+        )
+        return jitted, split
+
+    def call(*args):
+        leaves, treedef = jax.tree.flatten(args)
+        mask = _mask(leaves)
+        static = tuple([x for x, m in zip(leaves, mask) if not m])
+        key = (treedef, mask, static)
+        entry = cache.get(key)
+        if entry is None:
+            entry = cache[key] = build(args, treedef, mask, static)
+        jitted, split = entry
+        dynamic = [x for x, m in zip(leaves, mask) if m]
+        out_dynamic, out = jitted(dynamic[:split], dynamic[split:])
         it_d, it_s = iter(out_dynamic), iter(out.static)
         leaves = [next(it_d) if m else next(it_s) for m in out.mask]
         return jax.tree.unflatten(out.treedef, leaves)

@@ -46,11 +46,9 @@ def same_mesh(current: Sharding, target: Sharding) -> bool:
 def is_placed(x: jax.Array, sharding: Sharding) -> bool:
     """Whether the committed array `x` may stand for one placed on `sharding`."""
     current = x.sharding
-    if current == sharding:
-        return True
     try:
-        return current.is_equivalent_to(sharding, x.ndim) and same_mesh(
-            current, sharding
+        return current == sharding or (
+            current.is_equivalent_to(sharding, x.ndim) and same_mesh(current, sharding)
         )
     except Exception:  # Not equivalent; a later `check` names the problem if any.
         return False
@@ -68,7 +66,7 @@ def all_placed(values, expected: tuple) -> bool:
     """Whether every value is a `jax.Array` whose sharding equals its target in
     `expected`, at C speed (upstream/jax-reports/jit-committed-device-order)."""
     try:
-        return all(map(operator.eq, map(_sharding, values), expected))
+        return all(map(operator.eq, map(getattr, values, _SHARD), expected))
     except Exception:  # NumPy; a tracer without one
         return False
 
@@ -78,14 +76,14 @@ def jit_takes(values, expected: tuple) -> int:
     `PLACED` (all there, or committed where `is_placed` says they stand for it),
     `MOVES` (those, and it moves the uncommitted others itself), or `0`."""
     try:
+        off_values, off_expected = values, expected  # a model never placed
         if getattr(values[-1], "committed", False):
-            # A placed model (a fresh batch beside it): one pass finds the few off target.
-            off = list(map(operator.ne, map(getattr, values, _SHARDING, _NONE), expected))
-            values_off, expected_off = list(compress(values, off)), compress(expected, off)
-        else:  # a model never placed: off target throughout
-            values_off, expected_off = values, expected
-        committed = list(map(getattr, values_off, _COMMITTED, _FALSE))
-        pairs = (compress(values_off, committed), compress(expected_off, committed))
+            # Beside a placed model (a fresh batch): one pass finds the few off target.
+            off = list(map(operator.ne, map(getattr, values, _SHARD, _NONE), expected))
+            off_values = list(compress(values, off))
+            off_expected = compress(expected, off)
+        committed = list(map(getattr, off_values, _COMMITTED, _FALSE))
+        pairs = (compress(off_values, committed), compress(off_expected, committed))
         if not all(map(is_placed, *pairs)):
             return 0
         if all(committed):
@@ -98,15 +96,12 @@ def jit_takes(values, expected: tuple) -> int:
         return 0
 
 
-# `jit_takes`'s answers (both true).
-PLACED = 1
-MOVES = 2
-_sharding = operator.attrgetter("sharding")
+PLACED, MOVES = 1, 2  # `jit_takes`'s answers (both true)
 _FALSE = repeat(False)
 _NONE = repeat(None)
 _AVAL = repeat("aval")
 _COMMITTED = repeat("committed")
-_SHARDING = repeat("sharding")
+_SHARD = repeat("sharding")
 _WEAK = repeat("weak_type")
 
 

@@ -1220,6 +1220,31 @@ def test_weak_and_strong_uncommitted_scalars_type_as_jax_jit(first_weak):
         assert int(out) == 200
 
 
+@pytest.mark.parametrize("devices", [1, 8])
+def test_placed_weak_scalar_beside_a_fresh_batch_types_as_jax_jit(devices):
+    # A placed model whose scalar is committed and weak, then strong, each call with a
+    # fresh uncommitted batch: the batch is looked at apart from the placed leaves, but
+    # the placed leaves' weak types still decide whether the batch's executable runs.
+    mesh = auto_mesh((devices,), ("d",))
+    rep = NamedSharding(mesh, P())
+    body = lambda scale, w, batch: (scale * 2, w + batch)
+    ours = eqxs.filter_jit(body, in_shardings=rep, out_shardings=rep)
+    reference = jax.jit(body, in_shardings=rep, out_shardings=rep)
+    w = jax.device_put(jnp.ones(4, jnp.float32), rep)
+    for k, scale in enumerate([jnp.asarray(3.0), jnp.float32(3.0)] * 2):
+        scale = jax.device_put(scale, rep)
+        batch = jnp.arange(4.0, dtype=jnp.float32) + k
+        got, want = ours(scale, w, batch), reference(scale, w, batch)
+        for g, x in zip(got, want):
+            assert (g.dtype, g.weak_type, g.sharding) == (
+                x.dtype,
+                x.weak_type,
+                x.sharding,
+            )
+            assert np.array_equal(np.asarray(g), np.asarray(x))
+        assert got[0].weak_type == (k % 2 == 0)
+
+
 def test_lower_then_calls_with_numpy_inputs_trace_once():
     # A training loop's shape: `.lower(...).compile()` on the first NumPy batch, then
     # calls fed NumPy batches and their own outputs trace the function once in all.

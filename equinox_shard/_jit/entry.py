@@ -223,13 +223,13 @@ class Typed:
         """`dynamic` with uncommitted leaves as their committed types; whether any."""
         packing = self.entry.structure.packing
         leaves = packing.unpack(dynamic)
+        # An executable of one weak type runs the other's, committed or not: `jax.jit`.
+        if any(getattr(x, "weak_type", False) for x in leaves):
+            return dynamic, False
         moved = False
         for k, sharding in self.casts:
             x = leaves[k]
             if is_value(x) and not is_committed(x):
-                if getattr(x, "weak_type", False):
-                    # An executable of one weak type runs the other's: `jax.jit`'s.
-                    return dynamic, False
                 # `jax.jit`'s type of it: a NumPy float64 is float32 without x64.
                 dtype = jax.typeof(x).dtype
                 leaves[k] = jax.ShapeDtypeStruct(x.shape, dtype, sharding=sharding)
