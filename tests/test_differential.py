@@ -60,7 +60,8 @@ _STATICS = (0, 3, "a", "bc")
 
 class _Leaf(eqx.Module):
     """How to make one array leaf: `kind` is 'strong' (`jnp.asarray` of a NumPy array),
-    'weak' (`jnp.asarray` of a Python scalar), 'numpy', or 'placed' (committed)."""
+    'weak' (`jnp.asarray` of a Python scalar), 'numpy', 'placed' (committed), or
+    'placed weak' (a weak one, committed)."""
 
     kind: str = eqx.field(static=True)
     shape: tuple = eqx.field(static=True)
@@ -88,13 +89,12 @@ def _materialise(desc, sharding):
         if not isinstance(leaf, _Leaf):
             return leaf  # the same object on both sides
         host = _host(leaf)
-        if leaf.kind == "weak":
-            return jnp.asarray(host.item())
         if leaf.kind == "numpy":
             return host
-        if leaf.kind == "placed":
-            return jax.device_put(host, sharding or jax.devices()[0])
-        return jnp.asarray(host)
+        value = jnp.asarray(host.item() if "weak" in leaf.kind else host)
+        if leaf.kind.startswith("placed"):
+            return jax.device_put(value, sharding or jax.devices()[0])
+        return value
 
     return jtu.tree_map(make, desc, is_leaf=lambda x: isinstance(x, _Leaf))
 
@@ -106,7 +106,8 @@ def _leaves(draw, split: bool):
         kind = draw(st.sampled_from(["strong", "strong", "numpy", "placed"]))
     else:
         shape = draw(st.sampled_from([(), (3,), (2, 3), (4,)]))
-        kinds = ["strong", "strong", "numpy", "placed"] + ["weak"] * (shape == ())
+        weak = ["weak", "placed weak"] * (shape == ())
+        kinds = ["strong", "strong", "numpy", "placed", *weak]
         kind = draw(st.sampled_from(kinds))
     dtype = draw(st.sampled_from(_DTYPES))
     return _Leaf(kind, shape, dtype, draw(st.integers(0, 3)))
