@@ -20,6 +20,7 @@ from .helpers import (
     auto_mesh,
     chip_mesh,
     compiled_names,
+    count_compiles,
     explicit_mesh,
     snapshot,
     tree_allclose,
@@ -1243,6 +1244,31 @@ def test_placed_weak_scalar_beside_a_fresh_batch_types_as_jax_jit(devices):
             )
             assert np.array_equal(np.asarray(g), np.asarray(x))
         assert got[0].weak_type == (k % 2 == 0)
+
+
+def test_equivalent_sharding_beside_a_fresh_batch_compiles_once():
+    # A placed model, one weight committed on a sharding equivalent to its target but
+    # not equal (`P(None)` for `P()`), fed fresh uncommitted batches: `jax.jit` takes
+    # the weight as it is, so the calls are `jax.jit`'s own, compiled once.
+    mesh = auto_mesh((8,), ("d",))
+    rep = NamedSharding(mesh, P())
+    body = lambda scale, w, batch: (scale * 2, w + batch)
+    ours = eqxs.filter_jit(body, in_shardings=rep, out_shardings=rep)
+    reference = jax.jit(body, in_shardings=rep, out_shardings=rep)
+    scale = jax.device_put(jnp.float32(3.0), rep)
+    w = jax.device_put(jnp.ones(4, jnp.float32), NamedSharding(mesh, P(None)))
+    batches = [jnp.asarray(np.arange(4, dtype=np.float32) + k) for k in range(3)]
+    with count_compiles() as compiles:
+        got = [ours(scale, w, batch) for batch in batches]
+    assert len(compiles) == 1, compiles
+    for batch, out in zip(batches, got):
+        for g, x in zip(out, reference(scale, w, batch)):
+            assert (g.dtype, g.weak_type, g.sharding) == (
+                x.dtype,
+                x.weak_type,
+                x.sharding,
+            )
+            assert np.array_equal(np.asarray(g), np.asarray(x))
 
 
 def test_lower_then_calls_with_numpy_inputs_trace_once():
