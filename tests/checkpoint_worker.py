@@ -11,6 +11,8 @@
     python tests/checkpoint_worker.py manager-multiprocess DIR PROCESS_ID NUM COORD
     python tests/checkpoint_worker.py manager-fails DIR CALL
     python tests/checkpoint_worker.py manager-writer DIR
+    python tests/checkpoint_worker.py manager-exit DIR HOW
+    python tests/checkpoint_worker.py manager-fork DIR HOW
 
 `clean`: a save and a restore onto another layout, as a user would run them (the test
 checks that nothing at all is printed on stderr). `killed`: a save that stops just
@@ -36,6 +38,17 @@ either, as in a directory made read-only after the manager was created; `none`:
 neither) prints the error raised, and the process exits (the test's
 deadline catches a hang). `manager-writer`: a `CheckpointManager` on DIR prints
 `LOCKED` (or the error refusing it) and waits for stdin to close.
+`manager-exit`: a `CheckpointManager` starts a background save of `exit_state()` as
+step 0 and the program ends at once, by HOW (`end`: the script's end; `exit`:
+`sys.exit(3)`; `raise`: an uncaught exception; `interrupt`: an uncaught
+KeyboardInterrupt), never closing the manager.
+`manager-fork`: a `CheckpointManager` on DIR, then forked processes: HOW `pool`: a
+`multiprocessing.Pool` (fork) whose workers use the manager (printed) and exit, then a
+second manager on DIR (printed `REFUSED` or `ACCEPTED`); `live`: a forked child that
+lives on,
+`inherited`: a child process given the lock file's descriptor, as a program started
+without Python's fork hooks would hold it (each prints `FORKED` and its pid, and sleeps:
+the test kills this process).
 """
 
 import json
@@ -417,6 +430,71 @@ def manager_fails(directory: pathlib.Path, call: str) -> None:
     print("EXITING", flush=True)
 
 
+def exit_state() -> dict:
+    import jax.numpy as jnp
+
+    return {"w": jnp.arange(1 << 20, dtype=jnp.float32), "step": 1000}
+
+
+def manager_exit(directory: pathlib.Path, how: str) -> None:
+    _setup()
+    import equinox_shard as eqxs
+
+    manager = eqxs.CheckpointManager(directory)
+    print("SAVE", manager.save(0, exit_state()), flush=True)
+    if how == "exit":
+        sys.exit(3)
+    elif how == "raise":
+        raise ValueError("the training loop failed")
+    elif how == "interrupt":
+        raise KeyboardInterrupt
+
+
+_MANAGER = None  # the manager of `manager-fork`, inherited by its forked workers
+
+
+def _touch(_):
+    try:
+        _MANAGER.latest_step()  # pyright: ignore[reportOptionalMemberAccess]
+        return "used"
+    except RuntimeError as e:
+        return "refused" if "inherited" in str(e) else str(e)
+
+
+def manager_fork(directory: pathlib.Path, how: str) -> None:
+    _setup()
+    import multiprocessing
+    import subprocess
+
+    import equinox_shard as eqxs
+
+    global _MANAGER
+    manager = _MANAGER = eqxs.CheckpointManager(directory)
+    if how == "pool":
+        with multiprocessing.get_context("fork").Pool(2) as pool:
+            print("POOL", pool.map(_touch, range(4), chunksize=1), flush=True)
+            pool.close()
+            pool.join()
+        try:
+            eqxs.CheckpointManager(directory)
+            print("ACCEPTED", flush=True)
+        except RuntimeError as e:
+            print("REFUSED", e, flush=True)
+        manager.close()
+        return
+    if how == "live":
+        child = multiprocessing.get_context("fork").Process(
+            target=time.sleep, args=(600,)
+        )
+        child.start()
+        pid = child.pid
+    else:  # "inherited": the descriptor passed on as no fork hook sees it
+        lock = manager._lock  # pyright: ignore[reportAttributeAccessIssue]
+        pid = subprocess.Popen(["sleep", "600"], pass_fds=[lock]).pid
+    print("FORKED", pid, flush=True)
+    time.sleep(600)
+
+
 def manager_writer(directory: pathlib.Path) -> None:
     _setup()
     import equinox_shard as eqxs
@@ -445,6 +523,10 @@ def main(argv: list[str]) -> None:
         manager_killed(directory)
     elif mode == "manager-fails":
         manager_fails(directory, argv[2])
+    elif mode == "manager-exit":
+        manager_exit(directory, argv[2])
+    elif mode == "manager-fork":
+        manager_fork(directory, argv[2])
     elif mode == "manager-writer":
         manager_writer(directory)
     elif mode == "manager-retention-killed":

@@ -84,7 +84,7 @@ def test_failed_background_save_raised_by_close_on_a_read_only_directory(tmp_pat
 @pytest.mark.slow
 def test_failed_background_save_and_no_close(tmp_path):
     # Neither waited for nor closed: the manager is closed as the program exits,
-    # which logs the failure, and the process exits.
+    # which logs the failure, and the process exits with status 1 (a step was lost).
     try:
         result = subprocess.run(
             [sys.executable, worker.__file__, "manager-fails", str(tmp_path), "none"],
@@ -92,7 +92,7 @@ def test_failed_background_save_and_no_close(tmp_path):
         )  # fmt: skip
     except subprocess.TimeoutExpired:
         pytest.fail("the process hung at exit after a failed save")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 1, result.stderr[-3000:]
     assert result.stdout.splitlines() == ["SAVE True", "EXITING"]
     assert f"The save of step 3 to {tmp_path / '3'} failed" in result.stderr
 

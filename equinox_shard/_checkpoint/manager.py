@@ -1,13 +1,20 @@
 """`CheckpointManager`: orbax's own, given the format of `save`/`restore`, their
-`like`/`shardings` language, one writer per directory, and errors naming the step."""
+`like`/`shardings` language, one writer per directory (its lock), errors naming the
+step, and what becomes of it at exit and at fork (docs/checkpoints.md)."""
 
 import atexit
+import concurrent.futures.thread  # noqa: F401 (its exit hook registered before ours)
+import contextlib
+import errno
 import os
 import pathlib
+import socket
+import sys
 import threading
 import time
 from typing import Any
 
+import jax
 import jax._src.traceback_util as traceback_util
 import numpy as np
 from jaxtyping import PyTree
@@ -15,14 +22,7 @@ from jaxtyping import PyTree
 from . import manifest
 from .failures import Pending
 from .orbax import composite, handlers, orbax as _orbax
-from .save_restore import (
-    absolute_path,
-    drop_lock,
-    logger,
-    nbytes,
-    restore_from,
-    take_lock,
-)
+from .save_restore import absolute_path, LOCK_FILE, logger, nbytes, restore_from
 
 
 traceback_util.register_exclusion(__file__)
@@ -46,6 +46,96 @@ def _step(step: Any) -> int:
     return int(step)
 
 
+def _dead(owner: list[str]) -> bool:
+    """Whether the lock file's `pid host` names a process of this host that is gone."""
+    if len(owner) != 2 or owner[1] != socket.gethostname() or not owner[0].isdigit():
+        return False
+    try:
+        os.kill(int(owner[0]), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # EPERM: it exists
+        return False
+    return False
+
+
+@contextlib.contextmanager
+def _guard(directory: pathlib.Path):
+    """The directory `flock`ed: one process at a time replaces a dead writer's lock."""
+    import fcntl
+
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        with contextlib.suppress(OSError):  # no `flock` on directories here: unguarded
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases it
+
+
+def take_lock(directory: pathlib.Path) -> int | OSError | None:
+    """The open lock file, `flock`ed (the system releases it once no process has it
+    open); an `OSError` where `directory` cannot be written; `None` but on process 0.
+    A lock held only by the children of a writer that died is replaced."""
+    import fcntl  # POSIX only: imported here so that the package imports anywhere
+
+    if jax.process_index() != 0:
+        return None
+    lock = directory / LOCK_FILE
+    while True:
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
+        except OSError as e:
+            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                return e  # no writer there: `save` raises, naming it
+            raise
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.read(fd, 256).decode(errors="replace").split()
+            if _dead(owner):
+                # A child it forked (or any process given the file) keeps it locked.
+                with _guard(directory):
+                    if _same(fd, lock):
+                        os.unlink(lock)
+                os.close(fd)
+                continue
+            os.close(fd)
+            who = "another process"
+            if len(owner) == 2:
+                who = f"process {owner[0]} on host {owner[1]}"
+            if owner == [str(os.getpid()), socket.gethostname()]:
+                who = "another CheckpointManager of this process (close it first)"
+            raise RuntimeError(
+                f"Another CheckpointManager writes to {directory}: {who} holds its "
+                f"lock {lock}. Two writers on one directory overwrite and delete each "
+                "other's steps, so this one is refused."
+            ) from None
+        # Locked, unless its closing writer unlinked that file meanwhile: lock anew.
+        if _same(fd, lock):
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()} {socket.gethostname()}".encode())
+            return fd
+        os.close(fd)
+
+
+def _same(fd: int, lock: pathlib.Path) -> bool:
+    """Whether the file open as `fd` is still the one at `lock`."""
+    return os.path.exists(lock) and os.path.samestat(os.fstat(fd), os.stat(lock))
+
+
+def drop_lock(directory: pathlib.Path, fd: int) -> None:
+    """Releases the lock; a lock file that cannot be removed is logged and left."""
+    try:
+        (directory / LOCK_FILE).unlink()
+    except OSError as e:
+        logger.warning(
+            "could not remove the writer's lock %s of %s (%s: %s); it is released.",
+            directory / LOCK_FILE, directory, type(e).__name__, e,
+        )  # fmt: skip
+    os.close(fd)
+
+
 class CheckpointManager:
     """The checkpoints of a training loop, one per step, on orbax-checkpoint's
     `CheckpointManager`: save every N steps and/or T minutes, in the background; keep
@@ -54,7 +144,9 @@ class CheckpointManager:
     Each checkpoint is `directory/<step>`, as [`equinox_shard.save`][] writes it; a
     save killed at any moment is never listed. One manager writes to a directory at
     a time: it holds the lock file `directory/.eqxs-writer` until `close()`. A manager
-    left open is closed when the program exits.
+    left open is closed when the program exits, however it ends, once its saves are
+    complete (a save that fails then makes the process exit with status 1). A forked
+    child's copy of a manager is closed, leaving the lock to its parent.
 
     **Arguments:**
 
@@ -129,15 +221,30 @@ class CheckpointManager:
             if self._lock is not None:
                 drop_lock(self.directory, self._lock)
             raise
-        self._closed = False
+        self._closed, self._parent = False, None
         _OPEN.add(self)
 
     def _check_open(self, what: str) -> None:
+        if self._parent is not None:
+            raise RuntimeError(
+                f"`{what}` on a CheckpointManager (of {self.directory}) that this "
+                f"process inherited when process {self._parent} forked it: the "
+                "manager stays its parent's, the one writer of its directory. Save "
+                "and restore in the parent, or in another directory."
+            )
         if self._closed:
             raise RuntimeError(
                 f"`{what}` on a closed CheckpointManager (of {self.directory}); create "
                 "a new one."
             )
+
+    def _forked(self, parent: int) -> None:
+        """In a forked child: closed, without waiting, removing or releasing a thing
+        (its lock is the parent's while any process has the file open)."""
+        self._closed, self._parent = True, parent
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def should_save(self, step: Any) -> bool:
         """Whether the policies save `step` (never one at or before the latest)."""
@@ -291,13 +398,45 @@ class CheckpointManager:
 
 
 def _close_all() -> None:
+    """Closes the managers left open as Python exits; where a save is lost, the
+    process exits with status 1 (once Python has joined its threads)."""
+    lost = False
     for manager in list(_OPEN):
         try:
             manager.close()
-        except Exception:
+        except Exception:  # names the step
             logger.exception("closing the CheckpointManager of %s", manager.directory)
+            lost = True
+        except BaseException:  # interrupted (a second Ctrl-C): the saves left are lost
+            steps = ", ".join(map(str, sorted(manager._pending.steps))) or "none"
+            logger.error(
+                "exiting before the saves to %s were complete (steps: %s); the "
+                "steps saved before them are complete and restorable.",
+                manager.directory, steps,
+            )  # fmt: skip
+            lost = True
+    if lost:
+        atexit.register(_exit_lost)
 
 
-# Open managers, closed before Python joins orbax's threads (which `atexit` follows).
+def _exit_lost() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()  # pyright: ignore[reportOptionalMemberAccess]
+    os._exit(1)  # a status that says a checkpoint was lost
+
+
+def _fork_child() -> None:
+    parent = os.getppid()
+    for manager in list(_OPEN):
+        manager._forked(parent)
+    _OPEN.clear()
+
+
+# Open managers. Python calls these exit hooks in reverse order, before it joins the
+# threads of `concurrent.futures` (orbax's) and refuses them more work: saves in flight
+# complete. `atexit` runs only after that.
 _OPEN: set[CheckpointManager] = set()
 getattr(threading, "_register_atexit", atexit.register)(_close_all)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fork_child)

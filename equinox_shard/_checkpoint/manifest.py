@@ -2,6 +2,7 @@
 stored name and checksum (docs/checkpoints.md, "Checksums"). `build` makes it on save;
 `match` checks `like` against it before any array is read, `verify` the arrays read."""
 
+import json
 import math
 import zlib
 from typing import Any
@@ -21,8 +22,9 @@ traceback_util.register_exclusion(__file__)
 
 FORMAT = "equinox_shard.checkpoint"
 # 2: each array entry has its stored "name" (`None`: zero-size) and "checksum".
-VERSION = 2
-_SCALARS = (bool, int, float, complex)
+# 3: the record has its own "checksum" (of everything else in it: the Python scalars).
+VERSION = 3
+_SCALARS = (bool, int, float, complex)  # a subclass is saved as the first it is
 
 
 def saved_form(x: Any) -> str | None:
@@ -47,8 +49,10 @@ def describe(entry: dict) -> str:
 
 def entry(form: str, x: Any) -> dict:
     if form == "scalar":
+        base = next(t for t in _SCALARS if isinstance(x, t))  # an IntEnum: int
+        x = base(x)
         value = [x.real, x.imag] if isinstance(x, complex) else x
-        return {"kind": form, "type": type(x).__name__, "value": value}
+        return {"kind": form, "type": base.__name__, "value": value}
     return {"kind": form, "shape": list(np.shape(x)), "dtype": str(x.dtype)}
 
 
@@ -251,7 +255,25 @@ def build(tree: Any, name: str) -> tuple[dict, dict]:
     stored = [e for e in entries if e.get("name") is not None]
     for e, s in zip(stored, _stored_checksums(stored, arrays)):
         e["checksum"] = s
-    return {"format": FORMAT, "version": VERSION, "leaves": entries}, arrays
+    record = {"format": FORMAT, "version": VERSION, "leaves": entries}
+    return {**record, "checksum": _record_checksum(record)}, arrays
+
+
+def _record_checksum(record: dict) -> int:
+    """The CRC-32 of the record (but its own "checksum") as canonical JSON."""
+    rest = {k: v for k, v in record.items() if k != "checksum"}
+    return zlib.crc32(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode())
+
+
+def unsealed(record: dict) -> str | None:
+    """Why the record read back does not match its checksum, or `None` (it does, or
+    it is of version 1 or 2, which have none)."""
+    if "checksum" not in record:
+        old = record.get("version") in (1, 2)
+        return None if old else "has no checksum of its own"
+    if record["checksum"] != _record_checksum(record):
+        return "does not match the checksum saved in it"
+    return None
 
 
 def json_type(x: Any) -> str:

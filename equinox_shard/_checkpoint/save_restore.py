@@ -1,13 +1,11 @@
 """`save` and `restore` (one orbax checkpoint directory, items `arrays` and `leaves`:
-`manifest`'s JSON record, which `restore` checks `like` against before reading), and a
-directory's writer lock, which a `CheckpointManager` takes and `save` asks."""
+`manifest`'s JSON record, which `restore` checks `like` against before reading); `save`
+asks whether a `CheckpointManager` holds the directory's writer lock."""
 
-import errno
 import json
 import logging
 import os
 import pathlib
-import socket
 import time
 from typing import Any
 
@@ -168,56 +166,6 @@ def _raise_if_managed(path: pathlib.Path) -> None:
         os.close(fd)
 
 
-def take_lock(directory: pathlib.Path) -> int | OSError | None:
-    """The open lock file, `flock`ed (the system releases it when the process ends);
-    an `OSError` where `directory` cannot be written; `None` but on process 0."""
-    import fcntl  # POSIX only: imported here so that the package imports anywhere
-
-    if jax.process_index() != 0:
-        return None
-    lock = directory / LOCK_FILE
-    while True:
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
-        except OSError as e:
-            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-                return e  # no writer there: `save` raises, naming it
-            raise
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.read(fd, 256).decode(errors="replace").split()
-            os.close(fd)
-            who = "another process"
-            if len(owner) == 2:
-                who = f"process {owner[0]} on host {owner[1]}"
-            if owner == [str(os.getpid()), socket.gethostname()]:
-                who = "another CheckpointManager of this process (close it first)"
-            raise RuntimeError(
-                f"Another CheckpointManager writes to {directory}: {who} holds its "
-                f"lock {lock}. Two writers on one directory overwrite and delete each "
-                "other's steps, so this one is refused."
-            ) from None
-        # Locked, unless its closing writer unlinked that file meanwhile: lock anew.
-        if os.path.exists(lock) and os.path.samestat(os.fstat(fd), os.stat(lock)):
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()} {socket.gethostname()}".encode())
-            return fd
-        os.close(fd)
-
-
-def drop_lock(directory: pathlib.Path, fd: int) -> None:
-    """Releases the lock; a lock file that cannot be removed is logged and left."""
-    try:
-        (directory / LOCK_FILE).unlink()
-    except OSError as e:
-        logger.warning(
-            "could not remove the writer's lock %s of %s (%s: %s); it is released.",
-            directory / LOCK_FILE, directory, type(e).__name__, e,
-        )  # fmt: skip
-    os.close(fd)
-
-
 def _read_record(path: pathlib.Path) -> list[dict]:
     if not path.is_dir():
         left = [p.name for p in unfinished(path)]
@@ -235,10 +183,15 @@ def _read_record(path: pathlib.Path) -> list[dict]:
         )
     metadata = path / "leaves" / "metadata"  # orbax's JSON handler's: no orbax call
     record = read_json(path, metadata)
-    if record.get("format", manifest.FORMAT) != manifest.FORMAT:
+    # A record with a checksum whose "format" differs is ours, damaged (below).
+    if record.get("format", manifest.FORMAT) != manifest.FORMAT and (
+        "checksum" not in record
+    ):
         raise ValueError(f"{path} is not a checkpoint written by `equinox_shard.save`.")
     if (why := manifest.problem(record)) is not None:
         raise damaged(path, metadata, f"is not as `save` writes it ({why})")
+    if (why := manifest.unsealed(record)) is not None:
+        raise damaged(path, metadata, why)
     if record["version"] > manifest.VERSION:
         raise ValueError(
             f"{path} was written by a newer equinox_shard (format version "
@@ -391,7 +344,8 @@ def restore_from(
     for i, (p, form) in enumerate(zip(paths, forms)):
         if form == "scalar":
             e = saved[p]
-            new[i] = complex(*e["value"]) if e["type"] == "complex" else e["value"]
+            value = complex(*e["value"]) if e["type"] == "complex" else e["value"]
+            new[i] = _scalar(leaves[i], value, p)
         elif form is not None:
             new[i] = _value(form, leaves[i], read.get(names[p]), placed[p], saved[p])
     logger.info(
@@ -399,6 +353,19 @@ def restore_from(
         what, path, nbytes(read), time.perf_counter() - start,
     )  # fmt: skip
     return jtu.tree_unflatten(treedef, new)
+
+
+def _scalar(leaf: Any, value: Any, p: str) -> Any:
+    """A saved Python scalar as the type of `like`'s leaf (an `IntEnum` member...)."""
+    if type(leaf) is type(value):
+        return value
+    try:
+        return type(leaf)(value)
+    except Exception as e:
+        raise ValueError(
+            f"like{p}: the checkpoint holds the {type(value).__name__} {value!r} "
+            f"here, which `like`'s {type(leaf).__name__} cannot take ({e})."
+        ) from None
 
 
 def _value(form, leaf, value, placed, e) -> Any:
