@@ -490,6 +490,7 @@ def manager_fork(directory: pathlib.Path, how: str) -> None:
         pid = child.pid
     else:  # "inherited": the descriptor passed on as no fork hook sees it
         lock = manager._lock  # pyright: ignore[reportAttributeAccessIssue]
+        assert lock is not None
         pid = subprocess.Popen(["sleep", "600"], pass_fds=[lock]).pid
     print("FORKED", pid, flush=True)
     time.sleep(600)

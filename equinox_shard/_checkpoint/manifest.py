@@ -22,7 +22,8 @@ traceback_util.register_exclusion(__file__)
 
 FORMAT = "equinox_shard.checkpoint"
 # 2: each array entry has its stored "name" (`None`: zero-size) and "checksum".
-# 3: the record has its own "checksum" (of everything else in it: the Python scalars).
+# 3: the record has its own "checksum" (of everything else in it: the Python scalars);
+# every later version keeps it as it is, so that a damaged "version" is found.
 VERSION = 3
 _SCALARS = (bool, int, float, complex)  # a subclass is saved as the first it is
 
@@ -49,7 +50,7 @@ def describe(entry: dict) -> str:
 
 def entry(form: str, x: Any) -> dict:
     if form == "scalar":
-        base = next(t for t in _SCALARS if isinstance(x, t))  # an IntEnum: int
+        base: Any = next(t for t in _SCALARS if isinstance(x, t))  # an IntEnum: int
         x = base(x)
         value = [x.real, x.imag] if isinstance(x, complex) else x
         return {"kind": form, "type": base.__name__, "value": value}

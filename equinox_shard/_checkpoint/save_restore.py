@@ -63,7 +63,8 @@ def save(
     with orbax-checkpoint. Each process writes only the shards it holds.
 
     Array leaves (`equinox.is_array`, typed PRNG keys included) and Python
-    `bool`/`int`/`float`/`complex` leaves are saved; every other leaf comes back from
+    `bool`/`int`/`float`/`complex` leaves (their subclasses' as those types', an
+    `IntEnum` member's as its `int`) are saved; every other leaf comes back from
     `like` in [`equinox_shard.restore`][], as in `equinox.tree_serialise_leaves`. A
     save that is interrupted leaves no `path` behind.
 
@@ -247,7 +248,8 @@ def restore(
 
     A PyTree with the structure of `like`: saved arrays as JAX arrays (typed PRNG
     keys as keys, NumPy arrays of `like` as NumPy arrays), saved Python scalars with
-    their saved values, and every other leaf the very object of `like` (as in
+    their saved values as the type of `like`'s leaf (an `IntEnum` member as that
+    member), and every other leaf the very object of `like` (as in
     `equinox.tree_deserialise_leaves`).
 
     **Raises:**
