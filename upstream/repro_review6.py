@@ -159,3 +159,44 @@ for kind in (AxisType.Auto, AxisType.Explicit):
                 return f"deleted {y.is_deleted()}"
 
             run(f"{kind.name}, {bname}, {wname}", donate)
+
+print(
+    "-- 8: 1077.md, point 1's exception and point 3, plain jax.jit given in_shardings"
+)
+for kind in (AxisType.Auto, AxisType.Explicit):
+    m = jax.make_mesh((2,), ("x",), axis_types=(kind,))
+    s, r = NamedSharding(m, P("x")), NamedSharding(m, P())
+    with jax.set_mesh(m):
+        made = jnp.arange(4.0)
+    run(
+        f"{kind.name}, made under set_mesh: committed, spec",
+        lambda: (made.committed, made.sharding.spec),
+    )
+    top = eqx.filter_jit(lambda a: eqx.filter_shard(eqx.filter_shard(a, s) * 2, r))
+    run(
+        f"{kind.name}, filter_shard program lowered on uncommitted, called on it",
+        lambda: top.lower(jnp.arange(4.0)).compile()(made).sharding.spec,
+    )
+    run(
+        f"{kind.name}, jax.jit(in_shardings=P('x')) on it",
+        lambda: jax.jit(lambda a: a * 2, in_shardings=s)(made).sharding.spec,
+    )
+    on_r = jax.device_put(jnp.arange(4.0), r)
+    run(
+        f"{kind.name}, jax.jit(in_shardings=P('x')) on an input committed to P()",
+        lambda: jax.jit(lambda a: a * 2, in_shardings=s)(on_r).sharding.spec,
+    )
+    run(
+        f"{kind.name}, the same, donated",
+        lambda: (
+            jax.jit(lambda a: a * 2, in_shardings=s, donate_argnums=0)(
+                jax.device_put(jnp.arange(4.0), r)
+            ).sharding.spec
+        ),
+    )
+    run(
+        f"{kind.name}, filter_shard on it inside filter_jit",
+        lambda: (
+            eqx.filter_jit(lambda a: eqx.filter_shard(a, s) * 2)(on_r).sharding.spec
+        ),
+    )
