@@ -6,8 +6,9 @@ their author lines (`git apply --index`, then commit with the message on top).
         # rewrite upstream/series/ from the checkout's branch BRANCH (BASE..BRANCH)
     python tools/upstream_series.py check
         # what .ci/run runs: apply each patch's library hunks, in order, to the pinned
-        # Equinox source distribution, install it in a temporary virtual environment,
-        # and run the tests that the series adds to Equinox's test files against it
+        # Equinox source distribution, install it in a temporary virtual environment
+        # for each JAX in JAX, and run the tests that the series adds to Equinox's
+        # test files against it
     python tools/upstream_series.py check --equinox /path/to/equinox
         # also: apply and commit the series onto a clone at BASE and run Equinox's
         # whole suite
@@ -34,7 +35,9 @@ SERIES = ROOT / "upstream" / "series"
 VERSION = "0.13.8"
 BASE = f"v{VERSION}"
 BRANCH = "eqxs-series"
-JAX = "0.10.2"
+# `check` runs the series' tests on each: the oldest JAX that 0001's `Explicit`-axes
+# code admits (its version gate; older JAX keeps v0.13.8's code), and our own oldest.
+JAX = ("0.10.0", "0.10.2")
 EQUINOX_TEST_DEPS = ["beartype", "optax", "pytest"]
 # Our own: two simulated CPU devices, as the series' tests expect.
 CONFTEST = 'import jax\n\njax.config.update("jax_num_cpu_devices", 2)\n'
@@ -105,11 +108,11 @@ def added_test_lines(patch: str) -> dict[str, list[str]]:
     return added
 
 
-def venv(where: pathlib.Path, *install) -> pathlib.Path:
+def venv(where: pathlib.Path, *install, jax: str = JAX[-1]) -> pathlib.Path:
     run(sys.executable, "-m", "venv", where)
     python = where / "bin" / "python"
     run(python, "-m", "pip", "install", "--quiet", *install,
-        f"jax=={JAX}", f"jaxlib=={JAX}")  # fmt: skip
+        f"jax=={jax}", f"jaxlib=={jax}")  # fmt: skip
     return python
 
 
@@ -132,8 +135,9 @@ def check_sdist(tmp: pathlib.Path):
     for name, lines in added.items():
         (run_dir / name).write_text(TEST_IMPORTS + "\n".join(lines) + "\n")
     (run_dir / "tests" / "conftest.py").write_text(CONFTEST)
-    python = venv(tmp / "venv", source, "pytest")
-    run(python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *added, cwd=run_dir)
+    for jax in JAX:
+        python = venv(tmp / f"venv-{jax}", source, "pytest", jax=jax)
+        run(python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *added, cwd=run_dir)
 
 
 def suite(python, repo) -> tuple[str, set[str]]:
