@@ -1,3 +1,5 @@
+import pathlib
+import re
 import traceback
 import typing
 import warnings
@@ -600,6 +602,23 @@ def test_filter_jit_docstring_names_every_donate_mode():
     section = doc.split("- `donate`:")[1].split("**Returns:**")[0]
     named = [mode for mode in donation.MODES if f"`'{mode}'`" in section]
     assert named == list(donation.MODES)
+
+
+def test_rfc_table_of_donate_modes_is_the_table_in_the_code():
+    # RFC §6 copies `_jit.donation.MODES` by hand: a row per mode, in order, saying
+    # what it donates of a call of three arguments and whether JAX's warning shows.
+    rfc = (pathlib.Path(__file__).parents[1] / "RFC.md").read_text()
+    rows = re.findall(r'^\| `"([^"]+)"` \| (\w+) \| (\w+) \| ([^|]+) \|$', rfc, re.M)
+    word = {True: "donated", False: "kept"}
+    expected = []
+    for mode, (donates, quiet) in donation.MODES.items():
+        rest = {bool(donates(p, 3)) for p in (1, 2, None)}
+        assert len(rest) == 1, f"{mode}: a column of the table cannot say it"
+        rest = rest.pop()
+        first = bool(donates(0, 3))
+        warning = "filtered out" if quiet else "shown" if first or rest else "—"
+        expected.append((mode, word[first], word[rest], warning))
+    assert rows == expected
 
 
 def test_same_buffer_donated_twice_raises():
