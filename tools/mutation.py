@@ -39,7 +39,10 @@ TESTS = {
     # Every call packs: a narrower selection missed Module arguments (see
     # tools/mutation_equivalent.md).
     "equinox_shard/_jit/packing.py": ["tests/test_jit.py"],
-    "equinox_shard/_checkpoint/manager.py": ["tests/test_checkpoint_manager.py"],
+    "equinox_shard/_checkpoint/manager.py": [
+        "tests/test_checkpoint_manager.py",
+        "tests/test_checkpoint_failures.py",
+    ],
 }
 
 EQUIVALENT = pathlib.Path(__file__).with_name("mutation_equivalent.md")
