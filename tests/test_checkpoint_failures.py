@@ -238,16 +238,18 @@ def test_closed_manager(tmp_path):
     manager.save(1, {"x": jnp.ones(2)})
     manager.close()
     manager.close()  # twice is fine
-    for call in (
-        lambda: manager.save(2, {"x": jnp.ones(2)}),
-        lambda: manager.restore({"x": jnp.ones(2)}),
-        manager.latest_step,
-        manager.all_steps,
-        lambda: manager.should_save(3),
-        manager.wait_until_finished,
-        manager.__enter__,
+    for name, call in (
+        ("save", lambda: manager.save(2, {"x": jnp.ones(2)})),
+        ("restore", lambda: manager.restore({"x": jnp.ones(2)})),
+        ("latest_step", manager.latest_step),
+        ("all_steps", manager.all_steps),
+        ("should_save", lambda: manager.should_save(3)),
+        ("wait_until_finished", manager.wait_until_finished),
+        ("with", manager.__enter__),
     ):
-        with pytest.raises(RuntimeError, match=r"on a closed CheckpointManager \(of "):
+        # Naming the method called.
+        match = rf"^`{name}` on a closed CheckpointManager \(of "
+        with pytest.raises(RuntimeError, match=match):
             call()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1"]
 

@@ -2,6 +2,7 @@
 latest on another layout, background saves racing a donating step, a save killed
 midway, log lines."""
 
+import inspect
 import logging
 import os
 import pathlib
@@ -23,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from . import checkpoint_worker as worker
 from .helpers import assert_same_values, auto_mesh, snapshot
 from .isolated import HANG_SECONDS, killed_after_first_line
+from .test_checkpoint_safety import _flip_byte_of
 
 
 pytest.importorskip("orbax.checkpoint")
@@ -104,6 +106,10 @@ def test_arguments(tmp_path):
         eqxs.CheckpointManager(tmp_path, keep_last=0)
     with pytest.raises(ValueError, match="`every_minutes` must be a positive number"):
         eqxs.CheckpointManager(tmp_path, every_minutes=-1.0)
+    # Each names its own argument.
+    for name in ("every_steps", "keep_every"):
+        with pytest.raises(ValueError, match=f"^`{name}` must be a positive number"):
+            eqxs.CheckpointManager(tmp_path, **{name: 0})
     assert list(tmp_path.iterdir()) == []
 
 
@@ -126,6 +132,65 @@ def test_resume_on_another_layout(tmp_path):
             spec = P("data", "model") if split else P()
             assert x.sharding.is_equivalent_to(NamedSharding(two_d, spec), x.ndim)
     assert out["model"].activation is like["model"].activation
+
+
+# Random, so that `_flip_byte_of` finds its bytes in the data files.
+_RANDOM = np.random.default_rng(0).integers(0, 2**32, 4096, dtype=np.uint32)
+
+# Per option of `eqxs.restore` but `path` and `like`: `make(step_directory)`, a value
+# of it that changes what `restore` returns from the checkpoint there (after damaging
+# it, for an option about damage). A new option of `restore` needs its entry here.
+_RESTORE_OPTIONS = {
+    "shardings": lambda directory: NamedSharding(auto_mesh(), P("x")),
+}
+
+
+def _outcome(restore) -> list | tuple:
+    """What `restore()` gives, comparable: each leaf's bytes and committed sharding,
+    or the `ValueError` it raises."""
+    try:
+        out = restore()
+    except ValueError as e:
+        return ("ValueError", str(e))
+    return [
+        (np.array(x).tobytes(), x.sharding if getattr(x, "committed", False) else None)
+        for x in jtu.tree_leaves(out)
+    ]
+
+
+def test_manager_restore_passes_on_every_option_of_restore(tmp_path):
+    """`CheckpointManager.restore` has every option of `eqxs.restore`, with its
+    default, and passes it on: given a value that changes what `eqxs.restore` returns,
+    it returns the same."""
+    options = dict(inspect.signature(eqxs.restore).parameters)
+    del options["path"], options["like"]
+    ours = dict(inspect.signature(eqxs.CheckpointManager.restore).parameters)
+    del ours["self"], ours["like"], ours["step"]
+    assert {k: p.default for k, p in ours.items()} == {
+        k: p.default for k, p in options.items()
+    }
+    assert sorted(_RESTORE_OPTIONS) == sorted(options)
+    state = {"w": jnp.asarray(_RANDOM), "n": 3}
+    with eqxs.CheckpointManager(tmp_path, background=False) as manager:
+        for step, (name, make) in enumerate(_RESTORE_OPTIONS.items()):
+            manager.save(step, state)
+            option = {name: make(tmp_path / str(step))}
+            default = _outcome(lambda: manager.restore(state, step=step))
+            expected = _outcome(
+                lambda: eqxs.restore(tmp_path / str(step), state, **option)
+            )
+            assert expected != default, name  # the value tells the option apart
+            out = _outcome(lambda: manager.restore(state, step=step, **option))
+            assert out == expected, name
+
+
+def test_manager_restore_verifies_the_checksums(tmp_path):
+    with eqxs.CheckpointManager(tmp_path) as manager:
+        manager.save(0, {"w": jnp.asarray(_RANDOM), "n": 3})
+        manager.wait_until_finished()
+        _flip_byte_of(tmp_path / "0" / "arrays", _RANDOM)
+        with pytest.raises(ValueError, match=r"like\['w'\]: .* checksum"):
+            manager.restore({"w": jnp.zeros(4096, jnp.uint32), "n": 0})
 
 
 def test_background_save_racing_a_donating_step(tmp_path):

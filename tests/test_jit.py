@@ -1,3 +1,5 @@
+import pathlib
+import re
 import traceback
 import typing
 import warnings
@@ -484,6 +486,105 @@ def test_which_inputs_a_mode_donates_is_decided_by_donate_alone(monkeypatch):
     assert not c.is_deleted() and tree_allclose(c, jnp.arange(16.0) * 4)
 
 
+# Donations that the table might hold beside its own, each set in place of "all" (the
+# annotation of `donate` names the modes): `Packing`'s slots must follow any of them.
+_OTHER_DONATIONS = {
+    "all-except-last": lambda position, n_args: position != n_args - 1,
+    "second-only": lambda position, n_args: position == 1,
+    "odd-positions": lambda position, n_args: position is not None and position % 2,
+    "keywords-and-function-only": lambda position, n_args: position is None,
+}
+
+
+class _Step(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, a, *args, **kwargs):
+        return _add_one((self.w, a, args, kwargs))
+
+
+def _every_parameter_list(put):
+    """`(function, its arrays, n_args, keyword names)`: a call of each kind of parameter
+    list (plain, `*args`, `**kwargs`, a Module's own arrays) with each count of `*args`
+    that a slot could split. Every input is returned plus one, so that `jax.jit` can
+    reuse (and so frees) every donated buffer."""
+
+    def plain(a, b, c):
+        return _add_one((a, b, c))
+
+    def variadic(*args):
+        return _add_one(args)
+
+    def one_then_variadic(a, *args):
+        return _add_one((a, args))
+
+    def both(a, b, *args, **kwargs):
+        return _add_one((a, b, args, kwargs))
+
+    def variadic_keywords(*args, **kwargs):
+        return _add_one((args, kwargs))
+
+    step = _Step(put(100))
+    return [
+        (plain, (), 3, ()),
+        (variadic, (), 1, ()),
+        (variadic, (), 4, ()),
+        (one_then_variadic, (), 1, ()),
+        (one_then_variadic, (), 4, ()),
+        (both, (), 5, ("u", "v")),
+        (variadic_keywords, (), 3, ("u",)),
+        (step, (step.w,), 3, ("u",)),
+    ]
+
+
+@pytest.mark.parametrize(
+    "mode", [*donation.MODES, *(m for m in _OTHER_DONATIONS if m not in donation.MODES)]
+)
+def test_every_mode_donates_exactly_what_its_table_entry_says(mode, monkeypatch):
+    """For each mode in `_jit.donation.MODES` (and others the table might hold), with
+    plain parameters, `*args`, `**kwargs` and a Module's arrays: every input the mode
+    keeps is alive with its values, and the donated ones are deleted exactly where
+    `jax.jit` given the same donation deletes them."""
+    if mode not in donation.MODES:
+        monkeypatch.setitem(donation.MODES, "all", (_OTHER_DONATIONS[mode], True))
+        donates, used = _OTHER_DONATIONS[mode], "all"
+    else:
+        donates, used = donation.MODES[mode][0], mode
+    batch = NamedSharding(auto_mesh(), P("x"))
+    put = lambda k: jax.device_put(jnp.arange(16.0) * k, batch)
+    for fun, fun_arrays, n_args, names in _every_parameter_list(put):
+        args = tuple(put(k) for k in range(1, n_args + 1))
+        kwargs = {name: put(10 + k) for k, name in enumerate(names)}
+        inputs = (fun_arrays, args, kwargs)
+        before = snapshot(inputs)
+        expected = snapshot(fun(*before[1], **before[2]))
+        out = eqxs.filter_jit(fun, donate=used)(*args, **kwargs)
+        assert_same_values(out, expected)
+        deleted = [x.is_deleted() for x in jtu.tree_leaves(inputs)]
+
+        # The oracle: `jax.jit`, each input its own argument, on independent copies.
+        copies = jtu.tree_map(lambda x: jax.device_put(np.array(x), batch), before)
+        at = [None] * len(fun_arrays) + list(range(n_args)) + [None] * len(names)
+        oracle = jax.jit(
+            lambda *xs: _add_one(xs),
+            donate_argnums=tuple(k for k, p in enumerate(at) if donates(p, n_args)),
+        )
+        oracle(*jtu.tree_leaves(copies))
+        jax_deleted = [x.is_deleted() for x in jtu.tree_leaves(copies)]
+        # On a backend that donates, `jax.jit` frees exactly what the table donates.
+        assert jax_deleted == [bool(donates(p, n_args)) for p in at]
+        where = (getattr(fun, "__name__", "_Step"), n_args, names)
+        assert deleted == jax_deleted, where
+        kept = [
+            (x, y)
+            for x, y, d in zip(
+                jtu.tree_leaves(inputs), jtu.tree_leaves(before), deleted
+            )
+            if not d
+        ]
+        assert_same_values([x for x, _ in kept], [y for _, y in kept])
+
+
 def test_unknown_donate_mode_lists_the_modes():
     # `filter_jit`'s annotation is checked at runtime under the tests: ask the value.
     message = (
@@ -503,6 +604,23 @@ def test_filter_jit_docstring_names_every_donate_mode():
     assert named == list(donation.MODES)
 
 
+def test_rfc_table_of_donate_modes_is_the_table_in_the_code():
+    # RFC §6 copies `_jit.donation.MODES` by hand: a row per mode, in order, saying
+    # what it donates of a call of three arguments and whether JAX's warning shows.
+    rfc = (pathlib.Path(__file__).parents[1] / "RFC.md").read_text()
+    rows = re.findall(r'^\| `"([^"]+)"` \| (\w+) \| (\w+) \| ([^|]+) \|$', rfc, re.M)
+    word = {True: "donated", False: "kept"}
+    expected = []
+    for mode, (donates, quiet) in donation.MODES.items():
+        rest = {bool(donates(p, 3)) for p in (1, 2, None)}
+        assert len(rest) == 1, f"{mode}: a column of the table cannot say it"
+        rest = rest.pop()
+        first = bool(donates(0, 3))
+        warning = "filtered out" if quiet else "shown" if first or rest else "—"
+        expected.append((mode, word[first], word[rest], warning))
+    assert rows == expected
+
+
 def test_same_buffer_donated_twice_raises():
     # Plain `jax.jit(f, donate_argnums=0)(a, a)` segfaults for a multi-device `a`.
     mesh = auto_mesh()
@@ -514,8 +632,14 @@ def test_same_buffer_donated_twice_raises():
     def f(x, y, z):
         return x + y + z
 
-    with pytest.raises(ValueError, match=r"^x and y are the same array"):
+    with pytest.raises(ValueError) as info:
         f(a, a, c)
+    # The whole message: what to do instead is part of it.
+    assert str(info.value) == (
+        "x and y are the same array, and both are donated; an array can be donated "
+        "once per call (`jax.jit` refuses a committed one). Pass it once (tie weights "
+        "with `eqx.nn.Shared`), or where it is not donated."
+    )
     assert not a.is_deleted() and not c.is_deleted()
     assert tree_allclose(a, jnp.arange(16.0))
 

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import pytest
+from equinox_shard._jit import donation
 from hypothesis import event, note, settings
 from hypothesis.stateful import (
     initialize,
@@ -63,7 +64,7 @@ pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu", reason="simulates 8 CPU devices"
 )
 
-_DONATE_MODES = ("all", "all-except-first", "warn", "warn-except-first", "none")
+_DONATE_MODES = tuple(donation.MODES)
 _DONATION_WARNING = "Some donated buffers were not usable"
 
 
@@ -454,9 +455,8 @@ class NothingLost(RuleBasedStateMachine):
     def _donated_by(self, donate: str, args: tuple) -> list:
         """The arrays a call donates: those in donated positions, except an array
         reachable twice, which is kept (or, donated twice, refused)."""
-        if donate == "none":
-            return []
-        positions = args[1:] if donate.endswith("except-first") else args
+        donates, _ = donation.MODES[donate]
+        positions = [a for p, a in enumerate(args) if donates(p, len(args))]
         counts: dict[int, int] = {}
         for x in jtu.tree_leaves(args):
             if isinstance(x, jax.Array):
@@ -496,7 +496,7 @@ class NothingLost(RuleBasedStateMachine):
         compiled = None
         try:
             with context:
-                warns = donate.startswith("warn")
+                warns = not donation.MODES[donate][1]  # the warning not filtered
                 if aot:
                     # `.lower` warns of a declined donation in every mode.
                     compiled = self._run(lambda: f.lower(*args).compile(), True)

@@ -3,6 +3,7 @@
 
 import contextlib
 import functools as ft
+import pathlib
 import re
 
 import equinox as eqx
@@ -671,6 +672,9 @@ def test_every_kind_is_named_where_the_kinds_are_listed():
         "filter_shard": eqxs.filter_shard.__doc__,
         "filter_jit": eqxs.filter_jit.__doc__,
         "PathRules": eqxs.PathRules.__doc__,
+        "docs/semantics.md": (
+            pathlib.Path(__file__).parents[1] / "docs" / "semantics.md"
+        ).read_text(),
     }
     missing = {
         name: [k for k in kinds if k not in str(doc)] for name, doc in docs.items()

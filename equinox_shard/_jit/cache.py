@@ -253,7 +253,7 @@ class ArgStructure:
         packing = cache.packings.get((treedef, mask))
         if packing is None:
             packing = cache.packings[treedef, mask] = Packing(
-                args, kwargs, mask, len(cache.names), cache.donation.donates_any
+                args, kwargs, mask, len(cache.names), cache.donation
             )
         self.packing = packing
         self.donated = cache.donation.leaves(args, self.traced_indices)

@@ -55,7 +55,7 @@ class Donation:
     """What one `filter_jit(donate=mode)` decoration donates; asked when an entry is
     built, never on a call."""
 
-    __slots__ = ("_donates", "_quiet", "donates_any")
+    __slots__ = ("_donates", "_quiet")
 
     def __init__(self, mode: Any):
         try:
@@ -66,8 +66,19 @@ class Donation:
                 f"`filter_jit(..., donate=...)` must be one of {', '.join(names)}, "
                 f"or {last}; got {mode!r}."
             ) from None
-        # Then the order of arguments matters.
-        self.donates_any = any(self._donates(p, 2) for p in (0, 1, None))
+
+    def slot_starts(self, named: int, n_args: int) -> tuple[int, ...]:
+        """Where `Packing` begins a slot of the variadic arguments (those from `named`
+        on) of a call with `n_args` positional arguments: at the first, at each one
+        donated unlike the one before (`jax.jit` donates whole slots), and where any
+        input is donated at the second, which follows the function (Equinox's order)."""
+        flags = [self._donates(p, n_args) for p in range(n_args)]
+        ordered = any(flags) or self._donates(None, n_args)
+        return tuple(
+            p
+            for p in range(named, n_args)
+            if p == named or flags[p] != flags[p - 1] or (p == 1 and ordered)
+        )
 
     def argnums(self, positions: tuple, n_args: int) -> tuple[int, ...]:
         """`jax.jit`'s `donate_argnums` for slots holding `positions`

@@ -94,7 +94,7 @@ class Packing:
         kwargs: dict,
         mask: tuple[bool, ...],
         n_named: int,
-        ordered: bool,
+        donation: Any,
     ):
         paths = [path for path, _ in jtu.tree_flatten_with_path((args, kwargs))[0]]
         parts = []
@@ -131,28 +131,27 @@ class Packing:
         self.named = named = min(n, n_named)
         self.variadic = n > n_named
         self.fun_at = min(n, 1)
-        # Variadic arguments alone, donated (`ordered`): the first goes apart.
-        self.apart = ordered and self.variadic and not named
+        # The variadic slots, `(pad, start, stop)`: `donation` (`Donation`) says where
+        # one starts; `pad` `None`s keep each argument's index in `*args`.
+        starts = donation.slot_starts(named, n)
+        stops = (*starts[1:], n)
+        self.runs = tuple((b - named, b, e) for b, e in zip(starts, stops))
         # The argument position in each slot (`None`: the function, the keywords).
-        if not self.variadic:
-            self.positions = (*range(n)[:1], None, *range(1, n), None)
-        elif named or self.apart:
-            self.positions = (0, None, *range(1, named), max(named, 1), None)
-        else:
-            self.positions = (0, None, None)  # nothing donated
+        positions: list = [*range(named), *starts]
+        positions.insert(self.fun_at, None)
+        self.positions = (*positions, None)
 
     def slots(self, fun: Any, args: tuple, kwargs: Any) -> tuple:
         """The arguments of `jax.jit` in Equinox's order of donation (which decides the
         donated inputs XLA reuses): the first argument, the function, the others
-        (variadic ones as one tuple), the keyword arguments."""
+        (variadic ones as tuples, one per `runs`), the keyword arguments."""
         if not self.variadic:
             return (*args[:1], fun, *args[1:], kwargs)
         named = self.named
+        runs = [(None,) * pad + args[b:e] for pad, b, e in self.runs]
         if named:
-            return (args[0], fun, *args[1:named], args[named:], kwargs)
-        if self.apart:  # each keeps its index
-            return (args[:1], fun, (None, *args[1:]), kwargs)
-        return (args, fun, kwargs)
+            return (args[0], fun, *args[1:named], *runs, kwargs)
+        return (runs[0], fun, *runs[1:], kwargs)
 
     def pack(self, leaves: list) -> tuple:
         """`slots` (`None` for the function) from the leaves of `(args, kwargs)`, or
@@ -176,14 +175,11 @@ class Packing:
     def unpack(self, slots: Sequence[Any]) -> list:
         """The traced leaves from what `pack` made (or `jax.jit` returned for it)."""
         kwargs = slots[-1]
-        if not self.variadic:
-            args = (*slots[: self.fun_at], *slots[self.fun_at + 1 : -1])
-        elif self.named:
-            args = (slots[0], *slots[2:-2], *slots[-2])
-        elif self.apart:
-            args = (*slots[0], *slots[2][1:])
-        else:
-            args = tuple(slots[0])
+        args = (*slots[: self.fun_at], *slots[self.fun_at + 1 : -1])
+        if self.variadic:
+            named = self.named
+            runs = zip(args[named:], self.runs)
+            args = (*args[:named], *(x for run, (pad, _, _) in runs for x in run[pad:]))
         return self.treedef.flatten_up_to((args, kwargs))
 
 

@@ -78,9 +78,10 @@ def traced_function(
     names = list(cache.names[: packing.named])
     if packing.variadic:
         var = cache.var_name or "args"
-        names.append(var)
-        if packing.apart:  # the rest of `Packing.slots`'s two: another name
-            names.append(unique_name(var, {var, cache.fun_name, cache.kwargs_name}))
+        taken = {*names, cache.fun_name, cache.kwargs_name}
+        for _ in packing.runs:  # `Packing.slots`'s variadic slots, each its own name
+            names.append(unique_name(var, taken))
+            taken.add(names[-1])
     names.insert(packing.fun_at, cache.fun_name)
     names.append(cache.kwargs_name)
     positional = inspect.Parameter.POSITIONAL_ONLY
