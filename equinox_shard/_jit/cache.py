@@ -18,7 +18,9 @@ from jax.tree_util import PyTreeDef
 
 from .._arrays import (
     deleted_test,
+    is_committed,
     is_tracer,
+    on_abstract_mesh,
     raise_if_deleted,
     raise_if_fun_deleted,
     raise_if_not_jax_type,
@@ -362,3 +364,14 @@ def diagnose(cache: Cache, args, kwargs, leaves: list, entry: Any, dynamic_fun=N
     raise_if_not_jax_type(leaves, entry.structure.traced_indices, where)
     raise_if_fun_deleted(cache.fun_name, dynamic_fun)
     check_shapes(leaves, entry.targets, where)
+    for i, target in entry.targets:
+        x = leaves[i]
+        if on_abstract_mesh(target) and is_committed(x) and x.sharding != target:
+            # Resolved inside a transform, where no concrete mesh is known to move it.
+            raise ValueError(
+                f"{where(i)}: committed to {x.sharding}, off the mesh of its "
+                f"`in_shardings` entry {target.spec}, which inside a transform "
+                "(`jax.grad`, `jax.vmap`, ...) is only the abstract mesh of "
+                "`jax.set_mesh`: place it before the transform, with "
+                "`eqxs.filter_device_put`."
+            )

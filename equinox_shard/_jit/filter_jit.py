@@ -340,7 +340,8 @@ def filter_jit(
         [`equinox_shard.PathRules`][]; `None`, and any argument not covered, is
         unspecified. A `jax.memory.Space` is refused here (`jax.jit` takes none for
         an input): give a sharding with a memory kind. Uncommitted and NumPy arrays
-        go to `jax.jit` as they are, which moves them; a committed array on another
+        go to `jax.jit` as they are, which moves them (on Explicit axes the function
+        sees every input at its `in_shardings` type); a committed array on another
         sharding (which `jax.jit` refuses) is moved first, as a copy that leaves the
         caller's array alive unless donated (then freed exactly where `jax.jit` would
         free it; see docs/semantics.md).
