@@ -697,3 +697,52 @@ def test_every_refusal_in_the_kinds_table_has_its_hint():
     # The table does refuse: `Format` in a trace, `Space` in `in_shardings`.
     assert any(flags[1][0] for flags in refusals.values())
     assert any(flags[2][0] for flags in refusals.values())
+
+
+class _WithStatic(eqx.Module):
+    weight: jax.Array
+    t1: float
+
+
+def _placing_function(function: str, spec):
+    """`function` given `spec`, called as `call(value)`."""
+    scaled = lambda m: m.weight * m.t1
+    if function == "filter_jit":
+        return eqxs.filter_jit(scaled, in_shardings=(spec,))
+    if function == "filter_shard_map":
+        return eqxs.filter_shard_map(scaled, in_specs=(spec,), out_specs=P())
+    return lambda m: getattr(eqxs, function)(m, spec).weight
+
+
+@pytest.mark.parametrize(
+    "function", ["filter_device_put", "filter_shard", "filter_jit", "filter_shard_map"]
+)
+def test_a_spec_tree_keeping_non_array_leaves_is_one_rule(function):
+    # A spec tree made by `jax.tree.map` over a Module keeps its non-array leaves
+    # (`t1=10.0`): every function takes it, also for a Module whose `t1` has changed
+    # since (`filter_jit` and `filter_shard_map` refused it before, when decorating).
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    model = _WithStatic(jnp.arange(8.0), 10.0)
+    spec = jax.tree.map(lambda x: P() if eqx.is_array(x) else x, model)
+    assert spec.t1 == 10.0
+    with jax.set_mesh(mesh):
+        call = _placing_function(function, spec)
+        for t1 in (10.0, 2.0):
+            out = call(_WithStatic(jnp.arange(8.0), t1))
+            # The two placing functions return the weight, the others `weight * t1`.
+            scale = t1 if function in ("filter_jit", "filter_shard_map") else 1.0
+            expected = np.arange(8.0, dtype=np.float32) * scale
+            np.testing.assert_array_equal(np.asarray(out), expected)
+            assert out.sharding.is_equivalent_to(NamedSharding(mesh, P()), 1)
+
+
+@pytest.mark.parametrize(
+    "function", ["filter_device_put", "filter_shard", "filter_jit", "filter_shard_map"]
+)
+def test_a_non_spec_leaf_at_an_array_is_named(function):
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    spec = _WithStatic(10.0, 10.0)  # pyright: ignore[reportArgumentType]
+    with jax.set_mesh(mesh):
+        message = r"\.weight: a sharding specification leaf must be .*; got float 10\.0"
+        with pytest.raises(TypeError, match=message):
+            _placing_function(function, spec)(_WithStatic(jnp.arange(8.0), 10.0))

@@ -109,6 +109,7 @@ class Cache:
                 "in_shardings",
                 self._spec_where if per_parameter else None,
                 jit_in=True,
+                own_leaves=per_parameter,  # an argument's own, checked per call
             )
             if treedef.num_nodes == 1 and treedef.num_leaves == 1:
                 self.in_kind = "broadcast"

@@ -28,6 +28,7 @@ from .leaves import (
     is_pytree_node,
     is_rule,
     is_spec_leaf,
+    may_be_own_leaf,
     one_level,
     PathRules,
     RulesUsage,
@@ -41,9 +42,12 @@ def flatten_specs(
     *,
     placement: bool = True,
     jit_in: bool = False,
+    own_leaves: bool = False,
 ) -> tuple[list, PyTreeDef]:  # pyright: ignore[reportInvalidTypeForm]
     """A specification's spec leaves, each checked and named `name` plus its key path
-    (or `where(path)`); `placement` and `jit_in` say which kinds an error lists."""
+    (or `where(path)`); `placement` and `jit_in` say which kinds an error lists.
+    `own_leaves`: leaves that may be the value's own (`may_be_own_leaf`) are left to
+    `spread`, which checks them against the value."""
     leaves, treedef = jtu.tree_flatten(specs, is_leaf=is_spec_leaf)
     if not all(map(is_spec_leaf, leaves)):  # the slow path names the leaf
         # Placement-only kinds where nothing is placed; inputs `jax.jit` refuses.
@@ -51,6 +55,8 @@ def flatten_specs(
             (kind.placement_only and not placement) or (kind.jit_in_refused and jit_in)
         )
         for path, leaf in jtu.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)[0]:
+            if own_leaves and may_be_own_leaf(leaf):
+                continue
             at = name + jtu.keystr(path) if where is None else where(path)
             check_spec_leaf(leaf, at, refused)
     return leaves, treedef
@@ -205,17 +211,19 @@ def spread(
 
 
 def _own_leaves_as_none(specs: Any, value: Any) -> Any:
-    """`specs` with each non-spec leaf that is the value's own leaf there replaced by
+    """`specs` with each non-spec leaf at a non-array leaf of the value (a spec tree
+    made by `jax.tree.map` over a Module keeps `t1=10.0`: one rule for every function,
+    whatever the value's leaf is now), or that is the value's own leaf, replaced by
     `None`; `specs` if they do not line up (`flatten_specs` then names the leaf)."""
 
     def own_as_none(spec: Any, leaf: Any) -> Any:
         if is_spec_leaf(spec):
             return spec
-        try:
-            same = spec is leaf or (type(spec) is type(leaf) and bool(spec == leaf))
-        except Exception:  # e.g. an array's truth value: not the same
-            same = False
-        return None if same else spec
+        return (
+            None
+            if spec is leaf or (may_be_own_leaf(spec) and not is_array(leaf))
+            else spec
+        )
 
     try:
         return jtu.tree_map(own_as_none, specs, value, is_leaf=is_spec_leaf)

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.tree_util as jtu
+from equinox import is_array
 from jax.tree_util import PyTreeDef
 
 from .kinds import is_kind, kind_of, names as kind_names, TYPES
@@ -46,6 +47,18 @@ def describe_leaf(x: Any) -> str:
     if len(text) > 80:
         text = text[:77] + "..."
     return f"{type(x).__name__} {text}"
+
+
+def may_be_own_leaf(x: Any) -> bool:
+    """Whether `x`, no spec leaf, may be the value's own non-array leaf at its place (a
+    spec tree made by `jax.tree.map` over a Module keeps `t1=10.0`): taken there as
+    `None`, as `filter_device_put` takes it, and checked against the value."""
+    return (
+        kind_of(x) is None
+        and not isinstance(x, _NOT_RULES)
+        and not is_array(x)
+        and not is_pytree_node(x)
+    )
 
 
 def check_spec_leaf(
