@@ -4,6 +4,7 @@
 import contextlib
 import functools as ft
 import re
+import threading
 
 import equinox as eqx
 import equinox_shard as eqxs
@@ -746,3 +747,51 @@ def test_a_non_spec_leaf_at_an_array_is_named(function):
         message = r"\.weight: a sharding specification leaf must be .*; got float 10\.0"
         with pytest.raises(TypeError, match=message):
             _placing_function(function, spec)(_WithStatic(jnp.arange(8.0), 10.0))
+
+
+def test_no_mesh_in_a_worker_thread_says_set_mesh_is_per_thread():
+    # `jax.set_mesh` in the main thread does not reach a worker thread: the message
+    # says so, where it said only "no mesh is set".
+    errors = []
+
+    def worker():
+        try:
+            eqxs.filter_device_put(jnp.ones(8), P())
+        except ValueError as e:
+            errors.append(str(e))
+
+    with jax.set_mesh(jax.make_mesh((8,), ("x",))):
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+    assert len(errors) == 1
+    assert errors[0].startswith("x: got the bare PartitionSpec P(), but no mesh is set")
+    assert "`jax.set_mesh(mesh)` (per thread" in errors[0]
+
+
+def test_a_module_spec_of_another_shape_names_its_static_fields():
+    # A spec made for an MLP of another depth: the message names the static field
+    # that differs, where it printed the Module's static data unlabelled.
+    shallow = eqx.nn.MLP(2, 2, 4, 2, key=jr.key(0))
+    deep = eqx.nn.MLP(2, 2, 4, 3, key=jr.key(0))
+    spec = jax.tree.map(lambda x: P() if eqx.is_array(x) else x, shallow)
+    with jax.set_mesh(jax.make_mesh((8,), ("x",))):
+        with pytest.raises(
+            ValueError,
+            match=r"static fields differ from the value's: "
+            r"depth=2 \(the value's: 3\)\.$",
+        ):
+            eqxs.filter_device_put(deep, spec)
+
+
+def test_variadic_in_shardings_of_another_length_hints_the_single_form():
+    f = eqxs.filter_jit(lambda *args: args, in_shardings=(P(),))
+    with jax.set_mesh(jax.make_mesh((8,), ("x",))):
+        with pytest.raises(ValueError, match=r"pass it alone: `in_shardings=spec`"):
+            f(jnp.ones(8), jnp.ones(8))
+
+
+def test_path_rules_take_a_dict_in_its_order():
+    # `PathRules({pattern: spec})` said "rule 0 must be a pair; got str".
+    rules = eqxs.PathRules({"weight": P("x"), "w": P()}, default=None)
+    assert rules == eqxs.PathRules([("weight", P("x")), ("w", P())], default=None)

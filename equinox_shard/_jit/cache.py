@@ -300,7 +300,12 @@ def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, is_traced) 
         if cache.var_name is not None and len(specs) != len(args):
             entries = _count(len(specs), "entry", "entries")
             given = _count(len(args), "positional argument", "positional arguments")
-            raise ValueError(f"`in_shardings` has {entries} but the call has {given}.")
+            raise ValueError(
+                f"`in_shardings` has {entries} but the call has {given}: with "
+                f"`*{cache.var_name}`, a tuple has one entry per positional argument "
+                "of the call. For one specification of every argument, pass it "
+                "alone: `in_shardings=spec`."
+            )
     where = ft.partial(arg_path, cache, args, kwargs)
     groups = [
         (f"in_shardings[{p}]", spec, arg, _positional(cache, p))

@@ -8,6 +8,7 @@ kinds of `kinds.KINDS` (a `jax.sharding.Sharding`, a `jax.Device`, a
 per array leaf; errors name the leaf by its key path in the user's argument names.
 """
 
+import dataclasses
 import functools as ft
 import math
 from collections.abc import Callable, Sequence
@@ -106,9 +107,15 @@ def _first_mismatch(spec: Any, value: Any, path: tuple) -> tuple[tuple, str] | N
     if not same_data and type(spec) is type(value) and is_pytree_node(spec):
         spec_data = spec_def.node_data()[1]  # pyright: ignore[reportOptionalSubscript]
         value_data = value_def.node_data()[1]  # pyright: ignore[reportOptionalSubscript]
+        fields = _static_fields_differing(spec, value)
+        if fields:
+            return (
+                path,
+                f"{found} whose static fields differ from the value's: {fields}",
+            )
         return path, (
-            f"{found} whose static (non-PyTree) data differs from the "
-            f"value's: {spec_data!r} vs {value_data!r}"
+            f"{found} whose static (non-PyTree) data differs from the value's: the "
+            f"specification's is {spec_data!r}, the value's {value_data!r}"
         )
     if not same_data or spec_def.num_leaves != value_def.num_leaves:
         return path, differs
@@ -119,6 +126,27 @@ def _first_mismatch(spec: Any, value: Any, path: tuple) -> tuple[tuple, str] | N
         if found is not None:
             return found
     return None
+
+
+def _static_fields_differing(spec: Any, value: Any) -> str:
+    """`name=spec's (the value's: value's)` for each static dataclass field (an
+    Equinox Module's `field(static=True)`) where they differ; `""` if none is found."""
+    if not dataclasses.is_dataclass(spec):
+        return ""
+    differing = []
+    for field in dataclasses.fields(spec):
+        if field.metadata.get("static", False):
+            ours, theirs = (
+                getattr(spec, field.name, None),
+                getattr(value, field.name, None),
+            )
+            try:
+                same = bool(ours == theirs)
+            except Exception:  # e.g. arrays: compared by identity
+                same = ours is theirs
+            if not same:
+                differing.append(f"{field.name}={ours!r} (the value's: {theirs!r})")
+    return ", ".join(differing)
 
 
 def broadcast_specs(

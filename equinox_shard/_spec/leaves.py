@@ -99,7 +99,8 @@ class PathRules:
 
     **Arguments:**
 
-    - `rules`: a sequence of `(pattern, spec)` pairs. Each `pattern` is a regular
+    - `rules`: a sequence of `(pattern, spec)` pairs, or a dict `{pattern: spec}`
+        (in its order). Each `pattern` is a regular
         expression (a string or an `re.Pattern`); each `spec` is a spec leaf: a
         `jax.sharding.Sharding`, a `jax.Device`, a bare `jax.sharding.PartitionSpec`,
         a `jax.experimental.layout.Format`, a `jax.memory.Space`, `None` (leave the
@@ -137,11 +138,13 @@ class PathRules:
 
     def __init__(
         self,
-        rules: Sequence[tuple[str | re.Pattern, Any]],
+        rules: Sequence[tuple[str | re.Pattern, Any]] | dict[str | re.Pattern, Any],
         *,
         default: Any = unset,
         strict: bool = False,
     ):
+        if isinstance(rules, dict):  # `{pattern: spec}`, in its order
+            rules = list(rules.items())
         patterns, pairs = [], []
         for k, rule in enumerate(rules):
             if not (isinstance(rule, tuple) and len(rule) == 2):
