@@ -1518,3 +1518,31 @@ def test_under_grad_an_input_on_another_mesh_is_named():
         with pytest.raises(ValueError, match=message):
             jax.grad(f)(w, x)
     assert_same_values(x, np.ones((32, 4), np.float32))
+
+
+def test_in_shardings_by_parameter_name():
+    # A diffusion step needed `(P(), None, None, P("data"), None, P(), P(), None)`:
+    # the dict form names the parameters it places and leaves the others as they are,
+    # passed by position or by keyword, keyword-only ones included.
+    mesh = _input_mesh(8, "Auto")
+    split, rep = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
+
+    def step(model, key, t, x, *, scale):
+        return model + key + x * scale + t
+
+    f = eqxs.filter_jit(step, in_shardings={"x": split, "scale": rep})
+    one = jax.device_put(jnp.ones(16), split)  # unnamed: left as they are
+    key = jax.device_put(jnp.zeros(16), rep)
+    x = np.arange(16.0, dtype=np.float32)
+    out = f(one, key, 1.0, x=x, scale=jnp.float32(2.0))
+    assert_same_values(out, 2.0 + 2 * x)
+    compiled = f.lower(one, key, 1.0, x=x, scale=jnp.float32(2.0)).compile()
+    (model_in, key_in, t_in, x_in), kwargs_in = compiled.input_shardings
+    assert x_in == split and kwargs_in["scale"] == rep and t_in == 1.0
+    assert (model_in, key_in) == (split, rep)
+    with pytest.raises(ValueError, match=r"names 'y', which is not a parameter of"):
+        eqxs.filter_jit(step, in_shardings={"y": split})
+    with pytest.raises(
+        TypeError, match=r"^x \(`in_shardings\['x'\]`\): .*got .*'data'"
+    ):
+        eqxs.filter_jit(step, in_shardings={"x": "data"})

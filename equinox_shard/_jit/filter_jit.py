@@ -332,7 +332,9 @@ def filter_jit(
     - `in_shardings`: where the array arguments live: a single specification for every
         array argument, or a tuple (or list, as for `jax.jit`) with one PyTree prefix
         per positional parameter of `fun` (after binding the call to its signature);
-        with `*args`, one per positional argument of the call, as for `jax.jit`.
+        with `*args`, one per positional argument of the call, as for `jax.jit`; or a
+        dict by parameter name (`{"x": P("data")}`), every parameter it does not name
+        unspecified.
         Spec leaves are those of [`equinox_shard.filter_device_put`][]: a
         `jax.sharding.Sharding`, a `jax.Device`, a bare `jax.sharding.PartitionSpec`, a
         `jax.experimental.layout.Format` (whose `Layout.AUTO` leaves the layout to

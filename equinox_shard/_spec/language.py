@@ -247,11 +247,13 @@ def _own_leaves_as_none(specs: Any, value: Any) -> Any:
     def own_as_none(spec: Any, leaf: Any) -> Any:
         if is_spec_leaf(spec):
             return spec
-        return (
-            None
-            if spec is leaf or (may_be_own_leaf(spec) and not is_array(leaf))
-            else spec
-        )
+        if spec is leaf or (may_be_own_leaf(spec) and not is_array(leaf)):
+            return None
+        try:  # a string: the value's own if equal
+            same = type(spec) is type(leaf) and bool(spec == leaf)
+        except Exception:  # e.g. an array's truth value: not the same
+            same = False
+        return None if same else spec
 
     try:
         return jtu.tree_map(own_as_none, specs, value, is_leaf=is_spec_leaf)

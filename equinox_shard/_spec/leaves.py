@@ -52,9 +52,11 @@ def describe_leaf(x: Any) -> str:
 def may_be_own_leaf(x: Any) -> bool:
     """Whether `x`, no spec leaf, may be the value's own non-array leaf at its place (a
     spec tree made by `jax.tree.map` over a Module keeps `t1=10.0`): taken there as
-    `None`, as `filter_device_put` takes it, and checked against the value."""
+    `None`, as `filter_device_put` takes it, and checked against the value. Not a
+    string, which is more often an axis name meant as a `PartitionSpec`."""
     return (
         kind_of(x) is None
+        and not isinstance(x, str)
         and not isinstance(x, _NOT_RULES)
         and not is_array(x)
         and not is_pytree_node(x)
