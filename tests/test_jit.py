@@ -1546,3 +1546,28 @@ def test_in_shardings_by_parameter_name():
         TypeError, match=r"^x \(`in_shardings\['x'\]`\): .*got .*'data'"
     ):
         eqxs.filter_jit(step, in_shardings={"x": "data"})
+
+
+def test_explicit_axes_an_unspecified_input_committed_elsewhere_beside_a_fresh_batch():
+    # `Typed`'s executable is compiled for the first call's committed inputs; an input
+    # without a target committed to another sharding later (which it refuses) runs the
+    # executable lowered for its own types, the batch still typed as its spec.
+    mesh = _input_mesh(8, "Explicit")
+    split, rep = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
+    seen = []
+
+    def f(w, x):
+        seen.append(jax.typeof(x))
+        doubled = jax.shard_map(
+            lambda a: a * 2, mesh=mesh, in_specs=P("x"), out_specs=P("x")
+        )(x)
+        return doubled + w
+
+    g = eqxs.filter_jit(f, in_shardings=(None, split))
+    host = np.arange(16.0, dtype=np.float32)
+    for w_sharding in (rep, split, rep):
+        w = jax.device_put(jnp.ones(16), w_sharding)
+        out = g(w, jnp.asarray(host))
+        assert_same_values(out, host * 2 + 1)
+        assert out.sharding == split
+    assert set(seen) == {jax.typeof(jax.device_put(host, split))}
