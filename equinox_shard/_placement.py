@@ -38,13 +38,13 @@ def same_mesh(current: Sharding, target: Sharding) -> bool:
     part of an array's type, so an equivalent one over another mesh is not enough; on
     Explicit axes so is the spec (`P()` and `P("x")` are equivalent on one device)."""
     meshes = [getattr(s, "mesh", None) for s in (current, target)]
-    if None not in meshes:
-        if meshes[0] != meshes[1]:
-            return False
-        explicit = AxisType.Explicit in meshes[0].axis_types
-        return not explicit or _trimmed(current) == _trimmed(target)
     named = meshes[0] if meshes[0] is not None else meshes[1]
-    return named is None or AxisType.Explicit not in named.axis_types
+    explicit = named is not None and AxisType.Explicit in named.axis_types
+    if None not in meshes:
+        return meshes[0] == meshes[1] and (
+            not explicit or _trimmed(current) == _trimmed(target)
+        )
+    return not explicit
 
 
 def _trimmed(sharding: Any) -> tuple:
