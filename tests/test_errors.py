@@ -236,14 +236,10 @@ def test_spec_module_of_another_type(apply):
         apply(x, {"layer": _Other(s, r)})
 
 
-@pytest.mark.xfail(
-    strict=False,  # Equinox 0.13.1's treedef repr happens to name the field.
-    reason="the message shows Equinox's raw static data, '(Missing, True, True, 2, 2, "
-    "8, 1, False) vs (Missing, True, True, 2, 2, 6, 1, False)', but not which field "
-    "differs (`width_size`)",
-)
 @apply_modes
 def test_spec_module_with_other_static_fields(apply):
+    # The message names the static field that differs (it showed Equinox's raw static
+    # data, '(Missing, True, True, 2, 2, 8, 1, False) vs (...)', before issue 62).
     model = make_module(eqx.nn.MLP, 2, 2, 6, 1)
     spec = jtu.tree_map(lambda _: None, make_module(eqx.nn.MLP, 2, 2, 8, 1))
     with _raises(ValueError, "x", inputs=model, match="width_size"):
