@@ -35,12 +35,24 @@ _UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
 
 def same_mesh(current: Sharding, target: Sharding) -> bool:
     """Whether equivalent shardings `current` and `target` share a mesh: the mesh is
-    part of an array's type, so an equivalent one over another mesh is not enough."""
+    part of an array's type, so an equivalent one over another mesh is not enough; on
+    Explicit axes so is the spec (`P()` and `P("x")` are equivalent on one device)."""
     meshes = [getattr(s, "mesh", None) for s in (current, target)]
-    if None not in meshes:
-        return meshes[0] == meshes[1]
     named = meshes[0] if meshes[0] is not None else meshes[1]
-    return named is None or AxisType.Explicit not in named.axis_types
+    explicit = named is not None and AxisType.Explicit in named.axis_types
+    if None not in meshes:
+        return meshes[0] == meshes[1] and (
+            not explicit or _trimmed(current) == _trimmed(target)
+        )
+    return not explicit
+
+
+def _trimmed(sharding: Any) -> tuple:
+    """A `NamedSharding`'s spec without trailing `None`s (`P("x")`, `P("x", None)`)."""
+    spec = tuple(sharding.spec)
+    while spec and spec[-1] is None:
+        spec = spec[:-1]
+    return spec
 
 
 def is_placed(x: jax.Array, sharding: Sharding) -> bool:

@@ -1148,11 +1148,16 @@ def test_inputs_as_users_pass_them_go_to_jax_jit(
     )
     w = make()
     ours(w, make())  # compiles
+    # On Explicit axes the function sees the types `in_shardings` gives (issue 62):
+    # the oracle is `jax.jit` given the inputs placed.
+    put = jax.device_put
+    placed = lambda w, x: (put(w, replicated), put(x, split))
+    given = placed if axis_type == "Explicit" else lambda w, x: (w, x)
     seen = _counting_device_put(monkeypatch)
     for _ in range(3):
         x = make()
         before = np.array(x, copy=True)
-        got, want = ours(w, x), oracle(w, x)
+        got, want = ours(w, x), oracle(*given(w, x))
         for g, e in zip(got, want):
             _same_as(g, e)
         # The caller's arrays are alive and unchanged.
@@ -1460,14 +1465,25 @@ def test_an_input_that_cannot_be_moved_is_reported_once():
     np.testing.assert_array_equal(other, np.arange(12.0))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="known difference (docs/semantics.md): a call mixing inputs put on the one "
-    "device with uncommitted ones runs `Typed`'s executable, traced for committed "
-    "types apart from the `jax.jit` that runs the others (the new-user trial)",
+@pytest.mark.parametrize(
+    "axis_type",
+    [
+        pytest.param(
+            "Auto",
+            marks=pytest.mark.xfail(
+                strict=True,
+                raises=AssertionError,
+                reason="known difference (docs/semantics.md): a call mixing inputs "
+                "put on the one device with uncommitted ones runs `Typed`'s "
+                "executable, traced for committed types apart from the `jax.jit` "
+                "that runs the others (the new-user trial)",
+            ),
+        ),
+        # On Explicit axes an input put on the device is moved onto its type (issue
+        # 62), so every call is traced for the same types.
+        "Explicit",
+    ],
 )
-@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_one_device_mix_of_put_and_uncommitted_traces_as_jax_jit(axis_type):
     split = NamedSharding(_input_mesh(1, axis_type), P("x"))
     counts = {"ours": 0, "oracle": 0}
@@ -1489,3 +1505,193 @@ def test_one_device_mix_of_put_and_uncommitted_traces_as_jax_jit(axis_type):
         for out, expected in zip(outs, oracle(make_x(host), make_y(host)), strict=True):
             _same_as(out, expected)
     assert counts["ours"] == counts["oracle"]
+
+
+#
+# Issue 62: `in_shardings` means one thing on every axis type, input kind and transform.
+#
+
+
+def _explicit_input(source: str, host: np.ndarray, mesh):
+    """`host` as a user passes it: the kinds an Explicit mesh must type as its spec."""
+    if source == "uncommitted":
+        return jnp.asarray(host)
+    if source == "numpy":
+        return host.copy()
+    if source == "committed elsewhere":  # replicated, as `jnp` makes it under set_mesh
+        return jax.device_put(host, NamedSharding(mesh, P()))
+    return jax.device_put(host, jax.devices()[0])  # "committed to one device"
+
+
+@pytest.mark.parametrize("weak", [False, True])
+@pytest.mark.parametrize("devices", [1, 8])
+@pytest.mark.parametrize(
+    "source",
+    ["uncommitted", "numpy", "committed elsewhere", "committed to one device"],
+)
+def test_explicit_axes_the_function_sees_the_in_shardings_type(source, devices, weak):
+    # The issue's repro: a data-parallel `jax.shard_map` inside a sharded step needs
+    # its input typed `f32[32@x,4]`, whatever the caller passes (`jax.jit` fails here
+    # for uncommitted and NumPy inputs, and refuses inputs committed elsewhere).
+    mesh = _input_mesh(devices, "Explicit")
+    rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("x"))
+    seen = []
+
+    def step(w, x):
+        seen.append(jax.typeof(x))
+        doubled = jax.shard_map(
+            lambda a: a * 2, mesh=mesh, in_specs=P("x"), out_specs=P("x")
+        )(x)
+        return w * doubled
+
+    f = eqxs.filter_jit(step, in_shardings=(rep, split))
+    host = np.arange(128.0, dtype=np.float32).reshape(32, 4)
+    # A weak-typed scalar beside the batch (`jnp.asarray(3.0)`), or a strong one.
+    w = jax.device_put(jnp.asarray(3.0) if weak else jnp.float32(3.0), rep)
+    assert w.weak_type == weak
+    x = _explicit_input(source, host, mesh)
+    with jax.set_mesh(mesh):
+        out = f(w, x)
+        again = f(w, _explicit_input(source, host, mesh))
+    placed = jax.device_put(host, split)
+    assert seen == [jax.typeof(placed)], seen
+    for y in (out, again):
+        assert_same_values(y, host * 6)
+        assert jax.typeof(y) == jax.typeof(placed * w)
+    assert_same_values(x, host)  # the caller's input is alive and unchanged
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+@pytest.mark.parametrize("source", ["uncommitted", "numpy"])
+def test_explicit_axes_x_equals_f_x_traces_once(source, devices):
+    # `jax.jit` traces `x = f(x)` twice on Explicit axes (an unsharded type, then its
+    # own sharded output); ours traces once, for the type `in_shardings` gives.
+    split = NamedSharding(_input_mesh(devices, "Explicit"), P("x"))
+    traces = []
+
+    @eqxs.filter_jit(in_shardings=split)
+    def step(x):
+        traces.append(jax.typeof(x))
+        return x + 1
+
+    host = np.zeros(16, np.float32)
+    x = jnp.asarray(host) if source == "uncommitted" else host.copy()
+    for _ in range(4):
+        x = step(x)
+    assert_same_values(x, host + 4)
+    assert traces == [jax.typeof(jax.device_put(host, split))], traces
+    assert x.sharding == split
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+@pytest.mark.parametrize("layout_first", [True, False])
+def test_an_input_with_a_layout_beside_an_uncommitted_model(
+    getkey, devices, layout_first
+):
+    # An uncommitted model beside a batch committed with a column-major layout and one
+    # with the default layout, in either order: each call runs with the right values
+    # (the first one's executable refused the other layout before).
+    from jax.experimental.layout import Format, Layout
+
+    mesh = _input_mesh(devices, "Auto")
+    rep, row = NamedSharding(mesh, P()), NamedSharding(mesh, P("x"))
+    model = eqx.nn.Linear(4, 4, key=getkey())
+    forward = lambda m, x: jax.vmap(m)(x)
+    f = eqxs.filter_jit(forward, in_shardings=(rep, row), out_shardings=row)
+    host = np.arange(128.0, dtype=np.float32).reshape(32, 4)
+    column_major = Format(Layout(major_to_minor=(1, 0)), row)
+    kinds = [lambda s=s: jax.device_put(host, s) for s in (column_major, row)]
+    if not layout_first:
+        kinds.reverse()
+    expected = np.asarray(forward(model, host))
+    for make in kinds * 2:
+        out = f(model, make())
+        assert out.sharding == row
+        np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+@pytest.mark.parametrize("transform", ["jax.grad", "eqx.filter_grad"])
+def test_under_grad_a_committed_input_is_moved_as_when_called(transform, axis_type):
+    # Made with `jnp` under `jax.set_mesh`, `x` is committed (replicated); a call moves
+    # it onto `P("x")`, and so does a call under `jax.grad` (JAX's "Sharding passed to
+    # jit does not match", naming no leaf, before).
+    mesh = _input_mesh(8, axis_type)
+    with jax.set_mesh(mesh):
+        f = eqxs.filter_jit(lambda w, x: jnp.sum(x @ w), in_shardings=(P(), P("x")))
+        w = jnp.arange(4.0)
+        x = jnp.arange(128.0).reshape(32, 4)
+        assert x.committed and x.sharding.is_equivalent_to(NamedSharding(mesh, P()), 2)
+        if transform == "jax.grad":
+            grad = jax.grad(f)(w, x)
+        else:
+            grad = eqx.filter_grad(lambda w: f(w, x))(w)
+        assert float(f(w, x)) == float(np.sum(np.asarray(x) @ np.asarray(w)))
+    assert_same_values(grad, np.asarray(x).sum(axis=0))
+    assert_same_values(x, np.arange(128.0, dtype=np.float32).reshape(32, 4))
+
+
+def test_under_grad_an_input_on_another_mesh_is_named():
+    # Inside a transform no concrete mesh is known for a bare `PartitionSpec`, so an
+    # input committed to one device cannot be moved: the error names it.
+    with jax.set_mesh(_input_mesh(8, "Auto")):
+        f = eqxs.filter_jit(lambda w, x: jnp.sum(x @ w), in_shardings=(P(), P("x")))
+        w = jnp.arange(4.0)
+        x = jax.device_put(np.ones((32, 4), np.float32), jax.devices()[0])
+        message = r"^x: committed to .*place it before the transform"
+        with pytest.raises(ValueError, match=message):
+            jax.grad(f)(w, x)
+    assert_same_values(x, np.ones((32, 4), np.float32))
+
+
+def test_in_shardings_by_parameter_name():
+    # A diffusion step needed `(P(), None, None, P("data"), None, P(), P(), None)`:
+    # the dict form names the parameters it places and leaves the others as they are,
+    # passed by position or by keyword, keyword-only ones included.
+    mesh = _input_mesh(8, "Auto")
+    split, rep = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
+
+    def step(model, key, t, x, *, scale):
+        return model + key + x * scale + t
+
+    f = eqxs.filter_jit(step, in_shardings={"x": split, "scale": rep})
+    one = jax.device_put(jnp.ones(16), split)  # unnamed: left as they are
+    key = jax.device_put(jnp.zeros(16), rep)
+    x = np.arange(16.0, dtype=np.float32)
+    out = f(one, key, 1.0, x=x, scale=jnp.float32(2.0))
+    assert_same_values(out, 2.0 + 2 * x)
+    compiled = f.lower(one, key, 1.0, x=x, scale=jnp.float32(2.0)).compile()
+    (model_in, key_in, t_in, x_in), kwargs_in = compiled.input_shardings
+    assert x_in == split and kwargs_in["scale"] == rep and t_in == 1.0
+    assert (model_in, key_in) == (split, rep)
+    with pytest.raises(ValueError, match=r"names 'y', which is not a parameter of"):
+        eqxs.filter_jit(step, in_shardings={"y": split})
+    with pytest.raises(
+        TypeError, match=r"^x \(`in_shardings\['x'\]`\): .*got .*'data'"
+    ):
+        eqxs.filter_jit(step, in_shardings={"x": "data"})
+
+
+def test_explicit_axes_an_unspecified_input_committed_elsewhere_beside_a_fresh_batch():
+    # `Typed`'s executable is compiled for the first call's committed inputs; an input
+    # without a target committed to another sharding later (which it refuses) runs the
+    # executable lowered for its own types, the batch still typed as its spec.
+    mesh = _input_mesh(8, "Explicit")
+    split, rep = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
+    seen = []
+
+    def f(w, x):
+        seen.append(jax.typeof(x))
+        doubled = jax.shard_map(
+            lambda a: a * 2, mesh=mesh, in_specs=P("x"), out_specs=P("x")
+        )(x)
+        return doubled + w
+
+    g = eqxs.filter_jit(f, in_shardings=(None, split))
+    host = np.arange(16.0, dtype=np.float32)
+    for w_sharding in (rep, split, rep):
+        w = jax.device_put(jnp.ones(16), w_sharding)
+        out = g(w, jnp.asarray(host))
+        assert_same_values(out, host * 2 + 1)
+        assert out.sharding == split
+    assert set(seen) == {jax.typeof(jax.device_put(host, split))}

@@ -5,6 +5,7 @@ import contextlib
 import functools as ft
 import pathlib
 import re
+import threading
 
 import equinox as eqx
 import equinox_shard as eqxs
@@ -701,3 +702,100 @@ def test_every_refusal_in_the_kinds_table_has_its_hint():
     # The table does refuse: `Format` in a trace, `Space` in `in_shardings`.
     assert any(flags[1][0] for flags in refusals.values())
     assert any(flags[2][0] for flags in refusals.values())
+
+
+class _WithStatic(eqx.Module):
+    weight: jax.Array
+    t1: float
+
+
+def _placing_function(function: str, spec):
+    """`function` given `spec`, called as `call(value)`."""
+    scaled = lambda m: m.weight * m.t1
+    if function == "filter_jit":
+        return eqxs.filter_jit(scaled, in_shardings=(spec,))
+    if function == "filter_shard_map":
+        return eqxs.filter_shard_map(scaled, in_specs=(spec,), out_specs=P())
+    return lambda m: getattr(eqxs, function)(m, spec).weight
+
+
+@pytest.mark.parametrize(
+    "function", ["filter_device_put", "filter_shard", "filter_jit", "filter_shard_map"]
+)
+def test_a_spec_tree_keeping_non_array_leaves_is_one_rule(function):
+    # A spec tree made by `jax.tree.map` over a Module keeps its non-array leaves
+    # (`t1=10.0`): every function takes it, also for a Module whose `t1` has changed
+    # since (`filter_jit` and `filter_shard_map` refused it before, when decorating).
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    model = _WithStatic(jnp.arange(8.0), 10.0)
+    spec = jax.tree.map(lambda x: P() if eqx.is_array(x) else x, model)
+    assert spec.t1 == 10.0
+    with jax.set_mesh(mesh):
+        call = _placing_function(function, spec)
+        for t1 in (10.0, 2.0):
+            out = call(_WithStatic(jnp.arange(8.0), t1))
+            # The two placing functions return the weight, the others `weight * t1`.
+            scale = t1 if function in ("filter_jit", "filter_shard_map") else 1.0
+            expected = np.arange(8.0, dtype=np.float32) * scale
+            np.testing.assert_array_equal(np.asarray(out), expected)
+            assert out.sharding.is_equivalent_to(NamedSharding(mesh, P()), 1)
+
+
+@pytest.mark.parametrize(
+    "function", ["filter_device_put", "filter_shard", "filter_jit", "filter_shard_map"]
+)
+def test_a_non_spec_leaf_at_an_array_is_named(function):
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    spec = _WithStatic(10.0, 10.0)  # pyright: ignore[reportArgumentType]
+    with jax.set_mesh(mesh):
+        message = r"\.weight: a sharding specification leaf must be .*; got float 10\.0"
+        with pytest.raises(TypeError, match=message):
+            _placing_function(function, spec)(_WithStatic(jnp.arange(8.0), 10.0))
+
+
+def test_no_mesh_in_a_worker_thread_says_set_mesh_is_per_thread():
+    # `jax.set_mesh` in the main thread does not reach a worker thread: the message
+    # says so, where it said only "no mesh is set".
+    errors = []
+
+    def worker():
+        try:
+            eqxs.filter_device_put(jnp.ones(8), P())
+        except ValueError as e:
+            errors.append(str(e))
+
+    with jax.set_mesh(jax.make_mesh((8,), ("x",))):
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+    assert len(errors) == 1
+    assert errors[0].startswith("x: got the bare PartitionSpec P(), but no mesh is set")
+    assert "`jax.set_mesh(mesh)` (per thread" in errors[0]
+
+
+def test_a_module_spec_of_another_shape_names_its_static_fields():
+    # A spec made for an MLP of another depth: the message names the static field
+    # that differs, where it printed the Module's static data unlabelled.
+    shallow = eqx.nn.MLP(2, 2, 4, 2, key=jr.key(0))
+    deep = eqx.nn.MLP(2, 2, 4, 3, key=jr.key(0))
+    spec = jax.tree.map(lambda x: P() if eqx.is_array(x) else x, shallow)
+    with jax.set_mesh(jax.make_mesh((8,), ("x",))):
+        with pytest.raises(
+            ValueError,
+            match=r"static fields differ from the value's: "
+            r"depth=2 \(the value's: 3\)\.$",
+        ):
+            eqxs.filter_device_put(deep, spec)
+
+
+def test_variadic_in_shardings_of_another_length_hints_the_single_form():
+    f = eqxs.filter_jit(lambda *args: args, in_shardings=(P(),))
+    with jax.set_mesh(jax.make_mesh((8,), ("x",))):
+        with pytest.raises(ValueError, match=r"pass it alone: `in_shardings=spec`"):
+            f(jnp.ones(8), jnp.ones(8))
+
+
+def test_path_rules_take_a_dict_in_its_order():
+    # `PathRules({pattern: spec})` said "rule 0 must be a pair; got str".
+    rules = eqxs.PathRules({"weight": P("x"), "w": P()}, default=None)
+    assert rules == eqxs.PathRules([("weight", P("x")), ("w", P())], default=None)

@@ -18,7 +18,9 @@ from jax.tree_util import PyTreeDef
 
 from .._arrays import (
     deleted_test,
+    is_committed,
     is_tracer,
+    on_abstract_mesh,
     raise_if_deleted,
     raise_if_fun_deleted,
     raise_if_not_jax_type,
@@ -97,8 +99,12 @@ class Cache:
         )
         self.fun_names = fn_names(fun)
         self.fun_source = fn_source(fun)
-        self.in_shardings = in_shardings
         self.in_leaves: list = []
+        # Keyword-only parameters' entries of the dict form (by parameter name).
+        self.by_name: dict | None = None
+        if type(in_shardings) is dict:
+            in_shardings = self._by_name(in_shardings)
+        self.in_shardings = in_shardings
         if in_shardings is not unset:
             # As `jax.jit(in_shardings=)`, a list is a tuple.
             per_parameter = type(in_shardings) in (tuple, list)
@@ -107,6 +113,7 @@ class Cache:
                 "in_shardings",
                 self._spec_where if per_parameter else None,
                 jit_in=True,
+                own_leaves=per_parameter,  # an argument's own, checked per call
             )
             if treedef.num_nodes == 1 and treedef.num_leaves == 1:
                 self.in_kind = "broadcast"
@@ -123,8 +130,9 @@ class Cache:
             else:
                 raise TypeError(
                     "`in_shardings` must be a single specification (applied to every "
-                    "argument) or a tuple or list with one entry per positional "
-                    f"parameter; got a {type(in_shardings).__name__}. To give one "
+                    "argument), a tuple or list with one entry per positional "
+                    "parameter, or a dict by parameter name; got a "
+                    f"{type(in_shardings).__name__}. To give one "
                     "argument a PyTree of shardings, wrap it in a tuple: "
                     "`in_shardings=(spec,)`."
                 )
@@ -139,9 +147,31 @@ class Cache:
         self.clear()
         _live_caches.add(self)
 
+    def _by_name(self, specs: dict) -> tuple:
+        """The dict form, `{parameter name: entry}`: its tuple over the positional
+        parameters (`None` where not named); keyword-only entries kept apart."""
+        params = self.signature.parameters
+        variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        names = [n for n, p in params.items() if p.kind not in variadic]
+        for name in specs:
+            if name not in names:
+                raise ValueError(
+                    f"`in_shardings` names {name!r}, which is not a parameter of "
+                    f"`{self.fun_names[1]}` ({', '.join(names) or 'none'}); the dict "
+                    "form takes parameter names (not `*args` or `**kwargs`). To give "
+                    "one argument a dict of shardings, wrap it in a tuple: "
+                    "`in_shardings=(spec,)`."
+                )
+        keyword_only = {k: v for k, v in specs.items() if k not in self.names}
+        flatten_specs(keyword_only, "in_shardings", jit_in=True, own_leaves=True)
+        self.by_name = keyword_only
+        return tuple(specs.get(name) for name in self.names)
+
     def _spec_where(self, path: tuple) -> str:
         """A leaf of per-parameter `in_shardings`, named as its parameter's leaves."""
         spec = "in_shardings" + jtu.keystr(path)
+        if self.by_name is not None:  # the dict form
+            spec = f"in_shardings[{self.names[path[0].idx]!r}]" + jtu.keystr(path[1:])
         return f"{_positional(self, path[0].idx)}{jtu.keystr(path[1:])} (`{spec}`)"
 
     def clear(self):
@@ -292,18 +322,33 @@ def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, is_traced) 
             return [spec] * len(leaves)
         # Path rules match paths within each argument, as under the tuple form.
         specs, named = (spec,) * len(args), sorted(kwargs)
+    elif cache.by_name is not None:  # the dict form: unnamed parameters unspecified
+        specs = cache.in_shardings + (None,) * max(0, len(args) - len(cache.names))
+        named = sorted(kwargs)
     else:
         specs, named = cache.in_shardings, []
         if cache.var_name is not None and len(specs) != len(args):
             entries = _count(len(specs), "entry", "entries")
             given = _count(len(args), "positional argument", "positional arguments")
-            raise ValueError(f"`in_shardings` has {entries} but the call has {given}.")
+            raise ValueError(
+                f"`in_shardings` has {entries} but the call has {given}: with "
+                f"`*{cache.var_name}`, a tuple has one entry per positional argument "
+                "of the call. For one specification of every argument, pass it "
+                "alone: `in_shardings=spec`."
+            )
     where = ft.partial(arg_path, cache, args, kwargs)
-    groups = [
-        (f"in_shardings[{p}]", spec, arg, _positional(cache, p))
-        for p, (spec, arg) in enumerate(zip(specs, args))
-    ]
-    groups += [("in_shardings", specs[0], kwargs[k], k) for k in named]
+    groups = []
+    for p, (spec, arg) in enumerate(zip(specs, args)):
+        name = _positional(cache, p)
+        entry = repr(name) if cache.by_name is not None else p  # the dict form's key
+        groups.append((f"in_shardings[{entry}]", spec, arg, name))
+    if cache.by_name is None:
+        groups += [("in_shardings", specs[0], kwargs[k], k) for k in named]
+    else:
+        by_name = cache.by_name
+        groups += [
+            (f"in_shardings[{k!r}]", by_name.get(k), kwargs[k], k) for k in named
+        ]
     out = []
     usage = RulesUsage()  # strict rules: checked over all the arguments at once
     for name, spec, arg, arg_name in groups:
@@ -362,3 +407,14 @@ def diagnose(cache: Cache, args, kwargs, leaves: list, entry: Any, dynamic_fun=N
     raise_if_not_jax_type(leaves, entry.structure.traced_indices, where)
     raise_if_fun_deleted(cache.fun_name, dynamic_fun)
     check_shapes(leaves, entry.targets, where)
+    for i, target in entry.targets:
+        x = leaves[i]
+        if on_abstract_mesh(target) and is_committed(x) and x.sharding != target:
+            # Resolved inside a transform, where no concrete mesh is known to move it.
+            raise ValueError(
+                f"{where(i)}: committed to {x.sharding}, off the mesh of its "
+                f"`in_shardings` entry {target.spec}, which inside a transform "
+                "(`jax.grad`, `jax.vmap`, ...) is only the abstract mesh of "
+                "`jax.set_mesh`: place it before the transform, with "
+                "`eqxs.filter_device_put`."
+            )

@@ -50,6 +50,7 @@ class Entry:
         "packs_only",  # nothing placed, nothing donated: `prepare` only packs
         "checks_deleted",  # whether `prepare` looks for deleted inputs, not the launch
         "typed",  # a `Typed` where calls with uncommitted inputs run it, else `None`
+        "explicit",  # the leaves whose targets are on Explicit axes
         "places_uncommitted",  # whether uncommitted and NumPy inputs are ours to place
         "jitted",
         "guards",  # a program with host callbacks: its `callbacks.Guards`, else `None`
@@ -95,15 +96,21 @@ def build_entry(
     )
     entry.packs_only = not entry.donates and not targets
     entry.checks_deleted = not entry.donates
-    entry.typed = None
     entry.places_uncommitted = False
     entry.jitted = _jit(static_fun, cache, structure, args, leaves, formats)
+    casts = _casts(structure, targets) if entry.jax_moves_inputs else []
+    entry.typed = Typed(entry, casts, donation) if casts and auto is None else None
+    entry.explicit = frozenset(
+        structure.traced_indices[k]
+        for k, s in casts
+        if AxisType.Explicit in s.mesh.axis_types
+    )
     placed, dynamic, _ = prepare(
         dynamic_fun, cache, entry, structure, args, kwargs, leaves
     )
     run = guards = None
     if not jax.config.jax_disable_jit:
-        run, guards, again = _trace(entry, auto is None, dynamic, len(args), donation)
+        run, guards, again = _trace(entry, dynamic, len(args), donation)
         if again:  # placed after all (see `_trace`)
             placed, dynamic, _ = prepare(
                 dynamic_fun, cache, entry, structure, args, kwargs, leaves
@@ -164,15 +171,11 @@ def _targets(structure: ArgStructure, leaves: list, where) -> list[tuple[int, An
     return targets
 
 
-def _trace(entry: Entry, typable: bool, dynamic: tuple, n_args: int, donation):
-    """Traces the entry's `jax.jit` for the call's inputs (`typable`: whether calls may
-    run a `Typed` executable, i.e. no `Layout.AUTO`). Returns what this call runs
+def _trace(entry: Entry, dynamic: tuple, n_args: int, donation):
+    """Traces the entry's `jax.jit` for the call's inputs. Returns what this call runs
     (`None`: `jitted`), the `callbacks.Guards` or `None`, and whether to place again."""
     structure = entry.structure
     jitted = entry.jitted
-    casts = _auto_casts(structure, entry.targets) if entry.jax_moves_inputs else []
-    if casts and typable:
-        entry.typed = Typed(entry, casts, donation)
     # Traced for the types of committed inputs, which those `typed` runs take.
     at, moved = dynamic, False
     if entry.typed is not None and not structure.has_tracers:
@@ -191,33 +194,33 @@ def _trace(entry: Entry, typable: bool, dynamic: tuple, n_args: int, donation):
     return None, callbacks.Guards(jitted, argnums), moved
 
 
-def _auto_casts(structure: ArgStructure, targets) -> list[tuple[int, Any]]:
-    """`(k, sharding)` for each traced leaf `k` whose target is on Auto axes only, where
-    `jax.jit` compiles committed and uncommitted inputs apart."""
+def _casts(structure: ArgStructure, targets) -> list[tuple[int, Any]]:
+    """`(k, sharding)` for each traced leaf `k` whose target is on a mesh, where an
+    uncommitted input's type lacks the mesh (`jax.jit` compiles it apart on Auto axes,
+    and on Explicit axes traces it unsharded)."""
     position = {i: k for k, i in enumerate(structure.traced_indices)}
-    casts = []
-    for i, sharding in targets:
-        if (
-            isinstance(sharding, NamedSharding)
-            and not sharding.mesh.empty
-            and all(t == AxisType.Auto for t in sharding.mesh.axis_types)
-            and i in position
-        ):
-            casts.append((position[i], sharding))
-    return casts
+    return [
+        (position[i], sharding)
+        for i, sharding in targets
+        if isinstance(sharding, NamedSharding)
+        and not sharding.mesh.empty
+        and i in position
+    ]
 
 
 class Typed:
-    """Runs calls with uncommitted inputs for targets on Auto axes through the
-    executable of their committed types, so `x = f(x)` compiles once (RFC §6)."""
+    """Runs calls with uncommitted inputs for targets on a mesh through the executable
+    of their committed types, so that the function sees the types `in_shardings` gives
+    (on Explicit axes) and `x = f(x)` compiles once (RFC §6)."""
 
-    __slots__ = ("entry", "casts", "donation", "compiled")
+    __slots__ = ("entry", "casts", "donation", "compiled", "explicit")
 
     def __init__(self, entry: Entry, casts: list, donation):
         self.entry = entry
         self.casts = casts
         self.donation = donation
         self.compiled: Any = None
+        self.explicit = any(AxisType.Explicit in s.mesh.axis_types for _, s in casts)
 
     def types(self, dynamic: tuple) -> tuple[tuple, bool]:
         """`dynamic` with uncommitted leaves as their committed types; whether any."""
@@ -247,17 +250,17 @@ class Typed:
                 return compiled(*dynamic)
             except (TypeError, ValueError):  # refused before it runs
                 leaves = jtu.tree_leaves(dynamic)
-                shardings = jtu.tree_leaves(compiled.input_shardings)
-                # Tracers, or an input without target committed elsewhere: `jax.jit`.
-                if any(map(is_tracer, leaves)) or any(
-                    getattr(x, "committed", False) and x.sharding != s
-                    for x, s in zip(leaves, shardings)
-                ):
+                if any(map(is_tracer, leaves)):
                     return self.entry.jitted(*dynamic)
                 types = lambda avals: [(a.shape, a.dtype) for a in avals]
                 avals = jtu.tree_leaves(compiled.in_avals)
-                if types(map(jax.typeof, leaves)) == types(avals):  # not its types
-                    raise
+                if types(map(jax.typeof, leaves)) == types(avals):
+                    # Its types, but a committed input on another sharding or layout.
+                    if not self.explicit:  # the same program for any input: `jax.jit`
+                        return self.entry.jitted(*dynamic)
+                    at, _ = self.types(dynamic)  # compiled for them (JAX's caches)
+                    with self.donation.tracing():
+                        return self.entry.jitted.lower(*at).compile()(*dynamic)
         elif any(map(is_tracer, jtu.tree_leaves(dynamic))):
             return self.entry.jitted(*dynamic)
         at, _ = self.types(dynamic)
@@ -282,6 +285,8 @@ def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple
         placed = entry.keep(leaves, dynamic_fun, where)
     if not ready and entry.jax_moves_inputs:
         ready = jit_takes(entry.get_targets(placed), entry.shardings)
+        if ready == MOVES and entry.explicit and not _typed_runs(entry, placed):
+            ready = 0  # `jax.jit` would trace them unsharded: placed by us
     if not ready:
         placed = list(placed)
         try:
@@ -305,19 +310,49 @@ def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple
     return placed, dynamic, entry.jitted
 
 
+def _typed_runs(entry: Entry, leaves: list) -> bool:
+    """Whether `Typed` runs a call whose uncommitted inputs `jax.jit` would move: not
+    inside an outer trace, nor beside a weak type (its executable runs either type)."""
+    return (
+        entry.typed is not None
+        and not entry.structure.has_tracers
+        and not any(
+            getattr(leaves[i], "weak_type", False)
+            for i in entry.structure.traced_indices
+        )
+    )
+
+
 def _place_inputs(
     leaves: list, entry: Entry, where, cache: Cache, structure: ArgStructure
 ) -> None:
-    """`place`s the inputs that `jax.jit` would refuse."""
-    targets = [(i, s) for i, s in entry.targets if not on_abstract_mesh(s)]
+    """`place`s the inputs that `jax.jit` would refuse, or trace unsharded (uncommitted
+    inputs for Explicit axes, where `Typed` does not run the call)."""
+    targets = []
+    for i, s in entry.targets:
+        if on_abstract_mesh(s):  # inside a transform: `jax.jit` places the others
+            s = on_its_mesh(leaves[i], s)
+        if s is not None:
+            targets.append((i, s))
     multiprocess = any(not s.is_fully_addressable for _, s in targets)
     if entry.jax_moves_inputs:
-        value = is_committed
+        explicit = entry.explicit
+        value = lambda x, i: is_value(x) if i in explicit else is_committed(x)
     else:
-        value = is_value if multiprocess or entry.places_uncommitted else is_concrete
-    todo = [(i, s) for i, s in targets if value(leaves[i])]
+        moved = is_value if multiprocess or entry.places_uncommitted else is_concrete
+        value = lambda x, i: moved(x)
+    todo = [(i, s) for i, s in targets if value(leaves[i], i)]
     may_alias = cache.donation.may_alias(leaves, todo, structure.donated)
     place(leaves, todo, where, may_alias=may_alias)
+
+
+def on_its_mesh(x: Any, target: NamedSharding) -> NamedSharding | None:
+    """`target`, resolved on an abstract mesh (inside a transform such as `jax.grad`),
+    on the concrete mesh of the committed array `x`, if `x` is on that mesh."""
+    mesh = getattr(x.sharding, "mesh", None) if is_committed(x) else None
+    if isinstance(mesh, jax.sharding.Mesh) and mesh.abstract_mesh == target.mesh:
+        return NamedSharding(mesh, target.spec, memory_kind=target.memory_kind)
+    return None
 
 
 def _auto_layouts(targets, leaves, where) -> str | None:

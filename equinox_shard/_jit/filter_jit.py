@@ -332,7 +332,9 @@ def filter_jit(
     - `in_shardings`: where the array arguments live: a single specification for every
         array argument, or a tuple (or list, as for `jax.jit`) with one PyTree prefix
         per positional parameter of `fun` (after binding the call to its signature);
-        with `*args`, one per positional argument of the call, as for `jax.jit`.
+        with `*args`, one per positional argument of the call, as for `jax.jit`; or a
+        dict by parameter name (`{"x": P("data")}`), every parameter it does not name
+        unspecified.
         Spec leaves are those of [`equinox_shard.filter_device_put`][]: a
         `jax.sharding.Sharding`, a `jax.Device`, a bare `jax.sharding.PartitionSpec`, a
         `jax.experimental.layout.Format` (whose `Layout.AUTO` leaves the layout to
@@ -340,7 +342,8 @@ def filter_jit(
         [`equinox_shard.PathRules`][]; `None`, and any argument not covered, is
         unspecified. A `jax.memory.Space` is refused here (`jax.jit` takes none for
         an input): give a sharding with a memory kind. Uncommitted and NumPy arrays
-        go to `jax.jit` as they are, which moves them; a committed array on another
+        go to `jax.jit` as they are, which moves them (on Explicit axes the function
+        sees every input at its `in_shardings` type); a committed array on another
         sharding (which `jax.jit` refuses) is moved first, as a copy that leaves the
         caller's array alive unless donated (then freed exactly where `jax.jit` would
         free it; see docs/semantics.md).

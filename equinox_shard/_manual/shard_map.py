@@ -23,7 +23,14 @@ from .._spec.language import (
     resolve_each,
     spread,
 )
-from .._spec.leaves import describe_leaf, is_rule, is_spec_leaf, PathRules, unset
+from .._spec.leaves import (
+    describe_leaf,
+    is_rule,
+    is_spec_leaf,
+    may_be_own_leaf,
+    PathRules,
+    unset,
+)
 
 
 traceback_util.register_exclusion(__file__)
@@ -34,8 +41,10 @@ _T = TypeVar("_T", bound=Callable)
 
 def _check_specs(specs: Any, name: str) -> None:
     """Spec leaves are `PartitionSpec`s over `mesh`: no sharding or device leaves."""
-    flatten_specs(specs, name)  # the error for what is no spec leaf at all
+    flatten_specs(specs, name, own_leaves=True)  # the error for no spec leaf at all
     for path, leaf in jtu.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)[0]:
+        if may_be_own_leaf(leaf):  # an argument's own (`spread` checks it per call)
+            continue
         inner = [("", leaf)]
         if isinstance(leaf, PathRules):
             inner = [(f" (its rule {p!r})", spec) for p, spec in leaf.rules]

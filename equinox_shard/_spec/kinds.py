@@ -62,9 +62,10 @@ def _on_mesh(spec: PartitionSpec, mesh: Callable[[], Any], where) -> NamedShardi
     on = mesh()
     if on is None:
         raise ValueError(
-            f"{where()}: got the bare PartitionSpec {spec}, but no mesh is set. "
-            "Set one with `jax.set_mesh(mesh)`, or pass "
-            "`jax.sharding.NamedSharding(mesh, spec)` instead."
+            f"{where()}: got the bare PartitionSpec {spec}, but no mesh is set in "
+            "this thread. Set one with `jax.set_mesh(mesh)` (per thread: a worker "
+            "thread sets its own), or pass `jax.sharding.NamedSharding(mesh, spec)` "
+            "instead."
         )
     try:
         return NamedSharding(on, spec)

@@ -8,6 +8,7 @@ kinds of `kinds.KINDS` (a `jax.sharding.Sharding`, a `jax.Device`, a
 per array leaf; errors name the leaf by its key path in the user's argument names.
 """
 
+import dataclasses
 import functools as ft
 import math
 from collections.abc import Callable, Sequence
@@ -28,6 +29,7 @@ from .leaves import (
     is_pytree_node,
     is_rule,
     is_spec_leaf,
+    may_be_own_leaf,
     one_level,
     PathRules,
     RulesUsage,
@@ -41,9 +43,12 @@ def flatten_specs(
     *,
     placement: bool = True,
     jit_in: bool = False,
+    own_leaves: bool = False,
 ) -> tuple[list, PyTreeDef]:  # pyright: ignore[reportInvalidTypeForm]
     """A specification's spec leaves, each checked and named `name` plus its key path
-    (or `where(path)`); `placement` and `jit_in` say which kinds an error lists."""
+    (or `where(path)`); `placement` and `jit_in` say which kinds an error lists.
+    `own_leaves`: leaves that may be the value's own (`may_be_own_leaf`) are left to
+    `spread`, which checks them against the value."""
     leaves, treedef = jtu.tree_flatten(specs, is_leaf=is_spec_leaf)
     if not all(map(is_spec_leaf, leaves)):  # the slow path names the leaf
         # Placement-only kinds where nothing is placed; inputs `jax.jit` refuses.
@@ -51,6 +56,8 @@ def flatten_specs(
             (kind.placement_only and not placement) or (kind.jit_in_refused and jit_in)
         )
         for path, leaf in jtu.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)[0]:
+            if own_leaves and may_be_own_leaf(leaf):
+                continue
             at = name + jtu.keystr(path) if where is None else where(path)
             check_spec_leaf(leaf, at, refused)
     return leaves, treedef
@@ -100,9 +107,15 @@ def _first_mismatch(spec: Any, value: Any, path: tuple) -> tuple[tuple, str] | N
     if not same_data and type(spec) is type(value) and is_pytree_node(spec):
         spec_data = spec_def.node_data()[1]  # pyright: ignore[reportOptionalSubscript]
         value_data = value_def.node_data()[1]  # pyright: ignore[reportOptionalSubscript]
+        fields = _static_fields_differing(spec, value)
+        if fields:
+            return (
+                path,
+                f"{found} whose static fields differ from the value's: {fields}",
+            )
         return path, (
-            f"{found} whose static (non-PyTree) data differs from the "
-            f"value's: {spec_data!r} vs {value_data!r}"
+            f"{found} whose static (non-PyTree) data differs from the value's: the "
+            f"specification's is {spec_data!r}, the value's {value_data!r}"
         )
     if not same_data or spec_def.num_leaves != value_def.num_leaves:
         return path, differs
@@ -113,6 +126,27 @@ def _first_mismatch(spec: Any, value: Any, path: tuple) -> tuple[tuple, str] | N
         if found is not None:
             return found
     return None
+
+
+def _static_fields_differing(spec: Any, value: Any) -> str:
+    """`name=spec's (the value's: value's)` for each static dataclass field (an
+    Equinox Module's `field(static=True)`) where they differ; `""` if none is found."""
+    if not dataclasses.is_dataclass(spec):
+        return ""
+    differing = []
+    for field in dataclasses.fields(spec):
+        if field.metadata.get("static", False):
+            ours, theirs = (
+                getattr(spec, field.name, None),
+                getattr(value, field.name, None),
+            )
+            try:
+                same = bool(ours == theirs)
+            except Exception:  # e.g. arrays: compared by identity
+                same = ours is theirs
+            if not same:
+                differing.append(f"{field.name}={ours!r} (the value's: {theirs!r})")
+    return ", ".join(differing)
 
 
 def broadcast_specs(
@@ -205,14 +239,18 @@ def spread(
 
 
 def _own_leaves_as_none(specs: Any, value: Any) -> Any:
-    """`specs` with each non-spec leaf that is the value's own leaf there replaced by
+    """`specs` with each non-spec leaf at a non-array leaf of the value (a spec tree
+    made by `jax.tree.map` over a Module keeps `t1=10.0`: one rule for every function,
+    whatever the value's leaf is now), or that is the value's own leaf, replaced by
     `None`; `specs` if they do not line up (`flatten_specs` then names the leaf)."""
 
     def own_as_none(spec: Any, leaf: Any) -> Any:
         if is_spec_leaf(spec):
             return spec
-        try:
-            same = spec is leaf or (type(spec) is type(leaf) and bool(spec == leaf))
+        if spec is leaf or (may_be_own_leaf(spec) and not is_array(leaf)):
+            return None
+        try:  # a string: the value's own if equal
+            same = type(spec) is type(leaf) and bool(spec == leaf)
         except Exception:  # e.g. an array's truth value: not the same
             same = False
         return None if same else spec

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.tree_util as jtu
+from equinox import is_array
 from jax.tree_util import PyTreeDef
 
 from .kinds import is_kind, kind_of, names as kind_names, TYPES
@@ -48,6 +49,20 @@ def describe_leaf(x: Any) -> str:
     return f"{type(x).__name__} {text}"
 
 
+def may_be_own_leaf(x: Any) -> bool:
+    """Whether `x`, no spec leaf, may be the value's own non-array leaf at its place (a
+    spec tree made by `jax.tree.map` over a Module keeps `t1=10.0`): taken there as
+    `None`, as `filter_device_put` takes it, and checked against the value. Not a
+    string, which is more often an axis name meant as a `PartitionSpec`."""
+    return (
+        kind_of(x) is None
+        and not isinstance(x, str)
+        and not isinstance(x, _NOT_RULES)
+        and not is_array(x)
+        and not is_pytree_node(x)
+    )
+
+
 def check_spec_leaf(
     x: Any, where: str, refused: Callable[[Any], bool] = lambda kind: False
 ) -> None:
@@ -86,7 +101,8 @@ class PathRules:
 
     **Arguments:**
 
-    - `rules`: a sequence of `(pattern, spec)` pairs. Each `pattern` is a regular
+    - `rules`: a sequence of `(pattern, spec)` pairs, or a dict `{pattern: spec}`
+        (in its order). Each `pattern` is a regular
         expression (a string or an `re.Pattern`); each `spec` is a spec leaf: a
         `jax.sharding.Sharding`, a `jax.Device`, a bare `jax.sharding.PartitionSpec`,
         a `jax.experimental.layout.Format`, a `jax.memory.Space`, `None` (leave the
@@ -124,11 +140,13 @@ class PathRules:
 
     def __init__(
         self,
-        rules: Sequence[tuple[str | re.Pattern, Any]],
+        rules: Sequence[tuple[str | re.Pattern, Any]] | dict[str | re.Pattern, Any],
         *,
         default: Any = unset,
         strict: bool = False,
     ):
+        if isinstance(rules, dict):  # `{pattern: spec}`, in its order
+            rules = list(rules.items())
         patterns, pairs = [], []
         for k, rule in enumerate(rules):
             if not (isinstance(rule, tuple) and len(rule) == 2):
