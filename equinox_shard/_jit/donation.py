@@ -20,7 +20,7 @@ from .._arrays import (
     raise_if_fun_deleted,
 )
 from .._buffers import jit_frees, private_copies
-from .launch import dispatch_lock
+from .._dispatch import dispatch_lock
 from .packing import getter
 
 
@@ -115,7 +115,7 @@ class Donation:
         return may_alias
 
     def launch(self, dynamic_fun: Any, fun_at: int | None) -> Callable:
-        """A donating entry's launch (`launch.stack`): under `launch.dispatch_lock`, its
+        """A donating entry's launch (`launch.stack`): under `dispatch_lock`, its
         inputs and `dynamic_fun`'s arrays (slot `fun_at`) checked again, and JAX's
         unusable-donation warning ignored where the mode says so."""
         quiet = self._quiet
