@@ -607,3 +607,73 @@ def test_donating_onto_one_device_of_any_shape_keeps_the_source():
     assert run.returncode == 0, run
     assert len(run.result) == 22, run
     assert all(r == [True, True, True] for r in run.result.values()), run.result
+
+
+# A donated array in `unpinned_host` memory aborted the process on one device (XLA:
+# "PjRtBuffer's memory kind does not match sharding's memory kind"; plain `jax.jit`
+# too): refused before anything runs, naming it, whether it is passed there or placed
+# there by `in_shardings`; in device or `pinned_host` memory, or moved out, it runs.
+_DONATE_UNPINNED = """
+import equinox as eqx
+import equinox_shard as eqxs
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+auto = (AxisType.Auto,)
+one = jax.make_mesh((1,), ("x",), axis_types=auto, devices=jax.devices()[:1])
+eight = jax.make_mesh((8,), ("x",), axis_types=auto)
+host = NamedSharding(one, P(), memory_kind="unpinned_host")
+double = lambda a: {"y": a["w"] * 2}
+results = {}
+
+
+def call(name, f, x):
+    expected = np.array(x, copy=True)
+    try:
+        out = f({"w": x})["y"]
+        results[name] = ["ran", np.array_equal(np.asarray(out), expected * 2)]
+    except ValueError as e:
+        alive = not x.is_deleted() and np.array_equal(np.asarray(x), expected)
+        results[name] = [str(e).split(":")[0], "unpinned_host" in str(e), alive]
+    print(name, flush=True)  # the last line before a crash names its case
+
+
+x = lambda s: jax.device_put(jnp.arange(16.0), s)
+call("passed, one device", eqxs.filter_jit(double, donate="all"), x(host))
+split = NamedSharding(eight, P("x"), memory_kind="unpinned_host")
+call("passed, eight devices", eqxs.filter_jit(double, donate="all"), x(split))
+onto = eqxs.filter_jit(double, in_shardings=host, donate="all")
+call("placed there", onto, x(NamedSharding(one, P())))
+out = eqxs.filter_jit(double, in_shardings=NamedSharding(one, P()), donate="all")
+call("moved out", out, x(host))
+call("not donated", eqxs.filter_jit(double), x(host))
+pinned = NamedSharding(one, P(), memory_kind="pinned_host")
+call("pinned_host", eqxs.filter_jit(double, donate="all"), x(pinned))
+
+
+class Scale(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, a):
+        return {"y": a["w"] * 2 + 0 * self.w.sum()}
+
+
+module = eqxs.filter_jit(Scale(x(host)), donate="all")
+call("the function's own", module, x(NamedSharding(one, P())))
+report(results)
+"""
+
+
+def test_donating_an_array_in_unpinned_host_memory_is_refused():
+    run = run_isolated(_DONATE_UNPINNED, timeout=300)
+    assert run.returncode == 0, run
+    assert run.result == {
+        "passed, one device": ["a['w']", True, True],
+        "passed, eight devices": ["a['w']", True, True],
+        "placed there": ["a['w']", True, True],
+        "moved out": ["ran", True],
+        "not donated": ["ran", True],
+        "pinned_host": ["ran", True],
+        "the function's own": ["fun.w", True, True],
+    }, run
