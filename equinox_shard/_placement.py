@@ -18,11 +18,11 @@ from ._arrays import (
     in_default_memory,
     is_committed,
     is_key_array,
-    is_single_device_sharding,
     is_tracer,
     raise_if_deleted,
 )
 from ._buffers import private_copies, shares_single_device_buffer, shares_source_buffer
+from ._dispatch import dispatch_lock
 from ._spec.kinds import kind_of, sharding_of
 from ._spec.language import check, for_jax
 
@@ -159,7 +159,12 @@ def place(
                     "the input's buffers to the result, aliasing lets the result "
                     "share them)."
                 )
-    moves = plan(leaves, todo, where, may_alias)
+    # `plan` looks for deleted leaves, and `transfer` moves them, under the lock of
+    # `filter_jit`'s donating launches: another thread may donate a leaf meanwhile.
+    with dispatch_lock:
+        moves = plan(leaves, todo, where, may_alias)
+        if moves is not None and moves[0]:
+            transfer(leaves, *moves, where, donate, may_alias)
     if moves is None:  # inside a trace
         check_shapes(leaves, todo, where)
         indices = [i for i, _ in todo]
@@ -168,9 +173,6 @@ def place(
             for x in (donate, may_alias)
         ]
         _put(leaves, indices, [for_jax(t) for _, t in todo], *flags)
-    elif moves[0]:
-        indices, targets, sharing = moves
-        transfer(leaves, indices, targets, sharing, where, donate, may_alias)
 
 
 def _flag(flags: Any, i: int) -> Any:
@@ -259,7 +261,7 @@ def transfer(
     if isinstance(donate, list) or isinstance(may_alias, list) or donate:
         donated = [bool(_flag(donate, i)) for i in indices]
         for k, i in enumerate(indices):
-            # Key arrays are not donated here: JAX frees them unmarked (as below).
+            # Key arrays are not donated here: JAX frees them unmarked (`may_donate`).
             donated[k] = donated[k] and not is_key_array(leaves[i])
         # `None`: "copy unless donated".
         aliased = [
@@ -283,17 +285,29 @@ def transfer(
         for k in copies:
             leaves[indices[k]] = sources[k]
     if donated and any(donated):
-        # The device itself, not its `SingleDeviceSharding` (JAX 0.10.2):
-        # upstream/jax-reports/device-put-donate-single-device-sharding.
-        targets = [
-            next(iter(t.device_set))
-            if is_single_device_sharding(t) and in_default_memory(t)
-            else t
-            for t in targets
-        ]
+        for k, i in enumerate(indices):
+            donated[k] = donated[k] and may_donate(leaves[i], targets[k])
     _put(leaves, indices, targets, donated, aliased)
     for i, j in repeated:
         leaves[i] = leaves[j]
+
+
+def may_donate(x: Any, target: Any) -> bool:
+    """Whether `jax.device_put(x, target, donate=True)` may donate `x`: not from one
+    device onto one device, where JAX 0.10.2 frees `x` without marking it deleted
+    (onto any target but a `jax.Device`, which it does not donate to), nor into
+    another memory, which it refuses
+    (upstream/jax-reports/device-put-donate-single-device-sharding)."""
+    source = getattr(x, "sharding", None)
+    if source is None or not isinstance(target, Sharding):
+        return True
+    if _memory(source) != _memory(target):
+        return False
+    return len(source.device_set) > 1 or len(target.device_set) > 1
+
+
+def _memory(sharding: Sharding) -> Any:
+    return None if in_default_memory(sharding) else sharding.memory_kind
 
 
 def _put(leaves: list, indices: list, targets: Any, donate: Any, may_alias: Any):

@@ -305,6 +305,74 @@ def test_array_donated_while_another_thread_reads_it():
     assert run.result["keep"] == list(range(8)), run
 
 
+# The same with an eager placement reading the array: `filter_shard`, and
+# `filter_device_put` onto other devices, placed before they took the launch lock, so
+# they could move an array donated meanwhile (JAX's unnamed "Buffer has been deleted or
+# donated", or a SIGSEGV); and `filter_jit`'s own move of a committed input.
+_DONATED_WHILE_ANOTHER_THREAD_PLACES = """
+import threading
+
+import equinox_shard as eqxs
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+s = NamedSharding(mesh, P())
+rows = NamedSharding(mesh, P("x"))
+donating = eqxs.filter_jit(lambda k, b: (k.sum() + b, b * 2), donate="all-except-first")
+moving = eqxs.filter_jit(lambda b: b * 5, in_shardings=rows)
+readers = {
+    "filter_shard": lambda b: eqxs.filter_shard({"w": b}, rows),
+    "filter_device_put": lambda b: eqxs.filter_device_put({"w": b}, rows),
+    "filter_device_put onto one device": lambda b: eqxs.filter_device_put(
+        {"w": b}, jax.devices()[3]
+    ),
+    "filter_jit moving it": moving,
+}
+keep = jax.device_put(jnp.arange(8.0), s)
+results = {}
+for name, reading in readers.items():
+    shared = [jax.device_put(jnp.full(8, float(i)), s) for i in range(200)]
+    barrier = threading.Barrier(2)
+    errors = set()
+
+    def work(call):
+        for b in shared:
+            barrier.wait()
+            try:
+                jax.block_until_ready(call(b))
+            except RuntimeError as e:
+                errors.add(str(e))
+
+    threads = [
+        threading.Thread(target=work, args=(call,))
+        for call in (lambda b: donating(keep, b), reading)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    results[name] = sorted(errors)
+    print(name, flush=True)  # the last line before a crash names its reader
+report(dict(results=results, keep=keep.tolist()))
+"""
+
+
+def test_array_donated_while_another_thread_places_it():
+    run = run_isolated(_DONATED_WHILE_ANOTHER_THREAD_PLACES, timeout=300)
+    assert run.returncode == 0, run
+    deleted = "this array has been deleted (was it donated to an earlier call?)"
+    assert run.result["results"] == {
+        "filter_shard": [f"x['w']: {deleted}, so it cannot be placed."],
+        "filter_device_put": [f"x['w']: {deleted}, so it cannot be placed."],
+        "filter_device_put onto one device": [
+            f"x['w']: {deleted}, so it cannot be placed."
+        ],
+        "filter_jit moving it": [f"b: {deleted}."],
+    }, run
+    assert run.result["keep"] == list(range(8)), run
+
+
 # The same with a callback in the body (`eqx.error_if`), through the wrapper and through
 # its `Compiled`: the callback's wait stacks on the donating dispatch (its lock and its
 # re-check), it does not replace it. It crashed the process (SIGSEGV).

@@ -6,6 +6,7 @@ import contextlib
 import functools as ft
 import warnings
 from collections.abc import Callable
+from itertools import chain, repeat
 from typing import Any, Literal
 
 import jax
@@ -20,7 +21,7 @@ from .._arrays import (
     raise_if_fun_deleted,
 )
 from .._buffers import jit_frees, private_copies
-from .launch import dispatch_lock
+from .._dispatch import dispatch_lock
 from .packing import getter
 
 
@@ -107,11 +108,20 @@ class Donation:
         traced_indices: tuple[int, ...],
         n_args: int,
         fun_name: str,
+        targets: list[tuple[int, Any]],
     ) -> Callable:
-        """A donating entry's `keep(leaves, dynamic_fun, where)`: `keep_undonated`."""
+        """A donating entry's `keep(leaves, dynamic_fun, where)`: `keep_undonated`,
+        for an entry that places leaf `i` on `sharding` for each `(i, sharding)` of
+        `targets`."""
         fun_donated = self._donates(None, n_args)
         traced = (traced_indices, getter(traced_indices))
-        return ft.partial(keep_undonated, leaves, traced, fun_donated, fun_name)
+        placed = dict(targets)
+        onto = tuple(i for i in leaves if _in_unpinned_host(placed.get(i)))
+        passed = getter(tuple(i for i in leaves if i not in placed))
+        unpinned = (onto, passed)
+        return ft.partial(
+            keep_undonated, leaves, traced, fun_donated, fun_name, unpinned
+        )
 
     def may_alias(self, leaves: list, moves: list, donated: tuple[int, ...]) -> list:
         """`place`'s `may_alias` per leaf, for `moves` `(i, sharding)`: a moved array
@@ -126,7 +136,7 @@ class Donation:
         return may_alias
 
     def launch(self, dynamic_fun: Any, fun_at: int | None) -> Callable:
-        """A donating entry's launch (`launch.stack`): under `launch.dispatch_lock`, its
+        """A donating entry's launch (`launch.stack`): under `dispatch_lock`, its
         inputs and `dynamic_fun`'s arrays (slot `fun_at`) checked again, and JAX's
         unusable-donation warning ignored where the mode says so."""
         quiet = self._quiet
@@ -157,15 +167,24 @@ def keep_undonated(
     traced: tuple[tuple[int, ...], Callable],
     fun_donated: bool,
     fun_name: str,
+    unpinned: tuple[tuple[int, ...], Callable],
     leaves: list,
     dynamic_fun: Any,
     where: Callable[[int], str],
 ) -> list:
     """`leaves` with each `donated` array also passed where it is not donated replaced
-    by a private copy (donating it would free the other); one donated twice raises."""
+    by a private copy (donating it would free the other); one donated twice raises, as
+    does one in `unpinned_host` memory (`unpinned`: the donated leaves that `targets`
+    place there, and the getter of those passed to `jax.jit` as they are)."""
     fun_leaves = jtu.tree_leaves(dynamic_fun) if fun_donated else []
     if any(map(is_deleted, fun_leaves)):
         raise_if_fun_deleted(fun_name, dynamic_fun)
+    onto, passed = unpinned
+    if onto or _UNPINNED in _memory_kinds(chain(passed(leaves), fun_leaves)):
+        _raise_if_unpinned(leaves, onto, passed, where)
+        paths = jtu.tree_flatten_with_path(dynamic_fun)[0]
+        fun_where = lambda k: fun_name + jtu.keystr(paths[k][0])
+        _raise_if_unpinned(fun_leaves, (), lambda xs: xs, fun_where)
     traced_indices, get_traced = traced  # the indices, and their C-level getter
     traced_ids = set(map(identity_hash, get_traced(leaves)))
     fun_ids = set(map(identity_hash, fun_leaves))
@@ -222,4 +241,42 @@ def _raise_if_donated_twice(leaves: list, indices, where: Callable[[int], str]) 
                 "an array can be donated once per call (`jax.jit` refuses a committed "
                 "one). Pass it once (tie weights with `eqx.nn.Shared`), or where it is "
                 "not donated."
+            )
+
+
+# XLA aborts the process on a donated buffer in this memory (JAX 0.10.2, 0.12.1, CPU).
+_UNPINNED = "unpinned_host"
+
+
+def _in_unpinned_host(sharding: Any) -> bool:
+    return getattr(sharding, "memory_kind", None) == _UNPINNED
+
+
+def _memory_kinds(values) -> Any:
+    """Each of `values`' memory kind (`None` for NumPy and tracers), at C speed."""
+    shardings = map(getattr, values, repeat("sharding"), repeat(None))
+    return map(getattr, shardings, repeat("memory_kind"), repeat(None))
+
+
+def _raise_if_unpinned(
+    leaves: list, onto: tuple[int, ...], passed: Callable, where: Callable[[int], str]
+) -> None:
+    """Raises, naming it, for the first donated leaf in `unpinned_host` memory: placed
+    there (`onto`), or among `passed(range(len(leaves)))` as it is."""
+    hint = (
+        "which XLA cannot donate (it aborts the process). Pass it where it is not "
+        "donated, or in device memory"
+    )
+    for i in onto:
+        raise ValueError(
+            f"{where(i)}: this array is donated, but `in_shardings` places it in "
+            f"`unpinned_host` memory, {hint} (an `in_shardings` sharding without "
+            "`memory_kind`, or with `memory_kind='pinned_host'`)."
+        )
+    for i in passed(range(len(leaves))):
+        if _in_unpinned_host(getattr(leaves[i], "sharding", None)):
+            raise ValueError(
+                f"{where(i)}: this array is donated, but it is in `unpinned_host` "
+                f"memory, {hint} (`filter_device_put(x, "
+                "x.sharding.with_memory_kind('device'))`)."
             )

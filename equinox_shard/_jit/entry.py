@@ -92,7 +92,7 @@ def build_entry(
     donation = cache.donation
     entry.donates = donation.donates(structure.donated, dynamic_fun, len(args))
     entry.keep = entry.donates and donation.keeper(
-        structure.donated, structure.traced_indices, len(args), cache.fun_name
+        structure.donated, structure.traced_indices, len(args), cache.fun_name, targets
     )
     entry.packs_only = not entry.donates and not targets
     entry.checks_deleted = not entry.donates

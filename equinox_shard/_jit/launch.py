@@ -1,9 +1,8 @@
 """An entry's dispatch, `dispatch(run, dynamic, deleted, leaves, jit_id)`: a launch with
-layers stacked over it (`stack`), and the lock that serialises launches (RFC §6)."""
+layers stacked over it (`stack`), under `dispatch_lock` where it must be (RFC §6)."""
 
 import functools as ft
 import itertools
-import threading
 from collections.abc import Callable, Sequence
 
 import jax
@@ -11,14 +10,10 @@ import jax._src.traceback_util as traceback_util
 from jax.sharding import Sharding
 
 from .._arrays import is_tracer, on_abstract_mesh
+from .._dispatch import dispatch_lock
 
 
 traceback_util.register_exclusion(__file__)
-
-
-# Serialises launches of multi-device CPU executables and donating calls
-# (upstream/jax-reports/cpu-multidevice-dispatch-threads, donate-from-threads).
-dispatch_lock = threading.RLock()
 
 
 def plain(run, dynamic, deleted, leaves, jit_id):

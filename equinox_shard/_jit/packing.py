@@ -72,14 +72,18 @@ def getter(indices: tuple[int, ...], key: bool = False) -> Callable[[Any], Any]:
 
 def _is_builtin(treedef: Any) -> bool:
     """Whether JAX flattens a structure in C++ (tuples, lists, dicts, namedtuples)."""
-    if treedef.num_nodes == 1:
-        return True
-    node_type = treedef.node_data()[0]
-    if node_type not in (tuple, list, dict) and not (
-        issubclass(node_type, tuple) and hasattr(node_type, "_fields")
-    ):
-        return False
-    return all(map(_is_builtin, treedef.children()))
+    todo = [treedef]  # a loop, not a recursion: as deep as JAX flattens
+    while todo:
+        node = todo.pop()
+        if node.num_nodes == 1:
+            continue
+        node_type = node.node_data()[0]
+        if node_type not in (tuple, list, dict) and not (
+            issubclass(node_type, tuple) and hasattr(node_type, "_fields")
+        ):
+            return False
+        todo += node.children()
+    return True
 
 
 class Packing:
