@@ -107,9 +107,10 @@ def test_arguments(tmp_path):
     with pytest.raises(ValueError, match="`every_minutes` must be a positive number"):
         eqxs.CheckpointManager(tmp_path, every_minutes=-1.0)
     # Each names its own argument.
-    for name in ("every_steps", "keep_every"):
-        with pytest.raises(ValueError, match=f"^`{name}` must be a positive number"):
-            eqxs.CheckpointManager(tmp_path, **{name: 0})
+    with pytest.raises(ValueError, match="^`every_steps` must be a positive number"):
+        eqxs.CheckpointManager(tmp_path, every_steps=0)
+    with pytest.raises(ValueError, match="^`keep_every` must be a positive number"):
+        eqxs.CheckpointManager(tmp_path, keep_every=0)
     assert list(tmp_path.iterdir()) == []
 
 
