@@ -184,7 +184,7 @@ def keep_undonated(
         _raise_if_unpinned(leaves, onto, passed, where)
         paths = jtu.tree_flatten_with_path(dynamic_fun)[0]
         fun_where = lambda k: fun_name + jtu.keystr(paths[k][0])
-        _raise_if_unpinned(fun_leaves, (), lambda xs: xs, fun_where)
+        _raise_if_unpinned(fun_leaves, (), lambda a: a, fun_where)
     traced_indices, get_traced = traced  # the indices, and their C-level getter
     traced_ids = set(map(identity_hash, get_traced(leaves)))
     fun_ids = set(map(identity_hash, fun_leaves))
