@@ -3,6 +3,7 @@ save still running when the program ends (however it ends) completes first; fork
 children never release, remove or keep their parent's lock; a lock whose holder was
 killed is taken over whoever else still has the file open."""
 
+import functools as ft
 import os
 import signal
 import subprocess
@@ -34,12 +35,33 @@ def _run(*args):
     )  # fmt: skip
 
 
+@ft.cache
+def _threads_start_at_exit() -> bool:
+    """Whether this interpreter starts a thread from a hook run as it shuts down."""
+    code = (
+        "import threading\n"
+        "def hook(): t = threading.Thread(target=print); t.start(); t.join()\n"
+        "threading._register_atexit(hook)\n"
+    )
+    probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    return "can't create new thread" not in probe.stderr
+
+
 @pytest.mark.parametrize(
     "how, status",
     [("end", 0), ("exit", 3), ("raise", 1), ("interrupt", -signal.SIGINT)],
 )
 def test_save_in_flight_at_exit_completes(tmp_path, how, status):
     result = _run("manager-exit", tmp_path, how)
+    if not _threads_start_at_exit():
+        # CPython 3.12.0-3.12.2 refuse new threads once shutdown begins, and orbax
+        # starts one to finish a save: the process says so and exits 1 (docs).
+        assert result.returncode == 1, result.stderr[-3000:]
+        assert "The save of step 0 " in result.stderr, result.stderr[-3000:]
+        assert "can't create new thread at interpreter shutdown" in result.stderr
+        with eqxs.CheckpointManager(tmp_path) as manager:
+            assert manager.all_steps() == []
+        return
     assert result.returncode == status, result.stderr[-3000:]
     assert result.stdout.splitlines() == ["SAVE True"]
     assert "cannot schedule new futures" not in result.stderr

@@ -539,6 +539,9 @@ def _check_result(fn, context, kind, out, ref, host) -> list[str]:
 
 _SDS_INPUTS: dict[str, Any] = {}
 _REFERENCE: dict[tuple, Any] = {}  # cell -> plain JAX's summary, or its error
+# The contexts where `filter_jit` is given concrete inputs, which on Explicit axes it
+# sees at their `in_shardings` type (issue 62).
+_SEES_IN_SHARDINGS = ("eager", "lower", "method_eval_shape")
 
 
 def _reference(fn, mesh, context, kind, spec, host) -> Any:
@@ -548,6 +551,15 @@ def _reference(fn, mesh, context, kind, spec, host) -> Any:
             arrays = _make(kind, host)  # outside the mesh: uncommitted, as ours
             with _mesh_context(mesh):
                 op = _plain_op(fn, spec, mesh, context)
+                if fn == "jit_in" and mesh == "E" and context in _SEES_IN_SHARDINGS:
+                    # On Explicit axes the function sees each input at its
+                    # `in_shardings` type, however it is passed (issue 62): plain
+                    # `jax.jit` given the inputs placed there.
+                    to = _resolved(spec, mesh)
+                    arrays = {
+                        k: a if to.get(k) is None else jax.device_put(a, to[k])
+                        for k, a in arrays.items()
+                    }
                 _REFERENCE[cell] = ("ok", _summary(_run(context, op, arrays, True)))
         except Exception as e:
             _REFERENCE[cell] = ("raise", _first_line(e))

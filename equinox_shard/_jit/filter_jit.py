@@ -284,10 +284,15 @@ class _JitWrapper(Module):
         `Auto` axes too, without running; arguments as for `.lower`. Under
         `jax.set_mesh(mesh)`, shardings are on `mesh` itself (not its abstract mesh),
         ready for `equinox_shard.restore` or `equinox_shard.sharding_table`."""
-        _, trace = self._ahead(
-            args, kwargs, lambda entry, dynamic: entry.jitted.trace(*dynamic)
-        )
-        return _combine(trace.out_info)
+
+        def trace(entry, dynamic):
+            # Traced for the types a call gives (`Typed`: on Explicit axes, each
+            # input at its `in_shardings` type), as `.lower` is.
+            if entry.typed is not None:
+                dynamic, _ = entry.typed.types(dynamic)
+            return entry.jitted.trace(*dynamic)
+
+        return _combine(self._ahead(args, kwargs, trace)[1].out_info)
 
     def __get__(self, instance, owner):
         del owner

@@ -55,7 +55,7 @@ def may_be_own_leaf(x: Any) -> bool:
     `None`, as `filter_device_put` takes it, and checked against the value. Not a
     string, which is more often an axis name meant as a `PartitionSpec`."""
     return (
-        kind_of(x) is None
+        not is_spec_leaf(x)
         and not isinstance(x, str)
         and not isinstance(x, _NOT_RULES)
         and not is_array(x)
