@@ -444,6 +444,75 @@ def render_inputs(result: dict) -> str:
     return text + h.table(headers, rows)
 
 
+#
+# Equinox#973's scenario: `eqx.nn.Identity` on a `(1, 1)` array, one CPU device,
+# synchronous (each call waited for), against `jax.jit` of the same Module; with
+# shardings, both given the same one-device sharding (the input uncommitted).
+#
+
+IDENTITY_VARIANTS = ("jit", "eqxs", "jit+shard", "eqxs+shard", "eqx")
+TARGET_IDENTITY = 1.5  # eqxs / jit and eqxs+shard / jit+shard, synchronous
+
+
+def run_identity(cfg: dict) -> dict:
+    model = eqx.nn.Identity()
+    x = jax.numpy.ones((1, 1))
+    s = _input_sharding(1)
+    variants = {
+        "jit": jax.jit(model),
+        "eqxs": eqxs.filter_jit(model),
+        "jit+shard": jax.jit(model, in_shardings=s, out_shardings=s),
+        "eqxs+shard": eqxs.filter_jit(model, in_shardings=s, out_shardings=s),
+        "eqx": eqx.filter_jit(model),
+    }
+    samplers = {}
+    for name, fn in variants.items():
+        inner = h.calibrate(fn, (x,), cfg["sample_s"], cfg["max_inner"])
+        samplers[name] = lambda fn=fn, inner=inner: h.sample_sync(fn, (x,), inner)
+    ((medians, samples),) = h.interleaved(
+        {"identity": samplers},
+        reps=cfg["reps"],
+        warmup=cfg["warmup"],
+        progress=h.progress_printer(
+            "dispatch identity", cfg["warmup"] + cfg["reps"], cfg["verbose"]
+        ),
+    ).values()
+    to_jit = h.paired_ratios(samples, ["eqxs", "eqxs+shard", "eqx"], "jit")
+    to_jit_shard = h.paired_ratios(samples, ["eqxs+shard"], "jit+shard")
+    return {
+        "seconds": medians,
+        "eqxs_over_jit": to_jit["eqxs"],
+        "eqxs_shard_over_jit_shard": to_jit_shard["eqxs+shard"],
+        "eqxs_shard_over_jit": to_jit["eqxs+shard"],
+        "eqx_over_jit": to_jit["eqx"],
+    }
+
+
+def render_identity(result: dict) -> str:
+    seconds = result["seconds"]
+    headers = [
+        *IDENTITY_VARIANTS,
+        f"eqxs/jit (<= {TARGET_IDENTITY}x)",
+        f"eqxs+shard/jit+shard (<= {TARGET_IDENTITY}x)",
+        "eqxs+shard/jit",
+        "eqx/jit",
+    ]
+    row = [
+        *(h.fmt(seconds[v]) for v in IDENTITY_VARIANTS),
+        _marked(result["eqxs_over_jit"], TARGET_IDENTITY),
+        _marked(result["eqxs_shard_over_jit_shard"], TARGET_IDENTITY),
+        h.fmt(result["eqxs_shard_over_jit"], "x"),
+        h.fmt(result["eqx_over_jit"], "x"),
+    ]
+    text = (
+        "### Equinox#973: `eqx.nn.Identity` on a `(1, 1)` array, wall µs per call, "
+        "synchronous\n\n"
+        "One device; with shardings, a one-device mesh's replicated sharding for the "
+        "input (uncommitted) and the output.\n\n"
+    )
+    return text + h.table(headers, [row])
+
+
 if __name__ == "__main__":
     options = h.standalone_options(
         "issue 48's dispatch cells", reps={"type": int, "default": 9}
@@ -459,3 +528,5 @@ if __name__ == "__main__":
         "verbose": True,
     }
     print(render_inputs(run_inputs(config)))
+    print()
+    print(render_identity(run_identity(config)))
