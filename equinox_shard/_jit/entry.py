@@ -21,7 +21,7 @@ from .._arrays import (
     raise_if_deleted,
     raise_if_not_jax_type,
 )
-from .._placement import all_placed, check_shapes, jit_takes, MOVES, place
+from .._placement import all_placed, check_shapes, jit_takes, MOVES, place, PLACED
 from .._spec.kinds import is_auto, kind_of, sharding_of
 from .._spec.language import context_mesh, for_jax, resolve, resolve_each
 from .._spec.leaves import is_spec_leaf, unset
@@ -272,21 +272,32 @@ class Typed:
 def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple:
     """A call's checks and placements before `jax.jit`: the leaves as placed, the
     dynamic trees to call, and what to call them with (`Entry.jitted` or `Typed`)."""
-    ready = entry.packs_only or all_placed(entry.get_targets(leaves), entry.shardings)
+    # One call looks at the inputs: where `jax.jit` moves inputs, `jit_takes` alone.
+    takes = jit_takes if entry.jax_moves_inputs else all_placed
+    ready = entry.packs_only or takes(entry.get_targets(leaves), entry.shardings)
     deleted = entry.checks_deleted and structure.deleted(leaves)
     if ready and not (deleted or entry.donates):  # nothing to check, donate or place
         dynamic = structure.packing.arguments(dynamic_fun, args, kwargs, leaves)
-        return leaves, dynamic, entry.jitted
+        if ready != MOVES:
+            return leaves, dynamic, entry.jitted
+        if not entry.explicit:
+            # Inside an outer trace (tracers) there is no executable to call.
+            if entry.typed is not None and not structure.has_tracers:
+                return leaves, dynamic, entry.typed
+            return leaves, dynamic, entry.jitted
+        if _typed_runs(entry, leaves):
+            return leaves, dynamic, entry.typed
+        ready = 0  # `jax.jit` would trace them unsharded: placed by us
     where = ft.partial(arg_path, cache, args, kwargs)
     if deleted:
         raise_if_deleted(leaves, structure.traced_indices, where)
     placed = leaves
     if entry.donates:  # its private copies are where the originals are
         placed = entry.keep(leaves, dynamic_fun, where)
-    if not ready and entry.jax_moves_inputs:
-        ready = jit_takes(entry.get_targets(placed), entry.shardings)
-        if ready == MOVES and entry.explicit and not _typed_runs(entry, placed):
-            ready = 0  # `jax.jit` would trace them unsharded: placed by us
+        if ready != PLACED and entry.jax_moves_inputs:
+            ready = jit_takes(entry.get_targets(placed), entry.shardings)
+    if ready == MOVES and entry.explicit and not _typed_runs(entry, placed):
+        ready = 0  # `jax.jit` would trace them unsharded: placed by us
     if not ready:
         placed = list(placed)
         try:

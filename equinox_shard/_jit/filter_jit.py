@@ -84,8 +84,9 @@ def _call(wrapper, args, kwargs, compiled=None):
     except Exception:
         diagnose(cache, args, kwargs, leaves, entry, dynamic_fun)
         raise
-    # 4. Combine.
-    return _combine(out)
+    # 4. Combine (`_combine`, inline: one frame less on every call).
+    dynamic, static = out
+    return dynamic if static is None else static.combine(dynamic)
 
 
 def _combine(out: tuple) -> Any:
