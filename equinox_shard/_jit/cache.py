@@ -100,6 +100,8 @@ class Cache:
         self.fun_names = fn_names(fun)
         self.fun_source = fn_source(fun)
         self.in_leaves: list = []
+        # Parameters the dict form names whose defaults are passed in when omitted.
+        self.defaults: dict = {}
         # Keyword-only parameters' entries of the dict form (by parameter name).
         self.by_name: dict | None = None
         if type(in_shardings) is dict:
@@ -162,10 +164,26 @@ class Cache:
                     "one argument a dict of shardings, wrap it in a tuple: "
                     "`in_shardings=(spec,)`."
                 )
+        # A default is placed as if passed (as `jax.jit` would see it), not left as a
+        # constant of the function: then every call binds, to pass it in.
+        self.defaults = {
+            k: params[k].default
+            for k in specs
+            if params[k].default is not params[k].empty
+        }
+        if self.defaults:
+            self.arity = range(0)
         keyword_only = {k: v for k, v in specs.items() if k not in self.names}
         flatten_specs(keyword_only, "in_shardings", jit_in=True, own_leaves=True)
         self.by_name = keyword_only
         return tuple(specs.get(name) for name in self.names)
+
+    def bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The call's arguments bound to the signature, with the `defaults`."""
+        bound = self.signature.bind(*args, **kwargs)
+        for name, default in self.defaults.items():
+            bound.arguments.setdefault(name, default)
+        return bound.args, bound.kwargs
 
     def _spec_where(self, path: tuple) -> str:
         """A leaf of per-parameter `in_shardings`, named as its parameter's leaves."""
