@@ -27,7 +27,14 @@ from .._arrays import (
 )
 from .._placement import check_shapes
 from .._spec.language import context_mesh, flatten_specs, needs_mesh, spread
-from .._spec.leaves import is_rule, is_spec_leaf, PathRules, RulesUsage, unset
+from .._spec.leaves import (
+    is_rule,
+    is_spec_leaf,
+    may_be_own_leaf,
+    PathRules,
+    RulesUsage,
+    unset,
+)
 from .donation import Donation
 from .packing import getter, Packing
 
@@ -141,9 +148,15 @@ class Cache:
         self.out_shardings = out_shardings
         out_leaves = []
         if out_shardings is not unset:
-            out_leaves, _ = flatten_specs(out_shardings, "out_shardings")
-        # Callables and path rules need the output: resolved from the first trace.
-        self.out_rules = any(is_rule(x) or isinstance(x, PathRules) for x in out_leaves)
+            out_leaves, _ = flatten_specs(
+                out_shardings, "out_shardings", own_leaves=True
+            )
+        # Callables, path rules and the output's own leaves (`t1=10.0` in a spec tree
+        # made by `jax.tree.map`) need the output: resolved from the first trace.
+        self.out_rules = any(
+            is_rule(x) or isinstance(x, PathRules) or may_be_own_leaf(x)
+            for x in out_leaves
+        )
         self.out_mesh = any(map(needs_mesh, out_leaves))
         self.lock = threading.Lock()
         self.clear()

@@ -14,7 +14,7 @@ from .._arrays import is_tracer
 from .._placement import check_shapes, place
 from .._spec.kinds import is_auto, kind_of
 from .._spec.language import for_jax, leaf_path, resolve, resolve_leaves
-from .._spec.leaves import is_rule, is_spec_leaf, PathRules, unset
+from .._spec.leaves import is_rule, is_spec_leaf, may_be_own_leaf, PathRules, unset
 from .cache import ArgStructure, Cache, unique_name
 from .packing import mirror, mirror_combine, OutStatic
 
@@ -150,6 +150,8 @@ def static_out_shardings(out_specs):
     def resolve_leaf(path, spec):
         if spec is None or is_rule(spec) or isinstance(spec, PathRules):
             return spec  # resolved per output leaf, at trace time
+        if may_be_own_leaf(spec):
+            return spec  # the output's own leaf, checked against it at trace time
         where = lambda: "out_shardings" + jtu.keystr(path)
         return for_jax(resolve(spec, None, where, abstract_ok=False))
 
