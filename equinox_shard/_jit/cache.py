@@ -11,9 +11,11 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import equinox._caches
+import jax
 import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 from equinox import Module
+from jax.sharding import NamedSharding
 from jax.tree_util import PyTreeDef
 
 from .._arrays import (
@@ -26,7 +28,13 @@ from .._arrays import (
     raise_if_not_jax_type,
 )
 from .._placement import check_shapes
-from .._spec.language import context_mesh, flatten_specs, needs_mesh, spread
+from .._spec.language import (
+    context_mesh,
+    flatten_specs,
+    for_jax,
+    needs_mesh,
+    spread,
+)
 from .._spec.leaves import (
     is_rule,
     is_spec_leaf,
@@ -440,12 +448,36 @@ def diagnose(cache: Cache, args, kwargs, leaves: list, entry: Any, dynamic_fun=N
     check_shapes(leaves, entry.targets, where)
     for i, target in entry.targets:
         x = leaves[i]
-        if on_abstract_mesh(target) and is_committed(x) and x.sharding != target:
-            # Resolved inside a transform, where no concrete mesh is known to move it.
-            raise ValueError(
-                f"{where(i)}: committed to {x.sharding}, off the mesh of its "
-                f"`in_shardings` entry {target.spec}, which inside a transform "
-                "(`jax.grad`, `jax.vmap`, ...) is only the abstract mesh of "
-                "`jax.set_mesh`: place it before the transform, with "
-                "`eqxs.filter_device_put`."
-            )
+        if not on_abstract_mesh(target):
+            continue
+        # Resolved inside a transform, where no concrete mesh is known to move it.
+        if is_committed(x) and on_its_mesh(x, target) is None:
+            at = f"committed to {x.sharding}"
+        elif is_tracer(x) and _refused(x, target):  # its value is (`jax.grad`'s)
+            at = "traced, its value committed to other devices"
+        else:
+            continue
+        raise ValueError(
+            f"{where(i)}: {at}, off the mesh of its `in_shardings` entry "
+            f"{target.spec}, which inside a transform (`jax.grad`, `jax.vmap`, ...) "
+            "is only the abstract mesh of `jax.set_mesh`: place it before the "
+            "transform, with `eqxs.filter_device_put`."
+        )
+
+
+def _refused(x: Any, target: Any) -> bool:
+    """Whether `jax.jit` refuses the traced `x` for `target` (asked of it alone)."""
+    try:
+        jax.jit(lambda a: a, in_shardings=for_jax(target))(x)
+    except ValueError:
+        return True
+    return False
+
+
+def on_its_mesh(x: Any, target: Any) -> Any:
+    """`target`, resolved on an abstract mesh (inside a transform such as `jax.grad`),
+    on the concrete mesh of the committed array `x`, if `x` is on that mesh."""
+    mesh = getattr(x.sharding, "mesh", None) if is_committed(x) else None
+    if isinstance(mesh, jax.sharding.Mesh) and mesh.abstract_mesh == target.mesh:
+        return NamedSharding(mesh, target.spec, memory_kind=target.memory_kind)
+    return None

@@ -26,7 +26,7 @@ from .._spec.kinds import is_auto, kind_of, sharding_of
 from .._spec.language import context_mesh, for_jax, resolve, resolve_each
 from .._spec.leaves import is_spec_leaf, unset
 from . import callbacks, launch
-from .cache import arg_path, ArgStructure, Cache, diagnose
+from .cache import arg_path, ArgStructure, Cache, diagnose, on_its_mesh
 from .packing import getter, mirror
 from .traced_body import in_body, ResolveRules, static_out_shardings, traced_function
 
@@ -362,15 +362,6 @@ def _place_inputs(
     todo = [(i, s) for i, s in targets if value(leaves[i], i)]
     may_alias = cache.donation.may_alias(leaves, todo, structure.donated)
     place(leaves, todo, where, may_alias=may_alias)
-
-
-def on_its_mesh(x: Any, target: NamedSharding) -> NamedSharding | None:
-    """`target`, resolved on an abstract mesh (inside a transform such as `jax.grad`),
-    on the concrete mesh of the committed array `x`, if `x` is on that mesh."""
-    mesh = getattr(x.sharding, "mesh", None) if is_committed(x) else None
-    if isinstance(mesh, jax.sharding.Mesh) and mesh.abstract_mesh == target.mesh:
-        return NamedSharding(mesh, target.spec, memory_kind=target.memory_kind)
-    return None
 
 
 def _auto_layouts(targets, leaves, where) -> str | None:
