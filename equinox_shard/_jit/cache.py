@@ -452,16 +452,16 @@ def diagnose(cache: Cache, args, kwargs, leaves: list, entry: Any, dynamic_fun=N
             continue
         # Resolved inside a transform, where no concrete mesh is known to move it.
         if is_committed(x) and on_its_mesh(x, target) is None:
-            at = f"committed to {x.sharding}"
+            at = f"committed to {x.sharding}, off the mesh of"
         elif is_tracer(x) and _refused(x, target):  # its value is (`jax.grad`'s)
-            at = "traced, its value committed to other devices"
+            at = "traced, and its value committed elsewhere than"
         else:
             continue
         raise ValueError(
-            f"{where(i)}: {at}, off the mesh of its `in_shardings` entry "
-            f"{target.spec}, which inside a transform (`jax.grad`, `jax.vmap`, ...) "
-            "is only the abstract mesh of `jax.set_mesh`: place it before the "
-            "transform, with `eqxs.filter_device_put`."
+            f"{where(i)}: {at} its `in_shardings` entry {target.spec}. Inside a "
+            "transform (`jax.grad`, `jax.vmap`, ...) that entry is only on the "
+            "abstract mesh of `jax.set_mesh`, where nothing can be moved: place it "
+            "before the transform, with `eqxs.filter_device_put`."
         )
 
 
