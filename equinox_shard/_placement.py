@@ -42,12 +42,12 @@ def same_mesh(current: Sharding, target: Sharding) -> bool:
     explicit = named is not None and AxisType.Explicit in named.axis_types
     if None not in meshes:
         return meshes[0] == meshes[1] and (
-            not explicit or _trimmed(current) == _trimmed(target)
+            not explicit or trimmed_spec(current) == trimmed_spec(target)
         )
     return not explicit
 
 
-def _trimmed(sharding: Any) -> tuple:
+def trimmed_spec(sharding: Any) -> tuple:
     """A `NamedSharding`'s spec without trailing `None`s (`P("x")`, `P("x", None)`)."""
     spec = tuple(sharding.spec)
     while spec and spec[-1] is None:
