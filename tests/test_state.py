@@ -54,13 +54,15 @@ def test_state_entries_are_named_by_their_index_in_the_model(getkey):
 
 def test_path_rules_place_the_running_statistics(getkey):
     model, state = eqx.nn.make_with_state(_Model)(getkey())
+    index = model.bn.ema_state_index
+    assert index is not None  # `mode="ema"`
     mesh = _mesh()
     split, rep = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
-    before = [np.array(x) for x in state.get(model.bn.ema_state_index)]
+    before = [np.array(x) for x in state.get(index)]
     with jax.set_mesh(mesh):
         specs = eqxs.state_specs(model, state, _RULES)
         placed = eqxs.filter_device_put(state, specs)
-    mean, var = placed.get(model.bn.ema_state_index)
+    mean, var = placed.get(index)
     assert mean.sharding == split and var.sharding == rep
     assert placed.get(model.bn.ema_first_time_index).sharding == rep
     assert_same_values(mean, before[0])
@@ -77,11 +79,11 @@ def test_path_rules_place_the_running_statistics(getkey):
     x = jnp.arange(16.0).reshape(4, 4)
     with jax.set_mesh(mesh):  # the rules give bare `PartitionSpec`s
         out, new_state = step(model, state, x)
-    mean, var = new_state.get(model.bn.ema_state_index)
+    mean, var = new_state.get(index)
     assert mean.sharding == split and var.sharding == rep
     expected, expected_state = jax.vmap(
         model, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
     )(x, state)
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=1e-4)
-    want_mean, _ = expected_state.get(model.bn.ema_state_index)
+    want_mean, _ = expected_state.get(index)
     np.testing.assert_allclose(np.asarray(mean), np.asarray(want_mean), atol=1e-4)
