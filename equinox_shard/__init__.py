@@ -27,6 +27,7 @@ from ._spec.explain_rules import (
     RulesReport as RulesReport,
 )
 from ._spec.leaves import PathRules as PathRules
+from ._state import state_specs as state_specs
 
 
 __version__ = _metadata.version("equinox_shard")
@@ -49,4 +50,5 @@ __all__ = [
     "RulesReport",
     "save",
     "sharding_table",
+    "state_specs",
 ]

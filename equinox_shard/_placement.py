@@ -42,12 +42,12 @@ def same_mesh(current: Sharding, target: Sharding) -> bool:
     explicit = named is not None and AxisType.Explicit in named.axis_types
     if None not in meshes:
         return meshes[0] == meshes[1] and (
-            not explicit or _trimmed(current) == _trimmed(target)
+            not explicit or trimmed_spec(current) == trimmed_spec(target)
         )
     return not explicit
 
 
-def _trimmed(sharding: Any) -> tuple:
+def trimmed_spec(sharding: Any) -> tuple:
     """A `NamedSharding`'s spec without trailing `None`s (`P("x")`, `P("x", None)`)."""
     spec = tuple(sharding.spec)
     while spec and spec[-1] is None:
@@ -290,7 +290,12 @@ def transfer(
     if donated and any(donated):
         for k, i in enumerate(indices):
             donated[k] = donated[k] and may_donate(leaves[i], targets[k])
-    _put(leaves, indices, targets, donated, aliased)
+    try:
+        _put(leaves, indices, targets, donated, aliased)
+    except ValueError:  # refused before anything moved
+        if not _replicated_first(leaves, indices, targets):
+            raise
+        _put(leaves, indices, targets, donated, aliased)
     for i, j in repeated:
         leaves[i] = leaves[j]
 
@@ -360,6 +365,27 @@ def _onto_shardings_first(leaves: list, indices: list, targets: list) -> tuple:
             done.add(k)
     keep = [k for k in range(len(indices)) if k not in done]
     return [indices[k] for k in keep], [targets[k] for k in keep]
+
+
+def _replicated_first(leaves: list, indices: list, targets: list) -> bool:
+    """Replicates on its target's mesh first, in place, each array whose type names
+    another number of devices than it is on (put on one device from an array made under
+    `jax.set_mesh`), which `jax.device_put` refuses onto a split sharding ("Length of
+    device assignment 1 is not equal to the size of the mesh"). Returns whether any."""
+    first = [
+        (i, NamedSharding(t.mesh, PartitionSpec(), memory_kind=t.memory_kind))
+        for i, t in zip(indices, targets)
+        if isinstance(t, NamedSharding)
+        and isinstance(leaves[i], jax.Array)
+        and leaves[i].committed
+        and jax.typeof(leaves[i]).sharding.mesh.size
+        != len(leaves[i].sharding.device_set)
+    ]
+    if first:
+        moved = jax.device_put([leaves[i] for i, _ in first], [s for _, s in first])
+        for (i, _), x in zip(first, moved):
+            leaves[i] = x
+    return bool(first)
 
 
 def _first_occurrences(leaves: list, indices: list, targets: list) -> tuple:

@@ -18,6 +18,7 @@ from ._arrays import (
 )
 from ._spec.explain_rules import columns, explain_rules, RuleMatch, RulesReport
 from ._spec.language import devices_along
+from ._state import state_view
 
 
 _HEADER = ("path", "shape", "dtype", "sharding", "bytes/device")
@@ -96,7 +97,9 @@ def _rule_notes(report: RulesReport) -> list[str]:
     return [""] + notes if notes else []
 
 
-def sharding_table(tree: PyTree[Any], *, name: str = "", rules: Any = None) -> str:
+def sharding_table(
+    tree: PyTree[Any], *, name: str = "", rules: Any = None, model: Any = None
+) -> str:
     """Describes how every array in a PyTree is laid out across devices, one row per
     array. Only metadata is read: nothing is transferred, compiled or waited for.
 
@@ -110,6 +113,9 @@ def sharding_table(tree: PyTree[Any], *, name: str = "", rules: Any = None) -> s
         some. A last column then says which rule places each array (`#k pattern`,
         `(over #j)`, `default`, `no rule` or `-`, as docs/why.md explains), and the
         unused rules and the arrays that several rules, or none, matched follow.
+    - `model`: for an `eqx.nn.State`, the model it was made with: each entry is then
+        named by where its `eqx.nn.StateIndex` is in the model (`.bn.state_index[0]`,
+        not `[<flat index 1>][0]`), as [`equinox_shard.state_specs`][] names it.
 
     **Returns:**
 
@@ -142,6 +148,8 @@ def sharding_table(tree: PyTree[Any], *, name: str = "", rules: Any = None) -> s
         total                                                        9.1 KiB
         ```
     """
+    if model is not None:
+        tree = state_view(model, tree)
     report = None if rules is None else explain_rules(tree, rules, name=name)
     rows = []
     per_device: co.Counter = co.Counter()

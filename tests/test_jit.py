@@ -1712,3 +1712,156 @@ def test_explicit_axes_an_unspecified_input_committed_elsewhere_beside_a_fresh_b
         assert_same_values(out, host * 2 + 1)
         assert out.sharding == split
     assert set(seen) == {jax.typeof(jax.device_put(host, split))}
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_under_grad_a_traced_input_on_another_device_is_named(axis_type):
+    # `jax.grad(f, argnums=1)`: the traced `x` is committed off the mesh, `w` exactly
+    # at its entry; the error names `x`, not `w`.
+    mesh = _input_mesh(8, axis_type)
+    w = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P()))
+    x = jax.device_put(jnp.arange(64.0).reshape(8, 8), jax.devices()[2])
+    f = eqxs.filter_jit(
+        lambda w, x: jnp.sum(jnp.tanh(x @ w)), in_shardings=(P(), P("x"))
+    )
+    with jax.set_mesh(mesh):
+        with pytest.raises(ValueError, match=r"^x: .*place it before the transform"):
+            jax.grad(f, argnums=1)(w, x)
+    assert_same_values(x, np.arange(64.0, dtype=np.float32).reshape(8, 8))
+    assert not w.is_deleted()
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_in_shardings_by_name_places_a_default(axis_type):
+    # A parameter named in the dict form and left to its default is placed as if
+    # passed (`jax.jit` would see it so), not silently left where it is.
+    mesh = _input_mesh(8, axis_type)
+    split = NamedSharding(mesh, P("x"))
+    default = jnp.ones(8)
+    seen = []
+
+    def f(x, y=default):
+        seen.append(jax.typeof(y))
+        return x + y
+
+    g = eqxs.filter_jit(f, in_shardings={"y": split})
+    x = np.arange(8.0, dtype=np.float32)
+    passed = g(x, default)
+    defaulted = g(x)
+    assert_same_values(defaulted, x + 1)
+    assert defaulted.sharding == passed.sharding == split
+    assert seen[-1] == jax.typeof(jax.device_put(default, split))
+    assert_same_values(default, np.ones(8, np.float32))
+
+
+def test_out_shardings_take_a_spec_tree_keeping_non_array_leaves():
+    # One rule for every function: a spec tree made by `jax.tree.map` over a Module
+    # keeps its non-array leaves (`t1=10.0`), as `filter_device_put` takes it.
+    mesh = _input_mesh(8, "Auto")
+    rep = NamedSharding(mesh, P())
+
+    class M(eqx.Module):
+        w: jax.Array
+        t1: float
+
+    m = M(jnp.arange(8.0), 10.0)
+    specs = jax.tree.map(lambda x: rep if eqx.is_array(x) else x, m)
+    assert eqxs.filter_device_put(m, specs).w.sharding == rep
+    out = eqxs.filter_jit(lambda m: m, out_shardings=specs)(m)
+    assert out.w.sharding == rep and out.t1 == 10.0
+    assert_same_values(out.w, np.arange(8.0, dtype=np.float32))
+    wrong = jax.tree.map(lambda x: 10.0, m)  # a non-spec leaf at an array
+    with pytest.raises(TypeError, match=r"^out_shardings\.w: .*got float 10\.0"):
+        eqxs.filter_jit(lambda m: m, out_shardings=wrong)(m)
+
+
+def _under(transform: str, g, w, x, batch):
+    """`g(w, x)` under `transform`, over `x` (`jax.vmap`: over `batch`)."""
+    if transform == "jax.grad":
+        return jax.grad(lambda x: jnp.sum(g(w, x)))(x)
+    if transform == "eqx.filter_grad":
+        return eqx.filter_grad(lambda x: jnp.sum(g(w, x)))(x)
+    return jax.vmap(g, in_axes=(None, 0))(w, batch)
+
+
+@pytest.mark.parametrize("kind", ["uncommitted", "numpy"])
+@pytest.mark.parametrize("transform", ["jax.grad", "eqx.filter_grad", "jax.vmap"])
+def test_explicit_axes_an_uncommitted_input_under_a_transform_has_its_type(
+    transform, kind
+):
+    # The input a transform traces is uncommitted (made outside `jax.set_mesh`): the
+    # function still sees it at its `in_shardings` type, as in a call.
+    mesh = _input_mesh(8, "Explicit")
+    seen = []
+
+    def f(w, x):
+        seen.append(jax.typeof(x))
+        doubled = jax.shard_map(
+            lambda a: a * 2, mesh=mesh, in_specs=P("x"), out_specs=P("x")
+        )(x)
+        return doubled * w
+
+    # A bare `PartitionSpec`: inside the transform, only the abstract mesh is known.
+    g = eqxs.filter_jit(f, in_shardings=(None, P("x")))
+    host = np.arange(16.0, dtype=np.float32)
+    batch = np.stack([host, host + 1])
+    x = jnp.asarray(host) if kind == "uncommitted" else host
+    batch = jnp.asarray(batch) if kind == "uncommitted" else batch
+    w = jnp.float32(3.0)
+    with jax.set_mesh(mesh):
+        out = _under(transform, g, w, x, batch)
+    if transform == "jax.vmap":
+        assert_same_values(out, np.stack([host * 6, (host + 1) * 6]))
+    else:
+        assert_same_values(out, np.full(16, 6.0, np.float32))
+    assert seen and all(t.sharding.spec[-1] == "x" for t in seen), seen
+
+
+@pytest.mark.parametrize("source", ["made in set_mesh", "made outside"])
+def test_explicit_axes_an_input_committed_to_one_device_is_moved(source):
+    # An array put on one device from one made under `jax.set_mesh` carries the mesh
+    # in its type; `jax.device_put` refuses it for a split target ("Length of device
+    # assignment 1 ..."); `in_shardings` promises to move it.
+    mesh = _input_mesh(8, "Explicit")
+    split = NamedSharding(mesh, P("x"))
+    g = eqxs.filter_jit(lambda v: v * 2, in_shardings=split)
+    with jax.set_mesh(mesh):
+        made = jnp.arange(32.0) if source == "made in set_mesh" else None
+    if made is None:
+        made = jnp.arange(32.0)
+    with jax.set_mesh(mesh):
+        x = jax.device_put(made, jax.devices()[3])
+        out = g(x)
+        put = eqxs.filter_device_put(x, split)
+    assert out.sharding == split and put.sharding == split
+    assert_same_values(out, np.arange(32.0, dtype=np.float32) * 2)
+    assert_same_values(put, np.arange(32.0, dtype=np.float32))
+    assert_same_values(x, np.arange(32.0, dtype=np.float32))
+
+
+def test_explicit_axes_the_typed_fallback_compiles_once(monkeypatch):
+    # An unspecified input committed to another sharding than the first call's, beside
+    # a fresh batch: the executable lowered for its types is kept, not lowered and
+    # compiled again on each call (JAX's caches answer those, so count the calls).
+    lowered = []
+    compile_ = jax.stages.Lowered.compile
+
+    def counted(self, *args, **kwargs):
+        lowered.append(self)
+        return compile_(self, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", counted)
+    mesh = _input_mesh(8, "Explicit")
+    split, rep = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
+    g = eqxs.filter_jit(lambda w, x: w + x * 2, in_shardings=(None, split))
+    host = np.arange(16.0, dtype=np.float32)
+    g(jax.device_put(jnp.ones(16), rep), jnp.asarray(host))
+    w = jax.device_put(jnp.ones(16), split)
+    g(w, jnp.asarray(host))  # the fallback's first compilation
+    assert len(lowered) == 2  # the first call's and the fallback's
+    with count_compiles() as compiles:
+        for _ in range(3):
+            out = g(w, jnp.asarray(host))
+    assert_same_values(out, host * 2 + 1)
+    assert out.sharding == split
+    assert len(lowered) == 2 and not compiles, (len(lowered), compiles)

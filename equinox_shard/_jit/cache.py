@@ -11,9 +11,11 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import equinox._caches
+import jax
 import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 from equinox import Module
+from jax.sharding import NamedSharding
 from jax.tree_util import PyTreeDef
 
 from .._arrays import (
@@ -26,8 +28,21 @@ from .._arrays import (
     raise_if_not_jax_type,
 )
 from .._placement import check_shapes
-from .._spec.language import context_mesh, flatten_specs, needs_mesh, spread
-from .._spec.leaves import is_rule, is_spec_leaf, PathRules, RulesUsage, unset
+from .._spec.language import (
+    context_mesh,
+    flatten_specs,
+    for_jax,
+    needs_mesh,
+    spread,
+)
+from .._spec.leaves import (
+    is_rule,
+    is_spec_leaf,
+    may_be_own_leaf,
+    PathRules,
+    RulesUsage,
+    unset,
+)
 from .donation import Donation
 from .packing import getter, Packing
 
@@ -100,6 +115,8 @@ class Cache:
         self.fun_names = fn_names(fun)
         self.fun_source = fn_source(fun)
         self.in_leaves: list = []
+        # Parameters the dict form names whose defaults are passed in when omitted.
+        self.defaults: dict = {}
         # Keyword-only parameters' entries of the dict form (by parameter name).
         self.by_name: dict | None = None
         if type(in_shardings) is dict:
@@ -139,9 +156,15 @@ class Cache:
         self.out_shardings = out_shardings
         out_leaves = []
         if out_shardings is not unset:
-            out_leaves, _ = flatten_specs(out_shardings, "out_shardings")
-        # Callables and path rules need the output: resolved from the first trace.
-        self.out_rules = any(is_rule(x) or isinstance(x, PathRules) for x in out_leaves)
+            out_leaves, _ = flatten_specs(
+                out_shardings, "out_shardings", own_leaves=True
+            )
+        # Callables, path rules and the output's own leaves (`t1=10.0` in a spec tree
+        # made by `jax.tree.map`) need the output: resolved from the first trace.
+        self.out_rules = any(
+            is_rule(x) or isinstance(x, PathRules) or may_be_own_leaf(x)
+            for x in out_leaves
+        )
         self.out_mesh = any(map(needs_mesh, out_leaves))
         self.lock = threading.Lock()
         self.clear()
@@ -162,10 +185,26 @@ class Cache:
                     "one argument a dict of shardings, wrap it in a tuple: "
                     "`in_shardings=(spec,)`."
                 )
+        # A default is placed as if passed (as `jax.jit` would see it), not left as a
+        # constant of the function: then every call binds, to pass it in.
+        self.defaults = {
+            k: params[k].default
+            for k in specs
+            if params[k].default is not params[k].empty
+        }
+        if self.defaults:
+            self.arity = range(0)
         keyword_only = {k: v for k, v in specs.items() if k not in self.names}
         flatten_specs(keyword_only, "in_shardings", jit_in=True, own_leaves=True)
         self.by_name = keyword_only
         return tuple(specs.get(name) for name in self.names)
+
+    def bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The call's arguments bound to the signature, with the `defaults`."""
+        bound = self.signature.bind(*args, **kwargs)
+        for name, default in self.defaults.items():
+            bound.arguments.setdefault(name, default)
+        return bound.args, bound.kwargs
 
     def _spec_where(self, path: tuple) -> str:
         """A leaf of per-parameter `in_shardings`, named as its parameter's leaves."""
@@ -409,12 +448,36 @@ def diagnose(cache: Cache, args, kwargs, leaves: list, entry: Any, dynamic_fun=N
     check_shapes(leaves, entry.targets, where)
     for i, target in entry.targets:
         x = leaves[i]
-        if on_abstract_mesh(target) and is_committed(x) and x.sharding != target:
-            # Resolved inside a transform, where no concrete mesh is known to move it.
-            raise ValueError(
-                f"{where(i)}: committed to {x.sharding}, off the mesh of its "
-                f"`in_shardings` entry {target.spec}, which inside a transform "
-                "(`jax.grad`, `jax.vmap`, ...) is only the abstract mesh of "
-                "`jax.set_mesh`: place it before the transform, with "
-                "`eqxs.filter_device_put`."
-            )
+        if not on_abstract_mesh(target):
+            continue
+        # Resolved inside a transform, where no concrete mesh is known to move it.
+        if is_committed(x) and on_its_mesh(x, target) is None:
+            at = f"committed to {x.sharding}, off the mesh of"
+        elif is_tracer(x) and _refused(x, target):  # its value is (`jax.grad`'s)
+            at = "traced, and its value committed elsewhere than"
+        else:
+            continue
+        raise ValueError(
+            f"{where(i)}: {at} its `in_shardings` entry {target.spec}. Inside a "
+            "transform (`jax.grad`, `jax.vmap`, ...) that entry is only on the "
+            "abstract mesh of `jax.set_mesh`, where nothing can be moved: place it "
+            "before the transform, with `eqxs.filter_device_put`."
+        )
+
+
+def _refused(x: Any, target: Any) -> bool:
+    """Whether `jax.jit` refuses the traced `x` for `target` (asked of it alone)."""
+    try:
+        jax.jit(lambda a: a, in_shardings=for_jax(target))(x)
+    except ValueError:
+        return True
+    return False
+
+
+def on_its_mesh(x: Any, target: Any) -> Any:
+    """`target`, resolved on an abstract mesh (inside a transform such as `jax.grad`),
+    on the concrete mesh of the committed array `x`, if `x` is on that mesh."""
+    mesh = getattr(x.sharding, "mesh", None) if is_committed(x) else None
+    if isinstance(mesh, jax.sharding.Mesh) and mesh.abstract_mesh == target.mesh:
+        return NamedSharding(mesh, target.spec, memory_kind=target.memory_kind)
+    return None

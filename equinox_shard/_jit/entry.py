@@ -26,7 +26,7 @@ from .._spec.kinds import is_auto, kind_of, sharding_of
 from .._spec.language import context_mesh, for_jax, resolve, resolve_each
 from .._spec.leaves import is_spec_leaf, unset
 from . import callbacks, launch
-from .cache import arg_path, ArgStructure, Cache, diagnose
+from .cache import arg_path, ArgStructure, Cache, diagnose, on_its_mesh
 from .packing import getter, mirror
 from .traced_body import in_body, ResolveRules, static_out_shardings, traced_function
 
@@ -213,7 +213,7 @@ class Typed:
     of their committed types, so that the function sees the types `in_shardings` gives
     (on Explicit axes) and `x = f(x)` compiles once (RFC §6)."""
 
-    __slots__ = ("entry", "casts", "donation", "compiled", "explicit")
+    __slots__ = ("entry", "casts", "donation", "compiled", "explicit", "others")
 
     def __init__(self, entry: Entry, casts: list, donation):
         self.entry = entry
@@ -221,6 +221,8 @@ class Typed:
         self.donation = donation
         self.compiled: Any = None
         self.explicit = any(AxisType.Explicit in s.mesh.axis_types for _, s in casts)
+        # Explicit axes: the executables for other formats of the committed inputs.
+        self.others: dict = {}
 
     def types(self, dynamic: tuple) -> tuple[tuple, bool]:
         """`dynamic` with uncommitted leaves as their committed types; whether any."""
@@ -258,15 +260,31 @@ class Typed:
                     # Its types, but a committed input on another sharding or layout.
                     if not self.explicit:  # the same program for any input: `jax.jit`
                         return self.entry.jitted(*dynamic)
-                    at, _ = self.types(dynamic)  # compiled for them (JAX's caches)
-                    with self.donation.tracing():
-                        return self.entry.jitted.lower(*at).compile()(*dynamic)
+                    return self._other(dynamic, leaves)
         elif any(map(is_tracer, jtu.tree_leaves(dynamic))):
             return self.entry.jitted(*dynamic)
         at, _ = self.types(dynamic)
         with self.donation.tracing():
             compiled = self.compiled = self.entry.jitted.lower(*at).compile()
         return compiled(*dynamic)
+
+    def _other(self, dynamic: tuple, leaves: list):
+        """Runs a call whose committed inputs have other formats than the executable's
+        through the executable compiled for theirs, kept (a few) for the next calls."""
+        key = tuple(x.format for x in leaves if is_value(x) and is_committed(x))
+        compiled = self.others.get(key)
+        if compiled is None:
+            at, _ = self.types(dynamic)
+            with self.donation.tracing():
+                compiled = self.entry.jitted.lower(*at).compile()
+            if len(self.others) >= _OTHERS:
+                self.others.clear()  # no loop grows it
+            self.others[key] = compiled
+        return compiled(*dynamic)
+
+
+# The most executables a `Typed` keeps for other formats of committed inputs.
+_OTHERS = 8
 
 
 def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple:
@@ -355,15 +373,6 @@ def _place_inputs(
     todo = [(i, s) for i, s in targets if value(leaves[i], i)]
     may_alias = cache.donation.may_alias(leaves, todo, structure.donated)
     place(leaves, todo, where, may_alias=may_alias)
-
-
-def on_its_mesh(x: Any, target: NamedSharding) -> NamedSharding | None:
-    """`target`, resolved on an abstract mesh (inside a transform such as `jax.grad`),
-    on the concrete mesh of the committed array `x`, if `x` is on that mesh."""
-    mesh = getattr(x.sharding, "mesh", None) if is_committed(x) else None
-    if isinstance(mesh, jax.sharding.Mesh) and mesh.abstract_mesh == target.mesh:
-        return NamedSharding(mesh, target.spec, memory_kind=target.memory_kind)
-    return None
 
 
 def _auto_layouts(targets, leaves, where) -> str | None:

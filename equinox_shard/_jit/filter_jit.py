@@ -52,8 +52,7 @@ def _call(wrapper, args, kwargs, compiled=None):
     # Read by `eqx.error_if`'s stacks: one per decoration.
     __equinox_jit_id__ = fields["_jit_id"]
     if kwargs or len(args) not in cache.arity:
-        bound = cache.signature.bind(*args, **kwargs)
-        args, kwargs = bound.args, bound.kwargs
+        args, kwargs = cache.bind(args, kwargs)
     leaves, treedef = jtu.tree_flatten((args, kwargs))
     # 1. Look up.
     if compiled is None:
@@ -252,8 +251,7 @@ class _JitWrapper(Module):
         """`stage(entry, dynamic)` for `.lower` and `.eval_shape`, whose arguments are
         checked, and errors named, as a call's."""
         cache = self._cache
-        bound = cache.signature.bind(*args, **kwargs)
-        args, kwargs = bound.args, bound.kwargs
+        args, kwargs = cache.bind(args, kwargs)
         leaves, treedef = jtu.tree_flatten((args, kwargs))
         key, _, _ = look_up(cache, treedef, leaves, is_array_or_struct)
         _, entry, leaves, dynamic, _ = _build(self, cache, args, kwargs, leaves, key)

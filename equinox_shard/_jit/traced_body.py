@@ -9,12 +9,13 @@ import jax
 import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 from equinox import is_array
+from jax.sharding import AxisType, NamedSharding
 
 from .._arrays import is_tracer
-from .._placement import check_shapes, place
-from .._spec.kinds import is_auto, kind_of
+from .._placement import check_shapes, place, trimmed_spec
+from .._spec.kinds import is_auto, kind_of, sharding_of
 from .._spec.language import for_jax, leaf_path, resolve, resolve_leaves
-from .._spec.leaves import is_rule, is_spec_leaf, PathRules, unset
+from .._spec.leaves import is_rule, is_spec_leaf, may_be_own_leaf, PathRules, unset
 from .cache import ArgStructure, Cache, unique_name
 from .packing import mirror, mirror_combine, OutStatic
 
@@ -39,6 +40,7 @@ def traced_function(
     single = jtu.tree_structure(out_specs, is_leaf=is_spec_leaf).num_nodes == 1
     structured = out_specs is not unset and not single
     packing = structure.packing
+    explicit = [(i, s) for i, s in map(_sharding_at, targets) if _is_explicit(s)]
 
     def fun_wrapped(*slots):
         fun = mirror_combine(slots[packing.fun_at], static_fun)
@@ -51,6 +53,11 @@ def traced_function(
             tree = treedef.unflatten(flat)
             where = lambda i: leaf_path(tree, i, "args")
             place(flat, _eager_targets(flat, targets), where)
+        for i, s in explicit:
+            if trimmed_spec(jax.typeof(flat[i]).sharding) != trimmed_spec(s):
+                # Under a transform, an input of another type (uncommitted, which
+                # `jax.jit` traces unsharded): typed as `in_shardings` says.
+                flat[i] = jax.sharding.reshard(flat[i], s.spec)
         args, kwargs = treedef.unflatten(flat)
         out = fun(*args, **kwargs)
         if out_specs is not unset:
@@ -128,6 +135,17 @@ def _out_shardings(out, out_specs, found: list | None, structured: bool, mesh):
     return out
 
 
+def _sharding_at(target: tuple[int, Any]) -> tuple[int, Any]:
+    i, spec = target
+    return i, sharding_of(spec)
+
+
+def _is_explicit(sharding: Any) -> bool:
+    return isinstance(sharding, NamedSharding) and (
+        AxisType.Explicit in sharding.mesh.axis_types
+    )
+
+
 def _eager_targets(leaves: list, todo: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
     """The items of `todo` to place under `disable_jit`: no `vmap` or `grad` tracer
     (`jax.jit` leaves it as it is), and a `Layout.AUTO` as its sharding."""
@@ -150,6 +168,8 @@ def static_out_shardings(out_specs):
     def resolve_leaf(path, spec):
         if spec is None or is_rule(spec) or isinstance(spec, PathRules):
             return spec  # resolved per output leaf, at trace time
+        if may_be_own_leaf(spec):
+            return spec  # the output's own leaf, checked against it at trace time
         where = lambda: "out_shardings" + jtu.keystr(path)
         return for_jax(resolve(spec, None, where, abstract_ok=False))
 
