@@ -514,6 +514,26 @@ def test_every_dtype_orbax_writes_is_saved(tmp_path):
         assert np.asarray(out[name]).tobytes() == np.asarray(x).tobytes(), name
 
 
+def test_weak_type_comes_back_as_equinox_gives_it(tmp_path):
+    # Neither orbax nor `eqx.tree_deserialise_leaves` keeps a weak type, even where
+    # `like` has one: `restore` gives the same (docs/checkpoints.md, "Restore").
+    tree = {"lr": jnp.asarray(0.5), "w": jnp.arange(3.0) + jnp.asarray(1.0)}
+    assert tree["lr"].weak_type
+    eqxs.save(tmp_path / "ckpt", tree)
+    eqx.tree_serialise_leaves(tmp_path / "tree.eqx", tree)
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type), tree
+    )
+    for like in (tree, abstract):
+        ours = eqxs.restore(tmp_path / "ckpt", like)
+        theirs = eqx.tree_deserialise_leaves(tmp_path / "tree.eqx", tree)
+        for name in tree:
+            assert ours[name].weak_type == theirs[name].weak_type, name
+            assert ours[name].dtype == tree[name].dtype == jnp.float32
+            assert np.array_equal(np.asarray(ours[name]), np.asarray(tree[name]))
+    assert not ours["lr"].weak_type
+
+
 def test_overwrite(tmp_path):
     eqxs.save(tmp_path / "ckpt", {"x": jnp.zeros(4), "n": 1})
     eqxs.save(tmp_path / "ckpt", {"x": jnp.ones(4), "n": 2}, overwrite=True)
