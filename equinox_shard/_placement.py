@@ -284,10 +284,11 @@ def transfer(
         private_copies(sources, copies)
         for k in copies:
             leaves[indices[k]] = sources[k]
-    asked = [k for k, d in enumerate(donated) if d] if donated else []
+    asked = [k for k, d in enumerate(donated) if d] if donated is not False else []
     donors = [leaves[indices[k]] for k in asked]
-    for k in asked:
-        donated[k] = may_donate(leaves[indices[k]], targets[k])
+    if donated is not False:
+        for k, x in zip(asked, donors):
+            donated[k] = may_donate(x, targets[k])
     _put(leaves, indices, targets, donated, aliased)
     # A donation that JAX (or `may_donate`) does not take is a copy: no result shares
     # a buffer with a source that stays alive.
