@@ -287,15 +287,29 @@ def transfer(
         private_copies(sources, copies)
         for k in copies:
             leaves[indices[k]] = sources[k]
-    if donated and any(donated):
-        for k, i in enumerate(indices):
-            donated[k] = donated[k] and may_donate(leaves[i], targets[k])
+    asked = [k for k, d in enumerate(donated) if d] if donated is not False else []
+    donors = [leaves[indices[k]] for k in asked]
+    if donated is not False:
+        for k, x in zip(asked, donors):
+            donated[k] = may_donate(x, targets[k])
     try:
         _put(leaves, indices, targets, donated, aliased)
     except ValueError:  # refused before anything moved
         if not _replicated_first(leaves, indices, targets):
             raise
         _put(leaves, indices, targets, donated, aliased)
+    # A donation that JAX (or `may_donate`) does not take is a copy: no result shares
+    # a buffer with a source that stays alive.
+    private_copies(
+        leaves,
+        [
+            indices[k]
+            for k, x in zip(asked, donors)
+            if isinstance(x, jax.Array)
+            and not x.is_deleted()
+            and _buffers(x) & _buffers(leaves[indices[k]])
+        ],
+    )
     for i, j in repeated:
         leaves[i] = leaves[j]
 
@@ -312,6 +326,10 @@ def may_donate(x: Any, target: Any) -> bool:
     if _memory(source) != _memory(target):
         return False
     return len(source.device_set) > 1 or len(target.device_set) > 1
+
+
+def _buffers(x: jax.Array) -> set:
+    return {shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards}
 
 
 def _memory(sharding: Sharding) -> Any:

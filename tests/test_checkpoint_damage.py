@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .helpers import auto_mesh
+from .isolated import run_isolated
 
 
 pytest.importorskip("orbax.checkpoint")
@@ -108,3 +109,51 @@ def test_int_subclass_leaf_restores_as_the_type_of_like(tmp_path):
     with pytest.raises(ValueError, match=r"like\['phase'\]: the checkpoint holds the "
                        r"int 2 here, which `like`'s Small cannot take"):  # fmt: skip
         eqxs.restore(tmp_path / "ckpt", {**like, "phase": Small.ONE})
+
+
+# Each file a checkpoint writes (as listed on disk), deleted in turn: the restore is
+# exact or says the checkpoint is damaged, naming the file; in a fresh process, whose
+# output must be that alone (orbax's threads printed "Event loop is closed").
+_DELETED = """
+import os, pathlib, shutil, sys
+import equinox_shard as eqxs
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+root = pathlib.Path(sys.argv[1])
+mesh = jax.make_mesh((8,), ("d",))
+w = jax.device_put(np.arange(64, dtype=np.float32), NamedSharding(mesh, P("d")))
+state = {"w": w, "key": jax.random.key(1), "n": np.arange(6), "step": 1000}
+eqxs.save(root / "saved", state)
+files = sorted(str(f.relative_to(root / "saved")) for f in (root / "saved").rglob("*")
+               if f.is_file())
+key = lambda x: jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key)
+plain = lambda x: np.array(jax.random.key_data(x) if key(x) else x)
+results = {}
+for file in files:
+    shutil.copytree(root / "saved", root / "ckpt")
+    os.remove(root / "ckpt" / file)
+    try:
+        out = eqxs.restore(root / "ckpt", state)
+    except Exception as e:
+        message = str(e)
+        named = f"The checkpoint at {root / 'ckpt'} is damaged" in message
+        results[file] = [type(e).__name__, named, str(root / "ckpt" / file) in message]
+    else:
+        same = [plain(out[k]).tobytes() == plain(state[k]).tobytes() for k in "wn"]
+        same.append(plain(out["key"]).tobytes() == plain(state["key"]).tobytes())
+        results[file] = ["exact", all(same), out["step"] == 1000]
+    shutil.rmtree(root / "ckpt")
+report(results)
+"""
+
+
+def test_a_deleted_file_is_found(tmp_path):
+    code = _DELETED.replace("sys.argv[1]", repr(str(tmp_path)))
+    run = run_isolated(code, timeout=300)
+    assert run.returncode == 0, run
+    assert run.output.splitlines()[:-1] == [], run.output
+    assert len(run.result) >= 10, run.result
+    assert {f: r for f, r in run.result.items() if r[1:] != [True, True]} == {}
+    needed = ["arrays/_METADATA", "arrays/manifest.ocdbt", "leaves/metadata"]
+    assert all(run.result[f][0] == "ValueError" for f in needed), run.result

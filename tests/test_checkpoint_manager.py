@@ -259,6 +259,27 @@ def test_blocking_saves(tmp_path, caplog):
 
 
 @pytest.mark.slow
+def test_a_manager_cannot_cross_processes(tmp_path):
+    # multiprocessing's spawn pickles a child's arguments; the manager's lock and
+    # orbax's threads cannot go, and the child could not write there meanwhile.
+    import multiprocessing
+    import pickle
+
+    message = "A CheckpointManager cannot be passed to another process"
+    with eqxs.CheckpointManager(tmp_path / "steps") as manager:
+        with pytest.raises(TypeError, match=message) as e:
+            pickle.dumps(manager)
+        assert "open a CheckpointManager on" in str(e.value)
+        assert "refused while this one is open" in str(e.value)
+        child = multiprocessing.get_context("spawn").Process(
+            target=print, args=(manager,)
+        )
+        with pytest.raises(TypeError, match=message):
+            child.start()
+        assert manager.save(0, {"x": jnp.ones(2)})
+    assert sorted(p.name for p in (tmp_path / "steps").iterdir()) == ["0"]
+
+
 def test_interrupted_save_is_never_latest(tmp_path):
     # Step 2 written, not finalised.
     line, _ = killed_after_first_line(worker.__file__, "manager-killed", str(tmp_path))

@@ -47,6 +47,20 @@ def _assert_moved(out, tree, space):
         assert np.array_equal(np.asarray(x), np.asarray(expected))
 
 
+@pytest.mark.parametrize("space", [Space.Device, Space.Host])
+def test_unpinned_host_is_moved_to_either_space(space):
+    # `unpinned_host` is neither `Space.Device`'s memory nor `Space.Host`'s
+    # (`pinned_host`): `jax.device_put` moves it to each, as `filter_device_put` must.
+    device = jax.devices()[0]
+    one = jax.sharding.make_single_device_sharding(device, memory_kind="unpinned_host")
+    tree = {"w": jax.device_put(jnp.arange(4.0), one)}
+    expected = np.array(tree["w"], copy=True)
+    out = eqxs.filter_device_put(tree, space)
+    _assert_moved(out, tree, space)
+    assert not tree["w"].is_deleted()
+    assert np.array_equal(np.asarray(tree["w"]), expected)
+
+
 def test_filter_device_put_moves_a_model_and_back(getkey):
     mesh = auto_mesh()
     model = _sharded_mlp(getkey, mesh)

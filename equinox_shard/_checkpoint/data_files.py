@@ -3,15 +3,24 @@ there and long enough, naming the leaf whose data is not (TensorStore's don't)."
 
 import functools
 import pathlib
+from typing import Any
 from urllib.parse import unquote
 
 
-def check(path: pathlib.Path, names: dict[str, str | None], where: str) -> int | None:
+def check(
+    path: pathlib.Path, names: dict[str, str | None], where: str, ocdbt: Any
+) -> int | None:
     """Raises `ValueError` naming the first leaf (`where<key path>`, in `names`: key
-    path -> stored name) whose data is missing or truncated. Returns the bytes of the
-    values (`None` where orbax did not use OCDBT)."""
+    path -> stored name) whose data is missing or truncated, or naming the index if
+    `ocdbt` (orbax's metadata says it used one) and it is missing. Returns the bytes
+    of the values (`None` where orbax did not use OCDBT)."""
     root = path / "arrays"
     if not (root / "manifest.ocdbt").is_file():
+        if ocdbt:
+            raise ValueError(
+                f"The checkpoint at {path} is damaged: the index of its arrays "
+                f"{root / 'manifest.ocdbt'} is missing, so no array can be restored."
+            )
         return None  # not an OCDBT database: orbax's own errors
     import tensorstore as ts  # orbax 0.12's dependency, at 0.1.74 or later
 

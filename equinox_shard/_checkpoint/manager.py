@@ -238,6 +238,17 @@ class CheckpointManager:
                 "a new one."
             )
 
+    def __reduce__(self):
+        # What multiprocessing's spawn and forkserver do with a child's arguments.
+        raise TypeError(
+            f"A CheckpointManager cannot be passed to another process (pickled, as "
+            "multiprocessing's spawn does with a child's arguments): it holds the "
+            f"writer lock of {self.directory} and orbax's threads in this one. Pass "
+            "the directory, and open a CheckpointManager on it in the child; that is "
+            "refused while this one is open, so close it first (or save and restore "
+            "here)."
+        )
+
     def _forked(self, parent: int) -> None:
         """In a forked child: closed, without waiting, removing or releasing a thing
         (its lock is the parent's while any process has the file open)."""

@@ -15,6 +15,7 @@ import numpy as np
 from equinox import is_array
 
 from .._arrays import is_key_array, is_tracer, raise_if_deleted
+from .orbax import writes
 
 
 traceback_util.register_exclusion(__file__)
@@ -251,6 +252,12 @@ def build(tree: Any, name: str) -> tuple[dict, dict]:
             x = jax.random.key_data(x)
         # orbax refuses a zero-size array; its record alone restores it.
         e["name"] = str(len(arrays)) if np.size(x) else None
+        if e["name"] is not None and not writes(np.dtype(x.dtype)):
+            raise ValueError(
+                f"{where}: orbax-checkpoint cannot write an array of dtype {x.dtype} "
+                "(TensorStore has no such data type). Convert it to one it stores, or "
+                "leave it out of the saved tree."
+            )
         if e["name"] is not None:
             arrays[e["name"]] = np.asarray(x) if k == "numpy" else x
     stored = [e for e in entries if e.get("name") is not None]

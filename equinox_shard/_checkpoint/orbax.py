@@ -1,5 +1,6 @@
 """How the checkpoints call orbax-checkpoint (its failed saves: `failures`)."""
 
+import functools as ft
 import threading
 
 import jax
@@ -20,6 +21,19 @@ def orbax():
             "`pip install orbax-checkpoint`)."
         ) from e
     return ocp
+
+
+@ft.cache
+def writes(dtype: np.dtype) -> bool:
+    """Whether orbax can write an array of `dtype`: one TensorStore names (orbax
+    fails on the others partway through its write, on its own threads)."""
+    import tensorstore as ts
+
+    try:
+        ts.dtype(dtype.name)
+    except ValueError:
+        return False
+    return True
 
 
 def composite(ocp, record: dict, arrays: dict):

@@ -44,6 +44,8 @@ def read_json(path: pathlib.Path, file: pathlib.Path) -> Any:
     """The JSON object in `file`, else `ValueError` naming it (orbax's errors don't)."""
     try:
         value = json.loads(file.read_bytes())
+    except FileNotFoundError:
+        raise damaged(path, file, "is missing") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise damaged(path, file, f"is not valid JSON ({e})") from None
     if not isinstance(value, dict):
@@ -325,8 +327,8 @@ def restore_from(
             items[names[p]] = placed[p]  # without a sharding: read onto the host
     read = {}
     if items:
-        read_json(path, path / "arrays" / "_METADATA")
-        stored = data_files.check(path, names, "like")
+        metadata = read_json(path, path / "arrays" / "_METADATA")
+        stored = data_files.check(path, names, "like", metadata.get("use_ocdbt"))
         with (
             progress.bar(f"restoring {what}", stored),
             ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer,

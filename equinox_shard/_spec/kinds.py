@@ -108,9 +108,12 @@ def _has_layout(x: jax.Array, fmt: Format) -> bool:
 
 
 def _in_space(x: jax.Array, space: Any) -> bool:
-    """Whether the committed array `x` is in `space`'s memory."""
-    host = x.sharding.memory_kind == "pinned_host"
-    return (jax.memory.Space.Host if host else jax.memory.Space.Device) is space
+    """Whether the committed array `x` is in `space`'s memory, as `jax.device_put`
+    places it: `pinned_host` or the device's own (it moves `unpinned_host` to both)."""
+    kind = x.sharding.memory_kind
+    if space is jax.memory.Space.Host:
+        return kind == "pinned_host"
+    return kind in (None, "device")
 
 
 KINDS: tuple[Kind, ...] = (
