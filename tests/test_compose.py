@@ -295,7 +295,10 @@ def _crash_prone(features) -> bool:
 
 _PAIRS = list(it.combinations(FEATURES, 2))
 _IN_PROCESS = [p for p in _PAIRS if not _crash_prone(p)]
-_IN_CHILD = [p for p in _PAIRS if _crash_prone(p)] + list(_TRIPLES)
+# The triples are `slow`: each of their pairs runs in the default run.
+_IN_CHILD = [p for p in _PAIRS if _crash_prone(p)] + [
+    pytest.param(t, marks=pytest.mark.slow) for t in _TRIPLES
+]
 
 
 @pytest.mark.parametrize("features", _IN_PROCESS, ids="-x-".join)

@@ -103,7 +103,10 @@ _CASES = {
 }
 
 
-@pytest.mark.parametrize("placement", ["unsharded", "replicated"])
+# Without shardings (the path every other test takes too) is `slow`.
+@pytest.mark.parametrize(
+    "placement", [pytest.param("unsharded", marks=pytest.mark.slow), "replicated"]
+)
 @pytest.mark.parametrize("library", list(_CASES))
 def test_solves_in_sequence_on_one_wrapper(library, placement):
     fn, cases = _CASES[library]

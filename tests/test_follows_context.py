@@ -61,7 +61,12 @@ def _mlp(key):
     return eqx.nn.MLP(16, 8, 32, 2, key=key)
 
 
-@pytest.mark.parametrize("outer", ["eval_shape", "filter_eval_shape", "jit", "vmap"])
+# `jax.vmap` (the slowest to compile) is `slow`.
+_OUTER = ["eval_shape", "filter_eval_shape", "jit"]
+_VMAP = pytest.param("vmap", marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("outer", [*_OUTER, _VMAP])
 def test_outer_transform_after_a_concrete_call(outer):
     f = eqxs.filter_jit(_mlp)
     key = jax.random.key(0)

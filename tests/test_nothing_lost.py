@@ -582,12 +582,22 @@ class NothingLost(RuleBasedStateMachine):
             _check_value(x, ref, where)
 
 
-# In CI the sequences are fixed (derandomized), so that a red run can be replayed;
-# `--hypothesis-profile=long` draws new ones.
-NothingLost.TestCase.settings = settings(
-    examples(ci=20),
-    stateful_step_count=15,
-    derandomize=settings.get_current_profile_name() != LONG,
-    database=None,
-)
-TestNothingLost = NothingLost.TestCase
+def _settings(ci: int) -> settings:
+    # In CI the sequences are fixed (derandomized), so that a red run can be replayed;
+    # `--hypothesis-profile=long` draws new ones.
+    return settings(
+        examples(ci=ci),
+        stateful_step_count=15,
+        derandomize=settings.get_current_profile_name() != LONG,
+        database=None,
+    )
+
+
+# The default run tries 8 sequences; the `slow` one 20.
+class TestNothingLost(NothingLost.TestCase):
+    settings = _settings(8)
+
+
+@pytest.mark.slow
+class TestNothingLostLonger(NothingLost.TestCase):
+    settings = _settings(20)

@@ -119,10 +119,12 @@ def _check_against_reference(stages, microbatches, repeats, *, key=None, remat=F
     _assert_close(grads, eqx.filter_jit(eqx.filter_grad(loss(reference)))((layers, x)))
 
 
-# A few representative schedules; the whole grid is below, marked slow.
+# A representative schedule; a keyed one with repeats is `slow` (`key` and `repeats`
+# stay in the default run through the remat and Explicit-axes tests), and the whole
+# grid is below, marked slow.
 @pytest.mark.parametrize(
     "stages, microbatches, repeats, keyed",
-    [(4, 4, 1, False), (2, 4, 2, True)],
+    [(4, 4, 1, False), pytest.param(2, 4, 2, True, marks=pytest.mark.slow)],
 )
 def test_matches_the_reference(stages, microbatches, repeats, keyed):
     _check_against_reference(
@@ -277,7 +279,7 @@ def _key_data(keys):
     return jr.key_data(keys) if is_typed else keys
 
 
-@pytest.mark.parametrize("typed", [True, False])
+@pytest.mark.parametrize("typed", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_keys_in_x_ride_with_the_activations(typed):
     # One key per example, typed (`jr.key`) or raw (`jr.PRNGKey`), carried in `x`:
     # each layer draws noise from it and passes on a fresh key.

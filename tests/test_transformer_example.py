@@ -101,8 +101,16 @@ def _check(tree, mesh, expected):
     assert n == 17  # every parameter of the model
 
 
+# One layout in the default run (each compiles the model's initialisation twice); the
+# others are `slow`.
 @pytest.mark.devices(8)
-@pytest.mark.parametrize("name", train_transformer.LAYOUTS)
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=[] if name == "fsdp" else [pytest.mark.slow])
+        for name in train_transformer.LAYOUTS
+    ],
+)
 def test_initialised_directly_into_the_rules(name):
     layout = train_transformer.make_layout(name, jax.devices())
     assert dict(layout.mesh.shape) == MESH_SHAPES[name]
