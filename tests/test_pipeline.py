@@ -146,6 +146,7 @@ def test_matches_the_reference_on_every_schedule(stages, microbatches, repeats):
     _check_against_reference(stages, microbatches, repeats, key=jr.key(stages))
 
 
+@pytest.mark.slow  # long compile; the default run keeps the reference cases
 def test_remat_matches_and_recomputes():
     _check_against_reference(2, 2, 2, key=jr.key(3), remat=True)
     layers, x = _blocks(8, jr.key(0)), jnp.ones((16, WIDTH))
@@ -163,6 +164,7 @@ def test_remat_matches_and_recomputes():
     assert "remat" not in grad_jaxpr(False) and "checkpoint" not in grad_jaxpr(False)
 
 
+@pytest.mark.slow  # long compile; the default run keeps the reference cases
 @jax.numpy_dtype_promotion("standard")  # optax mixes its int32 step count with floats
 def test_composes_with_a_data_axis_and_filter_jit_donation():
     optax = pytest.importorskip("optax")
@@ -219,6 +221,7 @@ def test_composes_with_a_data_axis_and_filter_jit_donation():
     )
 
 
+@pytest.mark.slow  # long compile; the default run keeps the reference cases
 def test_fn_may_carry_arrays_traced_in_the_enclosing_jit():
     # A causal mask made inside the JIT, passed to the layers through `eqx.Partial`:
     # its arrays enter the pipeline's `jax.shard_map` as inputs. (Closed over by a
@@ -246,6 +249,7 @@ def test_fn_may_carry_arrays_traced_in_the_enclosing_jit():
     _assert_close(out, run(attention, x, False))
 
 
+@pytest.mark.slow  # long compile; the default run keeps the reference cases
 def test_explicit_mesh_axes_match_the_reference():
     layers = _blocks(8, jr.key(0))
     x = jr.normal(jr.key(1), (16, WIDTH))
@@ -310,6 +314,7 @@ def test_keys_in_x_ride_with_the_activations(typed):
     assert not (_key_data(out["key"]) == _key_data(x["key"])).all()
 
 
+@pytest.mark.slow  # long compile; the default run keeps the reference cases
 def test_a_pipeline_inside_another_needs_another_axis():
     outer, inner = _blocks(4, jr.key(0)), _blocks(4, jr.key(1))
     x = jr.normal(jr.key(2), (16, WIDTH))

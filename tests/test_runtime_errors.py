@@ -152,6 +152,7 @@ report({"fired": fired, "later": ok.tolist()})
     assert res["later"] == [-1.0] * 8
 
 
+@pytest.mark.slow  # the other `fires_*` tests take the same path on smaller bodies
 def test_fires_in_mlp_forward():
     code = (
         _SETUP

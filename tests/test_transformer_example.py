@@ -101,16 +101,11 @@ def _check(tree, mesh, expected):
     assert n == 17  # every parameter of the model
 
 
-# One layout in the default run (each compiles the model's initialisation twice); the
-# others are `slow`.
+# Slow: each compiles the model's initialisation twice (`test_init_directly_sharded`
+# and `test_stacked_transformer_layers` take the same path on smaller models).
+@pytest.mark.slow
 @pytest.mark.devices(8)
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(name, marks=[] if name == "fsdp" else [pytest.mark.slow])
-        for name in train_transformer.LAYOUTS
-    ],
-)
+@pytest.mark.parametrize("name", train_transformer.LAYOUTS)
 def test_initialised_directly_into_the_rules(name):
     layout = train_transformer.make_layout(name, jax.devices())
     assert dict(layout.mesh.shape) == MESH_SHAPES[name]
