@@ -555,7 +555,9 @@ _errors = {
 def test_errors(case, call, placements):
     mesh = auto_mesh()
     if case == "indivisible" and mesh.size < 8:
-        pytest.skip("needs 8 devices: a dimension size that 8 devices do not divide")
+        n, backend = jax.device_count(), jax.default_backend()
+        why = "a dimension size that 8 devices do not divide"
+        pytest.skip(f"needs 8 devices: {why}; {n} {backend} device(s) present")
     make_spec, error, pieces, *use_mesh = _errors[case]
     x = _error_tree()
     expected = snapshot(x)
