@@ -846,9 +846,12 @@ class _Scaled(eqx.Module):
 @pytest.mark.parametrize(
     "shape, match", [((10, 2), "not divisible"), ((8,), "rank 1")], ids=["10", "rank"]
 )
-@pytest.mark.devices(8, reason="a dimension size that 8 devices do not divide")
 def test_bad_shape_after_a_good_call(how, shape, match):
     s, r = _sharded()
+    if match == "not divisible" and s.mesh.size < 8:
+        n, backend = jax.device_count(), jax.default_backend()
+        why = "a dimension size that 8 devices do not divide"
+        pytest.skip(f"needs 8 devices: {why}; {n} {backend} device(s) present")
     rows = NamedSharding(s.mesh, P("x", None))
 
     def fresh():
