@@ -31,6 +31,10 @@ losses match an unsharded single-device run; the step was traced once; the final
 is below `MAX_FINAL_LOSS`; the run resumed from the checkpoint gives bit-identical
 losses and parameters.
 
+On other device counts (`--devices N`; one accelerator chip) it runs each layout whose
+mesh the devices allow, and says which it skips and why (on one device: `2d` and
+`pipeline`).
+
     python examples/train_transformer.py [--layout data|fsdp|tensor|2d|pipeline|all]
 """
 
@@ -216,6 +220,21 @@ class Layout:
     batch: P  # for the tokens and the targets
     batch_axes: tuple[str, ...]  # the mesh axes the batch is split over
     pipelined: bool = False  # the blocks run by `filter_pipeline` over `stage`
+
+
+def unavailable(name: str, n: int, cfg: Config) -> str | None:
+    """Why layout `name` cannot run on `n` devices (`None` if it can): each mesh axis
+    must divide what it splits."""
+    if name == "2d" and n % 2:
+        return f"needs an even number of devices; {n} present"
+    if name == "pipeline" and n % 4:
+        return f"needs a multiple of 4 devices (4 stages); {n} present"
+    data = {"data": n, "fsdp": n, "2d": n // 2, "pipeline": n // 4}.get(name, 1)
+    if cfg.batch % data:
+        return f"the batch of {cfg.batch} does not split over {data} devices"
+    if name == "tensor" and cfg.heads % n:
+        return f"{cfg.heads} heads do not split over {n} devices"
+    return None
 
 
 def make_layout(name: str, devices: Sequence) -> Layout:
@@ -462,11 +481,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"single device: final loss {reference.losses[-1]:.4f}")
     failures = []
     summary = []
-    for name in LAYOUTS if args.layout == "all" else (args.layout,):
+    names = LAYOUTS if args.layout == "all" else (args.layout,)
+    for name in names:
+        why = unavailable(name, len(devices), cfg)
+        if why is not None and args.layout != "all":
+            raise SystemExit(f"--layout {name}: {why}.")
+        if why is not None:
+            print(f"\nskipped {name}: {why}")
+            continue
         layout = make_layout(name, devices)
         result = train(layout, cfg, corpus, resume=not args.no_checkpoint)
         print(f"\n=== layout: {name}  ({layout.mesh.shape_tuple}, Auto axes) ===")
-        if name == (LAYOUTS[0] if args.layout == "all" else args.layout):
+        if not summary:  # the first layout run
             print("plan (filter_eval_shape, before allocating):")
             print(result.plan)
         print("the model, as placed:")

@@ -12,8 +12,10 @@ typing.TESTING = True  # pyright: ignore
 
 # The devices the suite is written for: 8 simulated CPU devices. `JAX_PLATFORMS`, when
 # set, picks the backend instead (`JAX_PLATFORMS=tpu,cpu`: the chip's own devices, and
-# the CPU that host callbacks need), and
-# `JAX_NUM_CPU_DEVICES` the number of CPU devices (1 shows here what a chip skips).
+# the CPU that host callbacks need), and `JAX_NUM_CPU_DEVICES` the number of CPU
+# devices (`JAX_NUM_CPU_DEVICES=1` runs here what one chip runs). A test builds its
+# meshes from the devices there are (`helpers.auto_mesh()`: one axis over all of
+# them); one whose point needs a count says so with `@pytest.mark.devices(n, reason=)`.
 SUITE_DEVICES = 8
 if not os.environ.get("JAX_PLATFORMS"):
     jax.config.update("jax_platforms", "cpu")
@@ -42,7 +44,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=reason))
         marker = item.get_closest_marker("devices")
         if marker is not None and n < marker.args[0]:
-            reason = f"needs {marker.args[0]} devices; {n} {backend} device(s) present"
+            why = marker.kwargs.get("reason")
+            reason = f"needs {marker.args[0]} devices" + (f": {why}" if why else "")
+            reason += f"; {n} {backend} device(s) present"
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
@@ -68,6 +72,8 @@ def _too_few_devices(error: BaseException) -> str | None:
     if n >= SUITE_DEVICES:
         return None
     for e in _exceptions(error):
+        if not isinstance(e, (ValueError, IndexError)):
+            continue  # (`str` of an AssertionError may show a deleted array, and fail)
         text = str(e)
         if (isinstance(e, ValueError) and text.startswith("Number of devices")) or (
             isinstance(e, IndexError) and text == "list index out of range"

@@ -19,7 +19,15 @@ def is_single_device_sharding(sharding):
     return type(sharding) is type(single)
 
 
-def auto_mesh(shape=(8,), names=("x",)):
+def _shape(shape):
+    # One axis over every device there is unless the test asks for a shape.
+    return (jax.device_count(),) if shape is None else shape
+
+
+def auto_mesh(shape=None, names=("x",)):
+    """A mesh of Auto axes: `shape`, or one axis over every device there is (8 on the
+    suite's simulated CPU devices, 1 on one chip)."""
+    shape = _shape(shape)
     return jax.make_mesh(
         shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape)
     )
@@ -28,12 +36,12 @@ def auto_mesh(shape=(8,), names=("x",)):
 def chip_mesh(names=("x",)):
     """A 1-D Auto mesh over every device there is: for the tests marked
     `accelerator`, which run on a chip's own devices, however many."""
-    return jax.make_mesh(
-        (jax.device_count(),), names, axis_types=(jax.sharding.AxisType.Auto,)
-    )
+    return auto_mesh(names=names)
 
 
-def explicit_mesh(shape=(8,), names=("x",)):
+def explicit_mesh(shape=None, names=("x",)):
+    """As `auto_mesh`, of Explicit axes."""
+    shape = _shape(shape)
     return jax.make_mesh(
         shape, names, axis_types=(jax.sharding.AxisType.Explicit,) * len(shape)
     )

@@ -155,8 +155,9 @@ def _assert_restored(out, saved_values, like, shardings):
             assert x.sharding == s, (x.sharding, s)
 
 
+@pytest.mark.devices(2, reason="P('x') and P() are the same sharding on one device")
 def test_round_trip_every_kind_of_leaf(tmp_path):
-    mesh = auto_mesh((8,), ("data",))
+    mesh = auto_mesh(names=("data",))
     state = _put(_state(0), mesh, FSDP)
     saved = snapshot(state)
     eqxs.save(tmp_path / "ckpt", state)
@@ -175,7 +176,7 @@ def test_round_trip_every_kind_of_leaf(tmp_path):
 
 def test_restore_into_another_layout(tmp_path):
     # FSDP over 8 -> 4 x 2 data x model -> one device, bit for bit.
-    state = _put(_state(0), auto_mesh((8,), ("data",)), FSDP)
+    state = _put(_state(0), auto_mesh(names=("data",)), FSDP)
     saved = snapshot(state)
     eqxs.save(tmp_path / "ckpt", state)
     like = eqx.filter_eval_shape(lambda: _state(1))  # no shardings at all
@@ -193,7 +194,7 @@ def test_restore_into_another_layout(tmp_path):
 
     # A callable spec, and a whole `NamedSharding` on an Explicit mesh: the axis types
     # survive (orbax #2408).
-    explicit = explicit_mesh((8,), ("x",))
+    explicit = explicit_mesh(names=("x",))
     split = lambda x: x.ndim > 0 and x.shape[0] % 8 == 0
     rule = lambda x: NamedSharding(explicit, P("x") if split(x) else P())
     out = eqxs.restore(tmp_path / "ckpt", like, rule)
@@ -317,8 +318,9 @@ def peak_device_bytes():
             peak[d] = max(peak[d], n - base.get(d, 0))
 
 
+@pytest.mark.devices(2, reason="one device holds the whole of every array")
 def test_no_device_holds_a_whole_array(tmp_path):
-    mesh = auto_mesh((8,), ("data",))
+    mesh = auto_mesh(names=("data",))
     sharding = NamedSharding(mesh, P("data"))
     big = {
         "a": jax.device_put(np.ones((2048, 1024), np.float32), sharding),
@@ -377,7 +379,7 @@ def no_array_reads(monkeypatch):
 
 @pytest.fixture
 def saved(tmp_path):
-    state = _put(_state(0), auto_mesh((8,), ("data",)), FSDP)
+    state = _put(_state(0), auto_mesh(names=("data",)), FSDP)
     eqxs.save(tmp_path / "ckpt", state)
     return tmp_path / "ckpt", state
 
@@ -643,7 +645,7 @@ def test_two_processes_then_one(tmp_path, checksums):
     for proc, output in zip(procs, outputs):
         assert proc.returncode == 0, output[-4000:]
     reference = worker.reference_state()
-    mesh = auto_mesh((8,), ("data",))
+    mesh = auto_mesh(names=("data",))
     reference = _put(reference, mesh, FSDP)
     values = {
         jtu.keystr(p): np.asarray(

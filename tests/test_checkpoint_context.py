@@ -32,7 +32,7 @@ CONTEXTS = {
 def _state():
     # A leaf on one device (device 3), one split over a mesh of its own, a typed key
     # on one device, a NumPy array and a Python scalar.
-    mesh = auto_mesh((8,), ("x",))
+    mesh = auto_mesh(names=("x",))
     return {
         "one": jax.device_put(jnp.arange(6.0).reshape(2, 3), jax.devices()[3]),
         "split": jax.device_put(
@@ -186,7 +186,7 @@ def test_checksums_on_the_device_are_those_of_the_host(monkeypatch, axis_type):
     ]
     arrays.append(jax.device_put(jax.random.key(3), NamedSharding(mesh, P())))
     # The same devices in another mesh, and one device: several calls, no transfer.
-    other = explicit_mesh((8,), ("x",))
+    other = explicit_mesh(names=("x",))
     arrays.insert(0, jax.device_put(jnp.arange(16.0), NamedSharding(other, P("x"))))
     arrays.insert(0, jax.device_put(jnp.arange(3, dtype=jnp.int8), jax.devices()[5]))
     host = manifest.checksums(arrays)

@@ -20,7 +20,7 @@ pytest.importorskip("orbax.checkpoint")
 
 
 def _state():
-    mesh = auto_mesh((8,), ("data",))
+    mesh = auto_mesh(names=("data",))
     w = np.random.default_rng(0).standard_normal((64, 8)).astype(np.float32)
     return {
         "w": jax.device_put(w, NamedSharding(mesh, P("data"))),

@@ -115,7 +115,7 @@ def test_arguments(tmp_path):
 
 
 def test_resume_on_another_layout(tmp_path):
-    fsdp = auto_mesh((8,), ("data",))
+    fsdp = auto_mesh(names=("data",))
     state = _put(_state(0), fsdp, FSDP)
     expected = snapshot(eqx.filter(state, eqx.is_array))
     with eqxs.CheckpointManager(tmp_path) as manager:
@@ -197,7 +197,7 @@ def test_manager_restore_verifies_the_checksums(tmp_path):
 def test_background_save_racing_a_donating_step(tmp_path):
     # Each save runs in the background while the next steps donate (and overwrite)
     # the very state being saved.
-    mesh = auto_mesh((8,), ("data",))
+    mesh = auto_mesh(names=("data",))
     state = _put({"w": jnp.arange(1 << 16, dtype=jnp.float32).reshape(256, 256),
                   "b": jnp.ones(256), "key": jax.random.key(0)},
                  mesh, eqxs.PathRules([(r"w", P("data"))], default=P()))  # fmt: skip

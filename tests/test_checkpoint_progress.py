@@ -28,7 +28,7 @@ class _Terminal(io.StringIO):
 
 
 def _state():
-    mesh = auto_mesh((8,), ("data",))
+    mesh = auto_mesh(names=("data",))
     w = jax.device_put(
         jnp.arange(2**16.0).reshape(256, 256), NamedSharding(mesh, P("data"))
     )

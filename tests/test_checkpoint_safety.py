@@ -25,7 +25,7 @@ def test_saves_from_four_threads(tmp_path):
     # orbax numbers its directory-creation signals per process, not per save: two
     # composite saves at once took each other's ("...leaves.orbax-checkpoint-tmp/
     # metadata" not found).
-    mesh = auto_mesh((8,), ("data",))
+    mesh = auto_mesh(names=("data",))
     states = [
         {"x": jax.device_put(jnp.arange(4096.0) + i, NamedSharding(mesh, P("data"))),
          "n": i}
@@ -53,7 +53,7 @@ def test_saves_from_four_threads(tmp_path):
 
 def test_zero_size_arrays(tmp_path):
     # Saved and restored (orbax alone refuses them), on any target sharding.
-    mesh = auto_mesh((8,), ("data",))
+    mesh = auto_mesh(names=("data",))
     state = {
         "empty": jnp.zeros((0, 3)),
         "rows": jax.device_put(jnp.zeros((8, 0), jnp.int32),
@@ -114,7 +114,7 @@ def test_key_without_sharding_is_not_committed(tmp_path):
     # `jax.eval_shape` inside `jax.set_mesh` gives a key (and a scalar) no sharding;
     # restored committed to device 0, the next step on the mesh failed with
     # "Received incompatible devices ... argument key".
-    mesh = explicit_mesh((8,), ("data",))
+    mesh = explicit_mesh(names=("data",))
 
     def make():
         return {"key": jax.random.key(0), "count": jnp.zeros((), jnp.int32),

@@ -98,7 +98,9 @@ def _mesh(name: str) -> Mesh | None:
     if name == "B":
         return jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     assert name == "E"
-    return jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    return jax.make_mesh(
+        (jax.device_count(),), ("data",), axis_types=(AxisType.Explicit,)
+    )
 
 
 def _mesh_context(name: str):

@@ -61,7 +61,7 @@ TAG = "a static leaf"
 @ft.cache
 def _mesh(kind: str) -> jax.sharding.Mesh:
     axis_type = AxisType.Explicit if kind == "explicit" else AxisType.Auto
-    return jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+    return jax.make_mesh((jax.device_count(),), ("data",), axis_types=(axis_type,))
 
 
 CONTEXTS: dict[str, Callable[[], Any]] = {

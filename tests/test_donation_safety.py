@@ -90,7 +90,9 @@ def test_placed_key_array_and_committed_input_keep_the_original():
     replicated = NamedSharding(mesh, P())
     keys = jax.random.split(jax.random.key(0), 8)
     single = jax.device_put(jnp.arange(8.0), jax.devices()[0])  # committed
-    other_mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+    other_mesh = jax.make_mesh(
+        (jax.device_count(),), ("x",), axis_types=(AxisType.Auto,)
+    )
     elsewhere = jax.device_put(jnp.arange(8.0), NamedSharding(other_mesh, P()))
     tree = {"keys": keys, "single": single, "elsewhere": elsewhere}
     expected = snapshot(tree)
@@ -266,7 +268,7 @@ def test_sharding_table_shows_deleted(getkey):
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 def test_filter_shard_in_trace_moves_between_memory_kinds(axis_type):
-    mesh = jax.make_mesh((8,), ("x",), axis_types=(axis_type,))
+    mesh = jax.make_mesh((jax.device_count(),), ("x",), axis_types=(axis_type,))
     device = NamedSharding(mesh, P("x"))
     host = NamedSharding(mesh, P("x"), memory_kind="pinned_host")
     on_host = jax.device_put(jnp.arange(8.0), host)
@@ -307,7 +309,7 @@ def _parts_alive(x):
     ],
 )
 def test_placed_copy_shares_no_buffer_with_a_placed_source(source, target, axis_type):
-    mesh = jax.make_mesh((8,), ("x",), axis_types=(axis_type,))
+    mesh = jax.make_mesh((jax.device_count(),), ("x",), axis_types=(axis_type,))
     other = jax.make_mesh((4, 2), ("a", "b"), axis_types=(axis_type,) * 2)
     shardings = {
         "replicated": NamedSharding(mesh, P()),
@@ -354,7 +356,7 @@ report(results)
 
 def _donation_targets(where):
     device = jax.devices()[0]
-    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+    mesh = jax.make_mesh((jax.device_count(),), ("x",), axis_types=(AxisType.Auto,))
     return {
         "device": device,
         "single-device sharding": jax.sharding.make_single_device_sharding(device),

@@ -345,6 +345,7 @@ def test_scalar_with_partitioned_spec(apply, scalar):
 
 
 @apply_modes
+@pytest.mark.devices(8, reason="a dimension size that 8 devices do not divide")
 def test_indivisible_dimension(apply):
     x = {"a": jnp.arange(8.0), "b": [jnp.arange(10.0), 1]}
     s, _ = _sharded()
@@ -615,6 +616,7 @@ def test_in_shardings_entries_counted_in_words():
         f(x)
 
 
+@pytest.mark.devices(2, reason="P('x') and P() are the same sharding on one device")
 def test_in_shardings_list_is_a_tuple():
     # As `jax.jit(in_shardings=)`, a list is one entry per positional parameter, and
     # the messages say so.
@@ -692,6 +694,7 @@ def test_in_shardings_not_a_prefix_of_argument():
     ],
     ids=["positional", "keyword", "all keywords"],
 )
+@pytest.mark.devices(8, reason="a dimension size that 8 devices do not divide")
 def test_indivisible_argument(call):
     s, r = _sharded()
     model, batch = _args()
@@ -700,6 +703,7 @@ def test_indivisible_argument(call):
         call(f, model, batch)
 
 
+@pytest.mark.devices(8, reason="a dimension size that 8 devices do not divide")
 def test_indivisible_module_argument():
     s, _ = _sharded()
     model = make_module(eqx.nn.MLP, 4, 4, 6, 1)
@@ -710,6 +714,7 @@ def test_indivisible_module_argument():
         f(model, jnp.ones(4))
 
 
+@pytest.mark.devices(8, reason="a dimension size that 8 devices do not divide")
 def test_keyword_only_argument():
     s, _ = _sharded()
     f = eqxs.filter_jit(lambda x, *, key: x, in_shardings=s)
@@ -718,6 +723,7 @@ def test_keyword_only_argument():
         f(x, key=key)
 
 
+@pytest.mark.devices(8, reason="a dimension size that 8 devices do not divide")
 def test_var_keyword_argument():
     s, _ = _sharded()
     f = eqxs.filter_jit(lambda x, **extra: x, in_shardings=s)
@@ -734,6 +740,7 @@ def test_var_positional_wrong_number():
         f(x)
 
 
+@pytest.mark.devices(8, reason="a dimension size that 8 devices do not divide")
 def test_var_positional_indivisible():
     s, _ = _sharded()
     f = eqxs.filter_jit(lambda *args: args, in_shardings=(s, s))
@@ -751,6 +758,7 @@ def test_unknown_keyword_argument():
         f(x, z=1)  # pyright: ignore[reportCallIssue]
 
 
+@pytest.mark.devices(8, reason="a dimension size that 8 devices do not divide")
 def test_method_self():
     s, _ = _sharded()
 
@@ -807,6 +815,7 @@ def test_key_array_rank():
 
 @pytest.mark.parametrize("warm", ["first", "after a call", "after a lower"])
 @pytest.mark.parametrize("method", ["lower", "eval_shape"])
+@pytest.mark.devices(8, reason="a dimension size that 8 devices do not divide")
 def test_lower_indivisible_struct(warm, method):
     s, _ = _sharded()
     f = eqxs.filter_jit(_step, in_shardings=(None, s))
@@ -839,6 +848,10 @@ class _Scaled(eqx.Module):
 )
 def test_bad_shape_after_a_good_call(how, shape, match):
     s, r = _sharded()
+    if match == "not divisible" and s.mesh.size < 8:
+        n, backend = jax.device_count(), jax.default_backend()
+        why = "a dimension size that 8 devices do not divide"
+        pytest.skip(f"needs 8 devices: {why}; {n} {backend} device(s) present")
     rows = NamedSharding(s.mesh, P("x", None))
 
     def fresh():
@@ -893,6 +906,7 @@ def _moved(f, args, shardings):
 
 
 @pytest.mark.parametrize("donate", ["none", "all"])
+@pytest.mark.devices(2, reason="P('x') and P() are the same sharding on one device")
 def test_committed_with_other_sharding(donate):
     s, r = _sharded()
     f = eqxs.filter_jit(_step, in_shardings=({"w": s, "b": None}, None), donate=donate)
@@ -902,6 +916,7 @@ def test_committed_with_other_sharding(donate):
 
 @pytest.mark.parametrize("donate", ["none", "all"])
 @pytest.mark.parametrize("where", ["other mesh", "one device", "device order"])
+@pytest.mark.devices(8, reason="arrays on some of 8 devices, or in another order")
 def test_committed_outside_target_devices(where, donate):
     s, _ = _sharded()
     if where == "other mesh":
@@ -964,6 +979,7 @@ def test_in_shardings_from_two_device_sets():
         f(model, None)
 
 
+@pytest.mark.devices(2, reason="an array committed to another device")
 def test_committed_elsewhere_donates_the_copy():
     # The first argument is in place and donated; the second is committed elsewhere:
     # its copy is donated, and the caller's array stays alive.
@@ -1271,6 +1287,7 @@ def test_function_array_donated_elsewhere_does_not_crash():
     assert _names(run.result["message"], "fun.w"), run
 
 
+@pytest.mark.devices(8, reason="a dimension size that 8 devices do not divide")
 def test_var_positional_named_by_its_parameter():
     # `*xs` names its leaves `xs[k]`, counted from the first variadic argument.
     def f(n, *xs):

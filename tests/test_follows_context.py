@@ -32,8 +32,8 @@ def test_rules_resolve_against_each_calls_mesh(kind):
     meshes = [
         auto_mesh((4, 2), ("data", "model")),
         auto_mesh((2, 4), ("data", "model")),
-        auto_mesh((8,), ("data",)),
-        explicit_mesh((8,), ("data",)),
+        auto_mesh(names=("data",)),
+        explicit_mesh(names=("data",)),
         auto_mesh((4, 2), ("data", "model")),
     ]
     f = eqxs.filter_jit(_init, out_shardings=_RULES[kind])
@@ -91,7 +91,7 @@ def test_outer_transform_after_a_concrete_call(outer):
 
 
 def test_batch_made_under_set_mesh_is_moved():
-    mesh = auto_mesh((8,), ("data",))
+    mesh = auto_mesh(names=("data",))
     f = eqxs.filter_jit(lambda x: x * 2, in_shardings=P("data"))
     with jax.set_mesh(mesh):
         batch = jnp.arange(32.0).reshape(8, 4) + 0  # committed, replicated
@@ -156,7 +156,7 @@ def test_validating_pytrees(make, shardings):
 
 
 def test_abstract_output_on_the_concrete_mesh():
-    mesh = auto_mesh((8,), ("data",))
+    mesh = auto_mesh(names=("data",))
     f = eqxs.filter_jit(_init, out_shardings=_RULES["PathRules"])
     with jax.set_mesh(mesh):
         abstract = f.eval_shape(jax.random.key(0))
@@ -186,7 +186,7 @@ def test_misspelt_key_names_both_sides():
 
 
 def test_shard_map_names_the_output():
-    mesh = auto_mesh((8,), ("data",))
+    mesh = auto_mesh(names=("data",))
 
     def body(x):
         return {"total": x.sum(), "doubled": x * 2}

@@ -137,6 +137,7 @@ def test_another_layout_is_refused_then_put_right():
     assert len(calls) == 0
 
 
+@pytest.mark.devices(2, reason="one device divides every dimension size")
 def test_device_put_with_a_format():
     s = NamedSharding(auto_mesh(), P("x"))
     fmt = Format(Layout((1, 0)), s)

@@ -102,11 +102,14 @@ def test_replicated_vs_sharded():
     replicated = jax.device_put(x, NamedSharding(mesh, P()))
     sharded = jax.device_put(x, NamedSharding(mesh, P("x")))
     rows = _rows(eqxs.sharding_table({"r": replicated, "s": sharded}))
+    # Per device: all 8 KiB replicated, an n-th of them split over n devices.
+    n = mesh.size
     assert rows == [
         ["['r']", "(8, 256)", "float32", "P()", "8.0 KiB"],
-        ["['s']", "(8, 256)", "float32", "P('x',)", "1.0 KiB"],
+        ["['s']", "(8, 256)", "float32", "P('x',)", f"{8 / n:.1f} KiB"],
     ]
-    assert _total(eqxs.sharding_table({"r": replicated, "s": sharded})) == "9.0 KiB"
+    total = _total(eqxs.sharding_table({"r": replicated, "s": sharded}))
+    assert total == f"{8 + 8 / n:.1f} KiB"
 
 
 def test_numpy_is_host():
@@ -145,8 +148,8 @@ def test_prng_keys():
     keys = jax.device_put(jr.split(jr.key(0), 16), NamedSharding(mesh, P("x")))
     ((path, shape, dtype, sharding, size),) = _rows(eqxs.sharding_table(keys))
     assert (path, shape, dtype, sharding) == ("(root)", "(16,)", "key<fry>", "P('x',)")
-    # Each threefry key is two uint32s; each device holds 2 keys.
-    assert size == "16 B"
+    # Each threefry key is two uint32s; each device holds 16 / n keys (2 of 8).
+    assert size == f"{8 * 16 // mesh.size} B"
 
 
 def test_memory_kind():

@@ -85,7 +85,7 @@ def _uncommitted(n=64):
 
 @rfc("§1")
 def test_make_mesh_defaults_to_explicit():
-    mesh = jax.make_mesh((8,), ("x",))
+    mesh = jax.make_mesh((jax.device_count(),), ("x",))
     assert mesh.axis_types == (jshard.AxisType.Explicit,)
     assert jshard.Mesh(np.array(jax.devices()), ("x",)).axis_types == (
         jshard.AxisType.Auto,
@@ -137,6 +137,7 @@ def test_device_put_returns_same_object_when_placed():
 
 
 @rfc("§1")
+@pytest.mark.devices(2, reason="a split over one device compiles nothing")
 def test_device_put_compiles_only_to_split_a_single_device_array():
     mesh = auto_mesh()
     s = NamedSharding(mesh, P("x"))
@@ -291,6 +292,7 @@ def test_eqx_filter_jit_rejects_shardings():
 
 
 @rfc("§2")
+@pytest.mark.devices(2, reason="P('x') and P() are the same sharding on one device")
 def test_device_put_on_tracer_does_not_constrain_auto_axes():
     s = NamedSharding(auto_mesh(), P("x"))
     x = _uncommitted()
@@ -315,6 +317,7 @@ def test_device_put_on_tracer_changes_type_on_explicit_axes():
 
 
 @rfc("§2")
+@pytest.mark.devices(2, reason="one device divides every dimension size")
 def test_device_put_under_vmap_applies_spec_to_batch_axis():
     """`device_put`'s batching rule passes the sharding through unchanged, so under
     `jax.vmap` the spec lands on the batched value, whose leading axis is the batch."""
@@ -374,6 +377,7 @@ def _body(a):
 
 @pytest.mark.parametrize("axis_type", ["auto", "explicit"])
 @rfc("§3")
+@pytest.mark.devices(2, reason="P('x') and P() are the same sharding on one device")
 def test_out_shardings_vs_constraint_same_output(axis_type):
     mesh = auto_mesh() if axis_type == "auto" else explicit_mesh()
     target = NamedSharding(mesh, P(None, "x"))
@@ -433,6 +437,7 @@ def test_out_shardings_vs_constraint_memory_kind():
 
 
 @rfc("§3")
+@pytest.mark.devices(8, reason="sizes that 8 devices do not divide")
 def test_out_shardings_vs_constraint_indivisible():
     """Where they differ: `out_shardings` raises on a dimension that the mesh axis does
     not divide. A constraint is accepted and dropped inside jit on JAX 0.10.2; on JAX
@@ -458,6 +463,7 @@ def test_out_shardings_vs_constraint_indivisible():
 
 
 @rfc("§3")
+@pytest.mark.devices(2, reason="on one device P('x') is P(): the donation is usable")
 def test_out_shardings_vs_constraint_donation_warning():
     """Where they differ: only `out_shardings` lets JAX see, before compiling, that a
     donated input cannot be reused, and warn. Neither deletes the input."""
@@ -538,6 +544,7 @@ def test_jit_unspecified_follows_committed_inputs():
 
 
 @rfc("§4")
+@pytest.mark.devices(2, reason="P('x') and P() are the same sharding on one device")
 def test_jit_in_shardings_committed_mismatch_raises():
     mesh = auto_mesh()
     y = jax.device_put(_uncommitted(), NamedSharding(mesh, P("x")))
@@ -655,6 +662,7 @@ def test_none_in_device_put_leaves_untouched():
 
 
 @rfc("§6")
+@pytest.mark.devices(2, reason="one device's uncommitted array is in place: donated")
 def test_donation_deletes_committed_matching_input():
     s = NamedSharding(auto_mesh(), P("x"))
     y = jax.device_put(_uncommitted(), s)
@@ -759,7 +767,9 @@ def test_shard_map_reads_out_specs_after_tracing():
     # `filter_shard_map` learns its output's structure, and so its per-leaf
     # `out_specs`, while `jax.shard_map` traces the function; it relies on
     # `jax.shard_map` reading `out_specs` only after that trace.
-    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh(
+        (jax.device_count(),), ("x",), axis_types=(jax.sharding.AxisType.Auto,)
+    )
     specs = []
 
     def f(x):
@@ -780,6 +790,7 @@ def test_shard_map_reads_out_specs_after_tracing():
 
 
 @rfc("§13")
+@pytest.mark.devices(2, reason="on one device P('x') is P(): nothing recompiles")
 def test_monitoring_names_a_jit_trace_and_compile():
     # `explain_misses` hears a recompile without a retrace through these two
     # `jax.monitoring` events: a trace with the function's name, a compile with
@@ -787,7 +798,7 @@ def test_monitoring_names_a_jit_trace_and_compile():
     events = []
     record = lambda event, duration_secs, **kwargs: events.append((event, kwargs))
     jax.monitoring.register_event_duration_secs_listener(record)
-    mesh = auto_mesh((8,), ("x",))
+    mesh = auto_mesh(names=("x",))
 
     def spelled(x):
         return x + 1

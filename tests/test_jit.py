@@ -246,9 +246,10 @@ def test_bare_partition_spec_under_set_mesh():
     assert tree_allclose(total, jnp.sum(jnp.arange(16.0)))
 
 
+@pytest.mark.devices(2, reason="P('x') and P() are the same sharding on one device")
 def test_in_shardings_per_argument_of_a_variadic_call(getkey):
     # With `*rest`, one entry per positional argument of the call, as `jax.jit`.
-    mesh = auto_mesh((8,), ("data",))
+    mesh = auto_mesh(names=("data",))
     rep, row = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
 
     def g(a, *rest):
@@ -293,6 +294,7 @@ def test_out_shardings_not_prefix_error():
         f(jnp.ones(8))
 
 
+@pytest.mark.devices(2, reason="an array committed to another device")
 def test_committed_elsewhere_is_moved_and_kept(getkey):
     # `in_shardings` is the request to place: a model committed to another sharding
     # of the same devices (which plain `jax.jit` refuses) is moved, and the donated
@@ -345,7 +347,7 @@ def test_refused_call_named_as_jax_jit_names_it_after_other_calls():
     # A Module's own arrays committed to one device, which `in_shardings` does not
     # cover: refused as `jax.jit` refuses them, naming `fun.weight`, also when an equal
     # Module never placed ran first (both share one compiled entry).
-    mesh = auto_mesh((8,), ("x",))
+    mesh = auto_mesh(names=("x",))
     replicated = NamedSharding(mesh, P())
     make = lambda: eqx.nn.Linear(3, 2, key=jr.key(0))
     x = jnp.ones(3)
@@ -675,6 +677,7 @@ def test_tied_weights_donated_and_kept():
     assert not w.is_deleted()
 
 
+@pytest.mark.devices(8, reason="a dimension size that 8 devices do not divide")
 def test_failed_call_leaves_donated_inputs_intact():
     mesh = auto_mesh()
     batch = NamedSharding(mesh, P("x"))
@@ -925,7 +928,7 @@ def test_filter_pmap_migration(getkey):
     )
     pmap_grads = pmapped(model, xs)
 
-    mesh = auto_mesh((8,), ("devices",))
+    mesh = auto_mesh(names=("devices",))
     replicated = NamedSharding(mesh, P())
     per_device = NamedSharding(mesh, P("devices"))
 
@@ -1337,7 +1340,7 @@ def test_weak_and_strong_uncommitted_scalars_type_as_jax_jit(first_weak):
     # A weak-typed scalar and a strong one of the same dtype: each call's result is
     # typed as `jax.jit`'s, whichever kind came first (an executable of one kind runs
     # the other's inputs without complaint, so it must not be reused for them).
-    mesh = auto_mesh((8,), ("d",))
+    mesh = auto_mesh(names=("d",))
     rep = NamedSharding(mesh, P())
     body = lambda a: a * 2
     ours = eqxs.filter_jit(body, in_shardings=rep, out_shardings=rep)
@@ -1379,7 +1382,7 @@ def test_equivalent_sharding_beside_a_fresh_batch_compiles_once():
     # A placed model, one weight committed on a sharding equivalent to its target but
     # not equal (`P(None)` for `P()`), fed fresh uncommitted batches: `jax.jit` takes
     # the weight as it is, so the calls are `jax.jit`'s own, compiled once.
-    mesh = auto_mesh((8,), ("d",))
+    mesh = auto_mesh(names=("d",))
     rep = NamedSharding(mesh, P())
     body = lambda scale, w, batch: (scale * 2, w + batch)
     ours = eqxs.filter_jit(body, in_shardings=rep, out_shardings=rep)
@@ -1403,7 +1406,7 @@ def test_equivalent_sharding_beside_a_fresh_batch_compiles_once():
 def test_lower_then_calls_with_numpy_inputs_trace_once():
     # A training loop's shape: `.lower(...).compile()` on the first NumPy batch, then
     # calls fed NumPy batches and their own outputs trace the function once in all.
-    mesh = auto_mesh((8,), ("d",))
+    mesh = auto_mesh(names=("d",))
     rep, bat = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
     traces = []
 
@@ -1453,7 +1456,7 @@ def test_an_unhashable_static_leaf_is_named(in_shardings):
 def test_an_input_that_cannot_be_moved_is_reported_once():
     # A committed input on another device is moved by us; its shape error is ours,
     # raised once (not again, chained, by the diagnosis of JAX's errors).
-    s = NamedSharding(auto_mesh((8,), ("x",)), P("x"))
+    s = NamedSharding(auto_mesh(names=("x",)), P("x"))
     f = eqxs.filter_jit(lambda a: a * 2, in_shardings=s, out_shardings=s)
     f(jnp.arange(16.0))
     other = jax.device_put(jnp.arange(12.0), jax.devices()[3])

@@ -196,6 +196,7 @@ def test_under_eval_shape(fn_name, mesh_name):
         ),
     ],
 )
+@pytest.mark.devices(2, reason="P('x') and P() are the same sharding on one device")
 def test_filter_jit_nested_in_jit_constrains_outputs(mesh_name):
     s = NamedSharding(_MESHES[mesh_name](), P("x"))
     r = NamedSharding(s.mesh, P())
@@ -251,12 +252,14 @@ def test_filter_jit_out_shardings_memory_kind():
     assert out.sharding.memory_kind == "pinned_host"
 
 
+@pytest.mark.devices(8, reason="a dimension size that 8 devices do not divide")
 def test_filter_jit_out_shardings_indivisible_raises():
     s = NamedSharding(auto_mesh(), P("x"))
     with pytest.raises(ValueError, match=r"out: dimension 0 .* not divisible"):
         eqxs.filter_jit(lambda a: a * 2, out_shardings=s)(jnp.arange(10.0))
 
 
+@pytest.mark.devices(2, reason="P('x') and P() are the same sharding on one device")
 def test_filter_jit_arrays_created_under_set_mesh_are_moved():
     """Arrays created under `jax.set_mesh` are committed (replicated). `jax.jit` refuses
     them under `in_shardings=P("x")`; `filter_jit` moves them (a copy), as it moves
@@ -342,6 +345,7 @@ def test_layouts_are_spec_leaves_auto_is_for_the_compiler():
     assert out.sharding == s
 
 
+@pytest.mark.devices(2, reason="one device's uncommitted array is in place: donated")
 def test_donated_uncommitted_input_is_copied_not_deleted():
     """An uncommitted argument with a specified `in_shardings` entry is committed (a
     copy) before the call; the copy is what is donated."""
@@ -356,6 +360,7 @@ def test_donated_uncommitted_input_is_copied_not_deleted():
     np.testing.assert_array_equal(out, np.arange(64.0) + 1)
 
 
+@pytest.mark.devices(2, reason="P('x') and P() are the same sharding on one device")
 def test_donated_input_without_matching_output_is_not_deleted():
     mesh = auto_mesh()
     y = jax.device_put(jnp.arange(64.0), NamedSharding(mesh, P("x")))
@@ -480,6 +485,7 @@ def test_filter_jit_function_array_donated_and_passed_as_first():
     assert _function_array_passed_again("all-except-first")[0] in ("ok", "ValueError")
 
 
+@pytest.mark.devices(2, reason="one device's uncommitted array is in place: donated")
 def test_donation_deletes_only_inputs_reused_for_outputs():
     """Each output reuses at most one donated input buffer with its shard shape and
     dtype, taken in argument order; donated inputs left over are not deleted. The

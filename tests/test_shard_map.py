@@ -27,6 +27,7 @@ def _context(mesh):
 
 
 @pytest.mark.parametrize("make_mesh", MESHES)
+@pytest.mark.devices(8, reason="shard shapes written out for 8 devices")
 def test_linear_row_parallel_psum(make_mesh):
     mesh = make_mesh()
     linear = make_module(eqx.nn.Linear, 16, 32)
@@ -114,6 +115,7 @@ def test_every_array_leaf_sharded_as_out_specs():
 
 
 @pytest.mark.parametrize("make_mesh", MESHES)
+@pytest.mark.devices(8, reason="shard shapes written out for 8 devices")
 def test_multihead_attention_heads_split(make_mesh):
     # Tensor parallel attention: every device holds the query/key/value projections
     # of 1 head (of 8) and the matching columns of the output projection.
@@ -179,6 +181,7 @@ def test_none_over_array_output_is_an_error():
 
 
 @pytest.mark.parametrize("make_mesh", MESHES)
+@pytest.mark.devices(8, reason="shard shapes written out for 8 devices")
 def test_inside_filter_jit_and_grad(make_mesh):
     mesh = make_mesh()
     mlp = make_module(eqx.nn.MLP, 4, 1, 8, 1)
@@ -204,6 +207,7 @@ def test_inside_filter_jit_and_grad(make_mesh):
     assert tree_allclose(eager_grads, ref_grads, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.devices(8, reason="a ppermute written out over 8 devices")
 def test_all_gather_and_ppermute_on_weights():
     mesh = auto_mesh()
     linear = make_module(eqx.nn.Linear, 4, 16)
@@ -230,6 +234,7 @@ def test_all_gather_and_ppermute_on_weights():
     )
 
 
+@pytest.mark.devices(8, reason="shard shapes written out for 8 devices")
 def test_mesh_from_set_mesh_and_callable_spec():
     mesh = auto_mesh()
     mlp = make_module(eqx.nn.MLP, 3, 8, 16, 1)
@@ -250,6 +255,7 @@ def test_mesh_from_set_mesh_and_callable_spec():
     assert_array_shardings(out, [NamedSharding(mesh, P("x"))] * 4)
 
 
+@pytest.mark.devices(8, reason="shard shapes written out for 8 devices")
 def test_path_rules_as_in_specs():
     mesh = auto_mesh()
     mlp = make_module(eqx.nn.MLP, 4, 8, 16, 1)
@@ -305,6 +311,7 @@ def test_matches_jax_shard_map_on_the_partition():
 #
 
 
+@pytest.mark.devices(8, reason="a dimension size that 8 devices do not divide")
 def test_error_indivisible_names_path():
     mesh = auto_mesh()
     mlp = make_module(eqx.nn.MLP, 4, 3, 8, 1)
@@ -358,7 +365,9 @@ def test_error_no_mesh():
 
 
 def test_deleted_input_is_named_before_anything_runs():
-    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh(
+        (jax.device_count(),), ("x",), axis_types=(jax.sharding.AxisType.Auto,)
+    )
     w = jax.device_put(jnp.arange(64.0), jax.NamedSharding(mesh, P("x")))
     w.delete()
     f = eqxs.filter_shard_map(

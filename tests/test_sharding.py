@@ -290,6 +290,7 @@ def test_bare_partition_spec_for_constants_inside_jit(function):
 
 
 @pytest.mark.parametrize("function", [eqxs.filter_device_put, eqxs.filter_shard])
+@pytest.mark.devices(2, reason="on one device eqx.filter_shard's output is placed too")
 def test_disable_jit_places(function):
     mesh = auto_mesh()
     s = NamedSharding(mesh, P("x"))
@@ -361,7 +362,7 @@ def test_filter_shard_jit_explicit_is_reshard(set_mesh):
 def test_filter_shard_jit_explicit_without_mesh_context(jit, spec):
     # `jax.make_mesh`'s default (Explicit) axes, no `jax.set_mesh` and no input on the
     # mesh: inside the trace JAX learns the mesh's devices from `filter_shard` alone.
-    mesh = jax.make_mesh((8,), ("x",))
+    mesh = jax.make_mesh((jax.device_count(),), ("x",))
     assert mesh.axis_types == (jax.sharding.AxisType.Explicit,)
     s = NamedSharding(mesh, spec)
     model = make_module(eqx.nn.MLP, 8, 8, 8, 2)
@@ -375,10 +376,11 @@ def test_filter_shard_jit_explicit_without_mesh_context(jit, spec):
     np.testing.assert_array_equal(out, 2 * np.asarray(x))
 
 
+@pytest.mark.devices(2, reason="on one device the move needs no reshard, so no mesh")
 def test_filter_shard_eager_grad_explicit_without_mesh_context_raises_as_reshard():
     # docs/troubleshooting.md: differentiating an eager `jax.grad` through the move
     # needs `jax.set_mesh`, as plain `reshard` does; with it, both work.
-    mesh = jax.make_mesh((8,), ("x",))
+    mesh = jax.make_mesh((jax.device_count(),), ("x",))
     s = NamedSharding(mesh, P("x"))
     x = jnp.arange(16.0)
     ours = jax.grad(lambda y: jnp.sum(eqxs.filter_shard(y, s) ** 2))

@@ -192,3 +192,48 @@ def test_script_checks_itself_on_a_busy_machine():
     assert out.count("ok    checkpoint restored into the rules' shardings") == 1
     assert out.count("ok    resumed from step 30: losses and final state") == 1
     assert "all checks passed" in out
+
+
+@pytest.mark.parametrize("name", train_transformer.LAYOUTS)
+def test_each_layout_runs_or_says_why_not(name):
+    # Every count of the devices present: a layout that `unavailable` allows builds
+    # its mesh over exactly those devices; the others are refused, saying why.
+    allowed = []
+    for n in range(1, jax.device_count() + 1):
+        why = train_transformer.unavailable(name, n, CFG)
+        if why is None:
+            layout = train_transformer.make_layout(name, jax.devices()[:n])
+            assert list(layout.mesh.devices.flat) == jax.devices()[:n]
+            allowed.append(n)
+        else:
+            assert f"{n} present" in why or "split over" in why, why
+    expected = {"2d": [2, 4, 8], "pipeline": [4, 8]}.get(name, [1, 2, 4, 8])
+    assert allowed == [n for n in expected if n <= jax.device_count()]
+
+
+@pytest.mark.slow
+def test_script_runs_the_layouts_that_one_device_allows():
+    # On one device (one accelerator chip) the script ran `data`, then crashed
+    # building the `2d` mesh (`IndexError` in `jax.make_mesh`): each layout that the
+    # devices allow runs, and each other says why it is skipped.
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    args = ["--devices", "1", "--steps", "2", "--no-checkpoint"]
+    proc = subprocess.run(
+        [sys.executable, str(_path), *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    out = proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    for name in ("data", "fsdp", "tensor"):
+        assert f"=== layout: {name} " in out, out[-4000:]
+    assert "skipped 2d: needs an even number of devices; 1 present" in out
+    assert (
+        "skipped pipeline: needs a multiple of 4 devices (4 stages); 1 present" in out
+    )
+    # Two steps are too few to reach `MAX_FINAL_LOSS`: that check alone fails.
+    fails = [line for line in out.splitlines() if line.startswith("FAIL ")]
+    assert len(fails) == 3 and all("final loss" in line for line in fails), out
+    assert proc.returncode == 1, out[-4000:]
