@@ -44,10 +44,7 @@ CONFTEST = 'import jax\n\njax.config.update("jax_num_cpu_devices", 2)\n'
 # The source distribution has no tests/, and the series appends its tests to Equinox's
 # test files: `check` runs those appended lines alone, after these imports (the names
 # that Equinox's test files import and the series' tests use).
-TEST_IMPORTS = """import subprocess
-import sys
-
-import equinox as eqx
+TEST_IMPORTS = """import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
