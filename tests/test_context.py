@@ -325,6 +325,23 @@ def _plain_op(fn: str, spec: str, mesh: str, context: str) -> Callable:
             if fn == "jit_in"
             else (lambda a: put(_double_arrays(a)))
         )
+    elif (
+        fn == "jit_in"
+        and mesh == "E"
+        and context not in _SEES_IN_SHARDINGS
+        and any(s is not None for s in shardings.values())
+    ):
+        # On Explicit axes the function sees a traced input at its `in_shardings` type
+        # too (issue 62): plain `jax.jit` resharding it there first.
+        def resharded(a):
+            return _double_arrays(
+                {
+                    k: a[k] if s is None else jax.sharding.reshard(a[k], s)
+                    for k, s in shardings.items()
+                }
+            )
+
+        op = jax.jit(resharded, in_shardings=(shardings,))
     elif fn in ("jit_in", "jit_out"):
         op = _plain_jit(fn, (shardings["w"], shardings["b"]))
     else:

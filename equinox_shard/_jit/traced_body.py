@@ -54,9 +54,10 @@ def traced_function(
             where = lambda i: leaf_path(tree, i, "args")
             place(flat, _eager_targets(flat, targets), where)
         for i, s in explicit:
-            if trimmed_spec(jax.typeof(flat[i]).sharding) != trimmed_spec(s):
+            have = jax.typeof(flat[i]).sharding
+            if have.mesh.empty or trimmed_spec(have) != trimmed_spec(s):
                 # Under a transform, an input of another type (uncommitted, which
-                # `jax.jit` traces unsharded): typed as `in_shardings` says.
+                # `jax.jit` traces on no mesh): typed as `in_shardings` says.
                 flat[i] = jax.sharding.reshard(flat[i], s.spec)
         args, kwargs = treedef.unflatten(flat)
         out = fun(*args, **kwargs)
