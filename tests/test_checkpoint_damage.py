@@ -157,3 +157,16 @@ def test_a_deleted_file_is_found(tmp_path):
     assert {f: r for f, r in run.result.items() if r[1:] != [True, True]} == {}
     needed = ["arrays/_METADATA", "arrays/manifest.ocdbt", "leaves/metadata"]
     assert all(run.result[f][0] == "ValueError" for f in needed), run.result
+
+
+@pytest.mark.parametrize("edit", ["skip_deserialize", "use_zarr3"])
+def test_orbax_metadata_edited_to_other_valid_json_is_damage(tmp_path, edit):
+    # Valid JSON that orbax reads otherwise than `save` wrote it: damage, named.
+    state = _state()
+    eqxs.save(tmp_path / "ckpt", state)
+    file = tmp_path / "ckpt" / "arrays" / "_METADATA"
+    text = file.read_text()
+    assert f'"{edit}": false' in text
+    file.write_text(text.replace(f'"{edit}": false', f'"{edit}": true'))
+    with pytest.raises(ValueError, match="is damaged: its metadata file .*_METADATA"):
+        eqxs.restore(tmp_path / "ckpt", state)

@@ -8,15 +8,16 @@ from urllib.parse import unquote
 
 
 def check(
-    path: pathlib.Path, names: dict[str, str | None], where: str, ocdbt: Any
+    path: pathlib.Path, names: dict[str, str | None], where: str, metadata: dict
 ) -> int | None:
     """Raises `ValueError` naming the first leaf (`where<key path>`, in `names`: key
     path -> stored name) whose data is missing or truncated, or naming the index if
-    `ocdbt` (orbax's metadata says it used one) and it is missing. Returns the bytes
-    of the values (`None` where orbax did not use OCDBT)."""
+    orbax's `metadata` says it used one and it is missing, or the metadata if it names
+    another array format than the index holds. Returns the bytes of the values (`None`
+    where orbax did not use OCDBT)."""
     root = path / "arrays"
     if not (root / "manifest.ocdbt").is_file():
-        if ocdbt:
+        if metadata.get("use_ocdbt"):
             raise ValueError(
                 f"The checkpoint at {path} is damaged: the index of its arrays "
                 f"{root / 'manifest.ocdbt'} is missing, so no array can be restored."
@@ -27,6 +28,7 @@ def check(
     base = ts.KvStore.open({"driver": "file", "path": str(root) + "/"}).result()
     size = functools.cache(lambda f: f.stat().st_size if f.exists() else None)
     found: dict[bytes, str] = {}
+    keys: set[bytes] = set()
     total = 0
 
     def damage(reference: str) -> str | None:
@@ -54,8 +56,10 @@ def check(
                     found[key] = why
                 else:
                     walk(e["location"], prefix + bytes(e["subtree_common_prefix"]))
-            elif "indirect_value" in e and (why := damage(e["indirect_value"])):
-                found[key] = why
+            else:
+                keys.add(key)
+                if "indirect_value" in e and (why := damage(e["indirect_value"])):
+                    found[key] = why
 
     try:
         versions = ts.ocdbt.dump(base).result()["versions"]
@@ -69,6 +73,17 @@ def check(
             f"The checkpoint at {path} is damaged: the index of its arrays cannot be "
             f"read, so no array can be restored ({e})."
         ) from None
+    # The array format orbax's metadata names must be the one stored (it reads the
+    # other's files, which are not there, and TensorStore fails unnamed).
+    suffix = b"/zarr.json" if metadata.get("use_zarr3") else b"/.zarray"
+    if found == {} and any(
+        n is not None and n.encode() + suffix not in keys for n in names.values()
+    ):
+        raise ValueError(
+            f"The checkpoint at {path} is damaged: its metadata file "
+            f"{root / '_METADATA'} names another array format than its index holds, "
+            "so it cannot be restored."
+        )
     damaged: dict[str, str] = {}
     for key, why in sorted(found.items()):
         damaged.setdefault(key.split(b"/", 1)[0].decode(errors="replace"), why)

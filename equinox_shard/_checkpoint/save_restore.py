@@ -328,7 +328,7 @@ def restore_from(
     read = {}
     if items:
         metadata = read_json(path, path / "arrays" / "_METADATA")
-        stored = data_files.check(path, names, "like", metadata.get("use_ocdbt"))
+        stored = data_files.check(path, names, "like", metadata)
         with (
             progress.bar(f"restoring {what}", stored),
             ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer,
@@ -337,8 +337,9 @@ def restore_from(
             arrays = ocp.args.PyTreeRestore(items, restore_args=restore_args)  # pyright: ignore[reportCallIssue]
             try:
                 read = checkpointer.restore(path, ocp.args.Composite(arrays=arrays))
-            except (AttributeError, KeyError, TypeError) as e:
-                # orbax's errors for an `arrays` metadata it did not expect.
+            except (AttributeError, KeyError, TypeError, ValueError) as e:
+                # orbax's errors for an `arrays` metadata it did not expect (the data
+                # and its index were checked above: what is left is the metadata).
                 file = path / "arrays" / "_METADATA"
                 why = f"is not as orbax writes it ({type(e).__name__}: {e})"
                 raise damaged(path, file, why) from e
