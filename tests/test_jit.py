@@ -1747,14 +1747,20 @@ def test_in_shardings_by_name_places_a_default(axis_type):
         seen.append(jax.typeof(y))
         return x + y
 
-    g = eqxs.filter_jit(f, in_shardings={"y": split})
-    x = np.arange(8.0, dtype=np.float32)
-    passed = g(x, default)
-    defaulted = g(x)
-    assert_same_values(defaulted, x + 1)
-    assert defaulted.sharding == passed.sharding == split
-    assert seen[-1] == jax.typeof(jax.device_put(default, split))
-    assert_same_values(default, np.ones(8, np.float32))
+    # Also after another default left out (`y` then binds as a keyword).
+    def f2(x, a=1.0, y=default):
+        seen.append(jax.typeof(y))
+        return x * a + y
+
+    for fun in (f, f2):
+        g = eqxs.filter_jit(fun, in_shardings={"y": split})
+        x = np.arange(8.0, dtype=np.float32)
+        passed = g(x, 1.0, default) if fun is f2 else g(x, default)
+        defaulted = g(x)
+        assert_same_values(defaulted, x + 1)
+        assert defaulted.sharding == passed.sharding == split
+        assert seen[-1] == jax.typeof(jax.device_put(default, split))
+        assert_same_values(default, np.ones(8, np.float32))
 
 
 def test_out_shardings_take_a_spec_tree_keeping_non_array_leaves():

@@ -202,8 +202,10 @@ class Cache:
     def bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The call's arguments bound to the signature, with the `defaults`."""
         bound = self.signature.bind(*args, **kwargs)
-        for name, default in self.defaults.items():
-            bound.arguments.setdefault(name, default)
+        if self.defaults:
+            # Every default, so that a named one after another left out stays
+            # positional (where its entry of `in_shardings` is).
+            bound.apply_defaults()
         return bound.args, bound.kwargs
 
     def _spec_where(self, path: tuple) -> str:
