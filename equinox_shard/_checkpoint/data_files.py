@@ -3,7 +3,6 @@ there and long enough, naming the leaf whose data is not (TensorStore's don't)."
 
 import functools
 import pathlib
-from typing import Any
 from urllib.parse import unquote
 
 
