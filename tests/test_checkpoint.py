@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 
 import equinox as eqx
 import equinox_shard as eqxs
@@ -507,8 +508,11 @@ def test_a_dtype_orbax_cannot_write_is_refused_before_writing(tmp_path, capfd, d
 def test_every_dtype_orbax_writes_is_saved(tmp_path):
     dtypes = ["int2", "int4", "float4_e2m1fn", "float8_e3m4", "float8_e4m3fn"]
     dtypes += ["float8_e4m3b11fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "bfloat16"]
-    tree = {d: jnp.arange(4).astype(getattr(jnp, d)) for d in dtypes}
-    tree.update({f"numpy {d}": np.asarray(x) for d, x in tree.items()})
+    arrays = {d: jnp.arange(4).astype(getattr(jnp, d)) for d in dtypes}
+    tree: dict[str, typing.Any] = {
+        **arrays,
+        **{f"numpy {d}": np.asarray(x) for d, x in arrays.items()},
+    }
     eqxs.save(tmp_path / "ckpt", tree)
     out = eqxs.restore(tmp_path / "ckpt", tree)
     for name, x in tree.items():

@@ -1752,11 +1752,11 @@ def test_in_shardings_by_name_places_a_default(axis_type):
         seen.append(jax.typeof(y))
         return x * a + y
 
-    for fun in (f, f2):
-        g = eqxs.filter_jit(fun, in_shardings={"y": split})
-        x = np.arange(8.0, dtype=np.float32)
-        passed = g(x, 1.0, default) if fun is f2 else g(x, default)
-        defaulted = g(x)
+    x = np.arange(8.0, dtype=np.float32)
+    g = eqxs.filter_jit(f, in_shardings={"y": split})
+    g2 = eqxs.filter_jit(f2, in_shardings={"y": split})
+    for call, passed in ((g, g(x, default)), (g2, g2(x, 1.0, default))):
+        defaulted = call(x)
         assert_same_values(defaulted, x + 1)
         assert defaulted.sharding == passed.sharding == split
         assert seen[-1] == jax.typeof(jax.device_put(default, split))
@@ -1869,8 +1869,8 @@ def test_explicit_axes_the_typed_fallback_compiles_once(monkeypatch):
     g(w, jnp.asarray(host))  # the fallback's first compilation
     assert len(lowered) == 2  # the first call's and the fallback's
     with count_compiles() as compiles:
-        for _ in range(3):
-            out = g(w, jnp.asarray(host))
+        outs = [g(w, jnp.asarray(host)) for _ in range(3)]
+    out = outs[-1]
     assert_same_values(out, host * 2 + 1)
     assert out.sharding == split
     assert len(lowered) == 2 and not compiles, (len(lowered), compiles)
