@@ -198,8 +198,8 @@ def spread(
         spec_leaves, spec_def = flatten_specs(specs, spec_name, placement=placement)
     except TypeError:
         # `Compiled.input_shardings` and `input_formats` hold non-array leaves as is.
-        specs = _own_leaves_as_none(specs, value)
-        spec_leaves, spec_def = flatten_specs(specs, spec_name, placement=placement)
+        specs, at = _own_leaves_as_none(specs, value, selected, spec_name, value_name)
+        spec_leaves, spec_def = flatten_specs(specs, spec_name, at, placement=placement)
     out = broadcast_specs(
         spec_leaves, spec_def, specs, value, len(leaves), spec_name, value_name
     )
@@ -238,27 +238,35 @@ def spread(
     return out
 
 
-def _own_leaves_as_none(specs: Any, value: Any) -> Any:
-    """`specs` with each non-spec leaf at a non-array leaf of the value (a spec tree
-    made by `jax.tree.map` over a Module keeps `t1=10.0`: one rule for every function,
-    whatever the value's leaf is now), or that is the value's own leaf, replaced by
-    `None`; `specs` if they do not line up (`flatten_specs` then names the leaf)."""
+def _own_leaves_as_none(
+    specs: Any, value: Any, selected: Callable, spec_name: str, value_name: str
+) -> tuple[Any, Callable[[tuple], str] | None]:
+    """`specs` with each non-spec leaf over no `selected` leaf of the value that may be
+    the value's own (a spec tree made by `jax.tree.map` over a Module keeps
+    `t1=10.0`: one rule for every function, whatever the value's leaf is now), or that
+    is it, replaced by `None`; and how `flatten_specs` names a leaf left (one over an
+    array, or a container of them: never taken as `None`). `specs` and `None` if they
+    do not line up (`flatten_specs` then names the leaf by the specification)."""
 
-    def own_as_none(spec: Any, leaf: Any) -> Any:
-        if is_spec_leaf(spec):
+    def own_as_none(spec: Any, subtree: Any) -> Any:
+        if is_spec_leaf(spec) or any(map(selected, jtu.tree_leaves(subtree))):
             return spec
-        if spec is leaf or (may_be_own_leaf(spec) and not is_array(leaf)):
+        if spec is subtree or may_be_own_leaf(spec):
             return None
         try:  # a string: the value's own if equal
-            same = type(spec) is type(leaf) and bool(spec == leaf)
+            same = type(spec) is type(subtree) and bool(spec == subtree)
         except Exception:  # e.g. an array's truth value: not the same
             same = False
         return None if same else spec
 
     try:
-        return jtu.tree_map(own_as_none, specs, value, is_leaf=is_spec_leaf)
+        specs = jtu.tree_map(own_as_none, specs, value, is_leaf=is_spec_leaf)
     except (ValueError, TypeError):
-        return specs
+        return specs, None
+    at = lambda path: (
+        f"{value_name}{jtu.keystr(path)} (`{spec_name}{jtu.keystr(path)}`)"
+    )
+    return specs, at
 
 
 def resolve_each(
