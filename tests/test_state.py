@@ -117,3 +117,36 @@ def test_a_model_of_the_same_class_names_a_state_of_other_shapes():
     # A model of another class holds other indices: refused, as before.
     with pytest.raises(ValueError, match="does not hold the `eqx.nn.StateIndex`"):
         eqxs.state_specs(_Model(jax.random.key(0)), state, _RULES)
+
+
+@pytest.mark.parametrize(
+    "where", ["filter_device_put", "filter_shard", "in_shardings", "out_shardings"]
+)
+def test_an_indivisible_state_entry_is_named_by_its_index(where):
+    # Named as `state_specs` and `sharding_table(model=)` name it, where the error
+    # said `x[<flat index 1>][0]` (Equinox flattens a `State` without keys).
+    model, state = eqx.nn.make_with_state(_Wide)(12)  # 12: not divisible by 8
+    before = [np.array(x) for x in jax.tree.leaves(state)]
+    calls = {
+        "filter_device_put": ("x", eqxs.filter_device_put),
+        "filter_shard": ("x", eqxs.filter_shard),
+        "in_shardings": (
+            "s",
+            lambda s, specs: eqxs.filter_jit(lambda s: s, in_shardings=(specs,))(s),
+        ),
+        "out_shardings": (
+            "out",
+            lambda s, specs: eqxs.filter_jit(lambda s: s, out_shardings=specs)(s),
+        ),
+    }
+    name, call = calls[where]
+    with jax.set_mesh(_mesh()):
+        specs = eqxs.state_specs(model, state, _RULES)
+        with pytest.raises(ValueError) as info:
+            call(state, specs)
+    assert str(info.value).startswith(
+        f"{name}.bn.ema_state_index[0]: dimension 0 of shape (12,) has size 12, "
+        "which is not divisible by the 8 devices"
+    )
+    for x, was in zip(jax.tree.leaves(state), before):
+        assert_same_values(x, was)  # nothing deleted or changed

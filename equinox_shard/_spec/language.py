@@ -11,9 +11,11 @@ per array leaf; errors name the leaf by its key path in the user's argument name
 import dataclasses
 import functools as ft
 import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.tree_util as jtu
 import numpy as np
@@ -264,7 +266,8 @@ def _own_leaves_as_none(
     except (ValueError, TypeError):
         return specs, None
     at = lambda path: (
-        f"{value_name}{jtu.keystr(path)} (`{spec_name}{jtu.keystr(path)}`)"
+        f"{value_name}{''.join(key_names(value, path))} (`{spec_name}"
+        f"{jtu.keystr(path)}`)"
     )
     return specs, at
 
@@ -340,7 +343,27 @@ def mesh_or_context(mesh: Any, function: str) -> Any:
 def leaf_path(value: Any, index: int, value_name: str) -> str:
     """The key path of the `index`-th leaf of `value`, for error messages."""
     path, _ = jtu.tree_flatten_with_path(value)[0][index]
-    return value_name + jtu.keystr(path)
+    return value_name + "".join(key_names(value, path))
+
+
+def key_names(tree: Any, path: tuple) -> list[str]:
+    """`jtu.keystr` of each key of `path` into `tree`, but an `eqx.nn.State`'s entry
+    named as `state_specs` names it (`.bn.ema_state_index`) where its marker is the
+    key path `eqx.nn.make_with_state` gave it (a `State` flattens without keys)."""
+    out = []
+    for key in path:
+        text = jtu.keystr((key,))
+        children = dict(
+            jtu.tree_flatten_with_path(tree, is_leaf=lambda y: y is not tree)[0]
+        )
+        if isinstance(tree, eqx.nn.State) and isinstance(key, jtu.FlattenedIndexKey):
+            markers = one_level(tree).node_data()[1]  # pyright: ignore[reportOptionalSubscript]
+            marker = markers[key.key] if key.key < len(markers) else None
+            if isinstance(marker, str):  # `Model.bn.ema_state_index`: from `.bn`
+                text = marker[re.search(r"[.\[]|$", marker).start() :]  # pyright: ignore
+        out.append(text)
+        tree = children[(key,)]
+    return out
 
 
 def call_rule(rule: Callable, leaf: Any, where: Callable[[], str]) -> Any:
