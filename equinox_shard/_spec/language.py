@@ -360,7 +360,7 @@ def key_names(tree: Any, path: tuple) -> list[str]:
             markers = one_level(tree).node_data()[1]  # pyright: ignore[reportOptionalSubscript]
             marker = markers[key.key] if key.key < len(markers) else None
             if isinstance(marker, str):  # `Model.bn.ema_state_index`: from `.bn`
-                text = marker[re.search(r"[.\[]|$", marker).start() :]  # pyright: ignore
+                text = marker[len(re.split(r"[.\[]", marker, maxsplit=1)[0]) :]
         out.append(text)
         tree = children[(key,)]
     return out
