@@ -165,6 +165,7 @@ def run(cfg: dict) -> dict:
         "modes": list(MODES),
         "rows": rows,
         "inputs": inputs,
+        "identity": run_identity(cfg),
     }
 
 
@@ -288,6 +289,8 @@ def render(result: dict) -> str:
         parts.append(text + h.table(headers, rows))
     if "inputs" in result:
         parts.append(render_inputs(result["inputs"]))
+    if "identity" in result:
+        parts.append(render_identity(result["identity"]))
     return "\n\n".join(parts)
 
 
@@ -301,7 +304,21 @@ def render(result: dict) -> str:
 
 SOURCES = ("uncommitted", "numpy", "committed")
 INPUT_VARIANTS = ("eqxs+shard", "flat+shard", "jit+shard")
-TARGET_INPUTS = 1.1  # eqxs+shard / flat+shard, asynchronous dispatch, every cell
+# eqxs+shard / flat+shard, asynchronous dispatch, per cell (issue 62): on the CPU 1.1x
+# on many devices; on one, 1.3x at N >= 10 and 1.5x at N = 1; on an accelerator 1.15x.
+TARGET_INPUTS = 1.1
+TARGET_INPUTS_ONE = 1.3
+TARGET_INPUTS_ONE_N1 = 1.5
+TARGET_INPUTS_DEVICE = 1.15
+
+
+def inputs_target(row: dict) -> float:
+    """Issue 62's target for one cell of `run_inputs`."""
+    if row.get("platform", "cpu") != "cpu":
+        return TARGET_INPUTS_DEVICE
+    if row["devices"] > 1:
+        return TARGET_INPUTS
+    return TARGET_INPUTS_ONE_N1 if row["n"] == 1 else TARGET_INPUTS_ONE
 
 
 def _input_sharding(devices: int):
@@ -391,6 +408,7 @@ def run_inputs(cfg: dict) -> dict:
         rows.append(
             {
                 "devices": devices,
+                "platform": jax.default_backend(),
                 "source": source,
                 "tree": kind,
                 "n": n,
@@ -415,13 +433,14 @@ def render_inputs(result: dict) -> str:
         "eqxs+shard",
         "flat sketch+shard",
         "jit+shard",
-        f"eqxs+shard/flat sketch+shard (<= {TARGET_INPUTS}x)",
+        "eqxs+shard/flat sketch+shard",
+        "target",
     ]
     rows = []
     met = 0
     for r in result["rows"]:
-        ratio = r["eqxs_over_flat"]
-        met += ratio is not None and ratio <= TARGET_INPUTS
+        ratio, target = r["eqxs_over_flat"], inputs_target(r)
+        met += ratio is not None and ratio <= target
         rows.append(
             [
                 r["devices"],
@@ -429,7 +448,8 @@ def render_inputs(result: dict) -> str:
                 r["tree"],
                 r["n"],
                 *(h.fmt(r["seconds"][v]) for v in INPUT_VARIANTS),
-                _marked(ratio, TARGET_INPUTS),
+                _marked(ratio, target),
+                f"<= {target}x",
             ]
         )
     clock = "wall-clock" if result.get("clock") == "wall" else "calling-thread CPU"
@@ -438,8 +458,11 @@ def render_inputs(result: dict) -> str:
         "asynchronous dispatch\n\n"
         "All three with `in_shardings` and `out_shardings` replicated on the devices "
         "given; `jax.jit` on the flat leaves moves a one-device uncommitted input at "
-        f"no cost, so it is not a floor there. Target (issue 48): eqxs/flat sketch <= "
-        f"{TARGET_INPUTS}x in every cell ({met}/{len(rows)} cells pass).\n\n"
+        "no cost, so it is not a floor there. Targets (issue 62), eqxs/flat sketch "
+        f"per cell: on the CPU <= {TARGET_INPUTS}x on many devices, on one <= "
+        f"{TARGET_INPUTS_ONE}x at N >= 10 and <= {TARGET_INPUTS_ONE_N1}x at N = 1; "
+        f"on an accelerator <= {TARGET_INPUTS_DEVICE}x ({met}/{len(rows)} cells pass)."
+        "\n\n"
     )
     return text + h.table(headers, rows)
 
@@ -456,7 +479,7 @@ TARGET_IDENTITY = 1.5  # eqxs / jit and eqxs+shard / jit+shard, synchronous
 
 def run_identity(cfg: dict) -> dict:
     model = eqx.nn.Identity()
-    x = jax.numpy.ones((1, 1))
+    x = jax.numpy.ones((1, 1))  # uncommitted: on the first device
     s = _input_sharding(1)
     variants = {
         "jit": jax.jit(model),

@@ -59,7 +59,10 @@ def state_specs(model: PyTree, state: eqx.nn.State, specs: Any) -> eqx.nn.State:
     **Arguments:**
 
     - `model`: the model the state was made with (`eqx.nn.make_with_state`), which
-        holds the `eqx.nn.StateIndex` of every entry.
+        holds the `eqx.nn.StateIndex` of every entry. It only names the entries:
+        `make_with_state` keys each by its class and key path, so a model of the same
+        class made with other sizes names them too, and the result fits `state`'s own
+        shapes.
     - `state`: the `eqx.nn.State`.
     - `specs`: a specification (of [`equinox_shard.filter_device_put`][]) of the
         model with each `StateIndex` standing for its entry: a single spec leaf, a

@@ -1780,7 +1780,9 @@ def test_out_shardings_take_a_spec_tree_keeping_non_array_leaves():
     assert out.w.sharding == rep and out.t1 == 10.0
     assert_same_values(out.w, np.arange(8.0, dtype=np.float32))
     wrong = jax.tree.map(lambda x: 10.0, m)  # a non-spec leaf at an array
-    with pytest.raises(TypeError, match=r"^out_shardings\.w: .*got float 10\.0"):
+    with pytest.raises(
+        TypeError, match=r"^out\.w \(`out_shardings\.w`\): .*got float 10\.0"
+    ):
         eqxs.filter_jit(lambda m: m, out_shardings=wrong)(m)
 
 

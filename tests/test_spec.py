@@ -755,10 +755,84 @@ def test_a_non_spec_leaf_at_an_array_is_named(function):
         (jax.device_count(),), ("x",), axis_types=(jax.sharding.AxisType.Explicit,)
     )
     spec = _WithStatic(10.0, 10.0)  # pyright: ignore[reportArgumentType]
+    # Named in the argument's names, then the specification's.
+    named = {
+        "filter_device_put": "x.weight (`device_or_shardings.weight`)",
+        "filter_shard": "x.weight (`device_or_shardings.weight`)",
+        "filter_jit": "m.weight (`in_shardings[0].weight`)",
+        "filter_shard_map": "args[0].weight (`in_specs[0].weight`)",
+    }[function]
     with jax.set_mesh(mesh):
-        message = r"\.weight: a sharding specification leaf must be .*; got float 10\.0"
-        with pytest.raises(TypeError, match=message):
+        message = ": a sharding specification leaf must be .*; got float 10\\.0"
+        with pytest.raises(TypeError, match="^" + re.escape(named) + message):
             _placing_function(function, spec)(_WithStatic(jnp.arange(8.0), 10.0))
+
+
+def _over_container(where: str, tmp_path: pathlib.Path):
+    """`(call, traced)`: `call()` gives `where` the spec `{"a": 3}` (a number over the
+    list of arrays `[x]`); `traced` lists what the function traced."""
+    value, spec, traced = {"a": [jnp.arange(8.0)]}, {"a": 3}, []
+
+    def body(v):
+        traced.append(v)
+        return v
+
+    calls = {
+        "filter_device_put": lambda: eqxs.filter_device_put(value, spec),
+        "filter_shard": lambda: eqxs.filter_shard(value, spec),
+        "filter_jit in_shardings": lambda: eqxs.filter_jit(body, in_shardings=(spec,))(
+            value
+        ),
+        "filter_jit in_shardings dict": lambda: eqxs.filter_jit(
+            body, in_shardings={"v": spec}
+        )(value),
+        "filter_jit out_shardings": lambda: eqxs.filter_jit(body, out_shardings=spec)(
+            value
+        ),
+        "filter_shard_map in_specs": lambda: eqxs.filter_shard_map(
+            body, in_specs=(spec,), out_specs=P()
+        )(value),
+        "filter_shard_map out_specs": lambda: eqxs.filter_shard_map(
+            body, in_specs=P(), out_specs=spec
+        )(value),
+    }
+    if where == "restore":
+        eqxs.save(tmp_path / "ckpt", value)
+        return lambda: eqxs.restore(tmp_path / "ckpt", value, spec), traced
+    if where == "state_specs":
+        model, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(8, "batch", mode="ema")
+        return lambda: eqxs.state_specs(model, state, 3), traced
+    return calls[where], traced
+
+
+@pytest.mark.parametrize(
+    "where, named",
+    [
+        ("filter_device_put", "x['a'] (`device_or_shardings['a']`)"),
+        ("filter_shard", "x['a'] (`device_or_shardings['a']`)"),
+        ("filter_jit in_shardings", "v['a'] (`in_shardings[0]['a']`)"),
+        ("filter_jit in_shardings dict", "v['a'] (`in_shardings['v']['a']`)"),
+        ("filter_jit out_shardings", "out['a'] (`out_shardings['a']`)"),
+        ("filter_shard_map in_specs", "args[0]['a'] (`in_specs[0]['a']`)"),
+        ("filter_shard_map out_specs", "out['a'] (`out_specs['a']`)"),
+        ("restore", "like['a'] (`shardings['a']`)"),
+        ("state_specs", "state (`specs`)"),
+    ],
+)
+def test_a_number_over_a_container_of_arrays_is_named(where, named, tmp_path):
+    # A spec leaf that is no spec over arrays is an error naming it, also over a
+    # container of them: `3` over `[x]` was taken as `None` (as it is over `t1=10.0`),
+    # and the arrays were left as they were.
+    mesh = jax.make_mesh(
+        (jax.device_count(),), ("x",), axis_types=(jax.sharding.AxisType.Explicit,)
+    )
+    with jax.set_mesh(mesh):
+        call, traced = _over_container(where, tmp_path)
+        message = ": a sharding specification leaf must be .*; got int 3\\."
+        with pytest.raises(TypeError, match="^" + re.escape(named) + message):
+            call()
+    # Refused before anything is traced, but for the output's own specification.
+    assert len(traced) == (1 if "out_" in where else 0)
 
 
 def test_no_mesh_in_a_worker_thread_says_set_mesh_is_per_thread():

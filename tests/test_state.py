@@ -87,3 +87,66 @@ def test_path_rules_place_the_running_statistics(getkey):
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=1e-4)
     want_mean, _ = expected_state.get(index)
     np.testing.assert_allclose(np.asarray(mean), np.asarray(want_mean), atol=1e-4)
+
+
+class _Wide(eqx.Module):
+    bn: eqx.nn.BatchNorm
+
+    def __init__(self, width):
+        self.bn = eqx.nn.BatchNorm(width, axis_name="batch", mode="ema")
+
+
+def test_a_model_of_the_same_class_names_a_state_of_other_shapes():
+    # The model only names the entries (`make_with_state` keys each by its class and
+    # key path): a model of width 12 names the entries of a state of width 16, and the
+    # specification fits the state's shapes (12 is not divisible by 8 devices, 16 is).
+    model, _ = eqx.nn.make_with_state(_Wide)(12)
+    other, state = eqx.nn.make_with_state(_Wide)(16)
+    index = other.bn.ema_state_index
+    assert index is not None
+    before = [np.array(x) for x in state.get(index)]
+    mesh = _mesh()
+    with jax.set_mesh(mesh):
+        specs = eqxs.state_specs(model, state, _RULES)
+        placed = eqxs.filter_device_put(state, specs)
+    mean, var = placed.get(index)
+    assert mean.shape == (16,) and mean.sharding == NamedSharding(mesh, P("x"))
+    assert var.sharding == NamedSharding(mesh, P())
+    assert_same_values(mean, before[0])
+    assert_same_values(var, before[1])
+    # A model of another class holds other indices: refused, as before.
+    with pytest.raises(ValueError, match="does not hold the `eqx.nn.StateIndex`"):
+        eqxs.state_specs(_Model(jax.random.key(0)), state, _RULES)
+
+
+@pytest.mark.parametrize(
+    "where", ["filter_device_put", "filter_shard", "in_shardings", "out_shardings"]
+)
+def test_an_indivisible_state_entry_is_named_by_its_index(where):
+    # Named as `state_specs` and `sharding_table(model=)` name it, where the error
+    # said `x[<flat index 1>][0]` (Equinox flattens a `State` without keys).
+    model, state = eqx.nn.make_with_state(_Wide)(12)  # 12: not divisible by 8
+    before = [np.array(x) for x in jax.tree.leaves(state)]
+    calls = {
+        "filter_device_put": ("x", eqxs.filter_device_put),
+        "filter_shard": ("x", eqxs.filter_shard),
+        "in_shardings": (
+            "s",
+            lambda s, specs: eqxs.filter_jit(lambda s: s, in_shardings=(specs,))(s),
+        ),
+        "out_shardings": (
+            "out",
+            lambda s, specs: eqxs.filter_jit(lambda s: s, out_shardings=specs)(s),
+        ),
+    }
+    name, call = calls[where]
+    with jax.set_mesh(_mesh()):
+        specs = eqxs.state_specs(model, state, _RULES)
+        with pytest.raises(ValueError) as info:
+            call(state, specs)
+    assert str(info.value).startswith(
+        f"{name}.bn.ema_state_index[0]: dimension 0 of shape (12,) has size 12, "
+        "which is not divisible by the 8 devices"
+    )
+    for x, was in zip(jax.tree.leaves(state), before):
+        assert_same_values(x, was)  # nothing deleted or changed

@@ -32,6 +32,7 @@ from .._spec.language import (
     context_mesh,
     flatten_specs,
     for_jax,
+    key_names,
     needs_mesh,
     spread,
 )
@@ -412,11 +413,12 @@ def _positional(cache: Cache, position: int) -> str:
 def arg_path(cache: Cache, args: tuple, kwargs: dict, index: int) -> str:
     """The key path of leaf `index` of the bound `(args, kwargs)`."""
     path, _ = jtu.tree_flatten_with_path((args, kwargs))[0][index]
-    return path_name(cache, path)
+    return path_name(cache, path, (args, kwargs))
 
 
-def path_name(cache: Cache, path: tuple) -> str:
-    """A key path into the bound `(args, kwargs)`, rooted at the parameter's name."""
+def path_name(cache: Cache, path: tuple, tree: Any = None) -> str:
+    """A key path into the bound `(args, kwargs)` (`tree`, to name `State` entries),
+    rooted at the parameter's name."""
     if len(path) < 2:
         return "the arguments"
     _, key, *rest = path  # `args[p]` or `kwargs[k]`
@@ -424,7 +426,9 @@ def path_name(cache: Cache, path: tuple) -> str:
         name = _positional(cache, key.idx)
     else:
         name = str(key.key if isinstance(key, jtu.DictKey) else key)
-    return name + jtu.keystr(tuple(rest))
+    if tree is None:
+        return name + jtu.keystr(tuple(rest))
+    return name + "".join(key_names(tree, path)[2:])
 
 
 def raise_if_unhashable(cache: Cache, args, kwargs, leaves: list, static) -> None:

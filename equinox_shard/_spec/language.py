@@ -11,9 +11,11 @@ per array leaf; errors name the leaf by its key path in the user's argument name
 import dataclasses
 import functools as ft
 import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.tree_util as jtu
 import numpy as np
@@ -198,8 +200,8 @@ def spread(
         spec_leaves, spec_def = flatten_specs(specs, spec_name, placement=placement)
     except TypeError:
         # `Compiled.input_shardings` and `input_formats` hold non-array leaves as is.
-        specs = _own_leaves_as_none(specs, value)
-        spec_leaves, spec_def = flatten_specs(specs, spec_name, placement=placement)
+        specs, at = _own_leaves_as_none(specs, value, selected, spec_name, value_name)
+        spec_leaves, spec_def = flatten_specs(specs, spec_name, at, placement=placement)
     out = broadcast_specs(
         spec_leaves, spec_def, specs, value, len(leaves), spec_name, value_name
     )
@@ -238,27 +240,36 @@ def spread(
     return out
 
 
-def _own_leaves_as_none(specs: Any, value: Any) -> Any:
-    """`specs` with each non-spec leaf at a non-array leaf of the value (a spec tree
-    made by `jax.tree.map` over a Module keeps `t1=10.0`: one rule for every function,
-    whatever the value's leaf is now), or that is the value's own leaf, replaced by
-    `None`; `specs` if they do not line up (`flatten_specs` then names the leaf)."""
+def _own_leaves_as_none(
+    specs: Any, value: Any, selected: Callable, spec_name: str, value_name: str
+) -> tuple[Any, Callable[[tuple], str] | None]:
+    """`specs` with each non-spec leaf over no `selected` leaf of the value that may be
+    the value's own (a spec tree made by `jax.tree.map` over a Module keeps
+    `t1=10.0`: one rule for every function, whatever the value's leaf is now), or that
+    is it, replaced by `None`; and how `flatten_specs` names a leaf left (one over an
+    array, or a container of them: never taken as `None`). `specs` and `None` if they
+    do not line up (`flatten_specs` then names the leaf by the specification)."""
 
-    def own_as_none(spec: Any, leaf: Any) -> Any:
-        if is_spec_leaf(spec):
+    def own_as_none(spec: Any, subtree: Any) -> Any:
+        if is_spec_leaf(spec) or any(map(selected, jtu.tree_leaves(subtree))):
             return spec
-        if spec is leaf or (may_be_own_leaf(spec) and not is_array(leaf)):
+        if spec is subtree or may_be_own_leaf(spec):
             return None
         try:  # a string: the value's own if equal
-            same = type(spec) is type(leaf) and bool(spec == leaf)
+            same = type(spec) is type(subtree) and bool(spec == subtree)
         except Exception:  # e.g. an array's truth value: not the same
             same = False
         return None if same else spec
 
     try:
-        return jtu.tree_map(own_as_none, specs, value, is_leaf=is_spec_leaf)
+        specs = jtu.tree_map(own_as_none, specs, value, is_leaf=is_spec_leaf)
     except (ValueError, TypeError):
-        return specs
+        return specs, None
+    at = lambda path: (
+        f"{value_name}{''.join(key_names(value, path))} (`{spec_name}"
+        f"{jtu.keystr(path)}`)"
+    )
+    return specs, at
 
 
 def resolve_each(
@@ -332,7 +343,27 @@ def mesh_or_context(mesh: Any, function: str) -> Any:
 def leaf_path(value: Any, index: int, value_name: str) -> str:
     """The key path of the `index`-th leaf of `value`, for error messages."""
     path, _ = jtu.tree_flatten_with_path(value)[0][index]
-    return value_name + jtu.keystr(path)
+    return value_name + "".join(key_names(value, path))
+
+
+def key_names(tree: Any, path: tuple) -> list[str]:
+    """`jtu.keystr` of each key of `path` into `tree`, but an `eqx.nn.State`'s entry
+    named as `state_specs` names it (`.bn.ema_state_index`) where its marker is the
+    key path `eqx.nn.make_with_state` gave it (a `State` flattens without keys)."""
+    out = []
+    for key in path:
+        text = jtu.keystr((key,))
+        children = dict(
+            jtu.tree_flatten_with_path(tree, is_leaf=lambda y: y is not tree)[0]
+        )
+        if isinstance(tree, eqx.nn.State) and isinstance(key, jtu.FlattenedIndexKey):
+            markers = one_level(tree).node_data()[1]  # pyright: ignore[reportOptionalSubscript]
+            marker = markers[key.key] if key.key < len(markers) else None
+            if isinstance(marker, str):  # `Model.bn.ema_state_index`: from `.bn`
+                text = marker[len(re.split(r"[.\[]", marker, maxsplit=1)[0]) :]
+        out.append(text)
+        tree = children[(key,)]
+    return out
 
 
 def call_rule(rule: Callable, leaf: Any, where: Callable[[], str]) -> Any:
