@@ -80,7 +80,7 @@ def test_no_import_cycle():
 
 
 def _paragraph_names(wing: str, word: str) -> set[str]:
-    """The names quoted in the paragraph of `wing`'s docstring that starts with `word`."""
+    """The names quoted in the paragraph of `wing`'s docstring starting with `word`."""
     doc = ast.get_docstring(ast.parse((_PACKAGE / wing / "__init__.py").read_text()))
     [paragraph] = [p for p in (doc or "").split("\n\n") if p.startswith(word)]
     return set(re.findall(r"`(\w+)`", paragraph))
