@@ -1,5 +1,15 @@
 """Filtered sharding for Equinox: PyTrees of arrays and non-arrays placed, constrained,
-JIT-compiled, shard-mapped, pipelined and checkpointed across devices."""
+JIT-compiled, shard-mapped, pipelined and checkpointed across devices.
+
+The source reads in this order: the root's `_arrays` (what an array or a sharding is),
+`_buffers` (which buffers JAX shares), `_dispatch` (the lock of donating launches),
+`_named` (leaves named by key path) and `_multihost` (several processes); the wing
+`_spec` (the specification language); the root's `_placement` (the one placement),
+`_sharding` (`filter_device_put`, `filter_shard`), `_state`, `_sharding_table` and
+`_process_local_data`; then the wings `_jit` (`filter_jit`), `_manual`
+(`filter_shard_map`, `filter_pipeline`) and `_checkpoint`. Each wing's `__init__.py`
+gives its own reading order, what it exports and what it imports.
+"""
 
 import importlib.metadata as _metadata
 

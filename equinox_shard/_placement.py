@@ -24,7 +24,7 @@ from ._arrays import (
 from ._buffers import private_copies, shares_single_device_buffer, shares_source_buffer
 from ._dispatch import dispatch_lock
 from ._spec.kinds import kind_of, sharding_of
-from ._spec.language import check, for_jax
+from ._spec.language import check_shapes, for_jax
 
 
 traceback_util.register_exclusion(__file__)
@@ -118,28 +118,6 @@ _AVAL = repeat("aval")
 _COMMITTED = repeat("committed")
 _SHARD = repeat("sharding")
 _WEAK = repeat("weak_type")
-
-
-# The `(shape, target)` pairs that `check` passed, emptied when full.
-_fits: set = set()
-
-
-def check_shapes(leaves: list, todo, where: Callable[[int], str]) -> None:
-    """Raises, naming the leaf, if a target of `todo` cannot hold `leaves[i]`'s shape:
-    the one shape check of placement and of `filter_jit`."""
-    for i, target in todo:
-        shape = getattr(leaves[i], "shape", ())
-        try:
-            if (shape, target) in _fits:
-                continue
-            hashable = True
-        except TypeError:  # an unhashable target: checked every time
-            hashable = False
-        check(shape, target, ft.partial(where, i))
-        if hashable:
-            if len(_fits) >= 4096:
-                _fits.clear()
-            _fits.add((shape, target))
 
 
 def place(

@@ -44,11 +44,14 @@ def _module(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: pathlib.Path, modules: set[str]) -> set[str]:
-    """The package modules that `path` imports at module level."""
+def _imports(
+    path: pathlib.Path, modules: set[str], in_functions: bool = False
+) -> set[str]:
+    """The package modules that `path` imports at module level (and in functions)."""
     folder = list(path.relative_to(_PACKAGE).parent.parts)
     out = set()
-    for node in ast.parse(path.read_text()).body:
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree) if in_functions else tree.body:
         if isinstance(node, ast.ImportFrom) and node.level >= 1:
             base = folder[: len(folder) - (node.level - 1)]
             base += node.module.split(".") if node.module else []
@@ -74,6 +77,34 @@ def test_no_import_cycle():
 
     for module in graph:
         visit(module, ())
+
+
+def _paragraph_names(wing: str, word: str) -> set[str]:
+    """The names quoted in the paragraph of `wing`'s docstring starting with `word`."""
+    doc = ast.get_docstring(ast.parse((_PACKAGE / wing / "__init__.py").read_text()))
+    [paragraph] = [p for p in (doc or "").split("\n\n") if p.startswith(word)]
+    return set(re.findall(r"`(\w+)`", paragraph))
+
+
+def test_each_wing_imports_and_exports_what_its_docstring_names():
+    paths = {_module(p): p for p in _PACKAGE.rglob("*.py")}
+    wings = sorted(m for m, p in paths.items() if p.name == "__init__.py" and m)
+    assert wings == ["_checkpoint", "_jit", "_manual", "_spec"]
+    for wing in wings:
+        imports, exports = set(), set()
+        for module, path in paths.items():
+            inside = module.startswith(wing + ".")
+            for imported in _imports(path, set(paths), in_functions=True):
+                top, *rest = imported.split(".")
+                if inside and top != wing:
+                    imports.add(top)  # a root module, or another wing
+                elif not inside and module != wing and top == wing:
+                    exports.update(rest)
+        named = _paragraph_names(wing, "Imports")
+        assert named <= set(paths), (wing, named - set(paths))
+        assert imports == named, wing
+        named = _paragraph_names(wing, "Exports")  # modules, and what they hold
+        assert exports == {n for n in named if f"{wing}.{n}" in paths}, wing
 
 
 def test_no_private_name_crosses_a_module_line():

@@ -5,16 +5,13 @@ step, and what becomes of it at exit and at fork (docs/checkpoints.md)."""
 import atexit
 import concurrent.futures.thread  # noqa: F401 (its exit hook registered before ours)
 import contextlib
-import errno
 import os
 import pathlib
-import socket
 import sys
 import threading
 import time
 from typing import Any
 
-import jax
 import jax._src.traceback_util as traceback_util
 import numpy as np
 from jaxtyping import PyTree
@@ -22,7 +19,8 @@ from jaxtyping import PyTree
 from . import manifest
 from .failures import Pending
 from .orbax import composite, handlers, orbax as _orbax
-from .save_restore import absolute_path, LOCK_FILE, logger, nbytes, restore_from
+from .save_restore import absolute_path, logger, nbytes, restore_from
+from .writer_lock import drop_lock, take_lock
 
 
 traceback_util.register_exclusion(__file__)
@@ -44,96 +42,6 @@ def _step(step: Any) -> int:
     if step < 0:
         raise ValueError(f"`step` must be a non-negative int, not {step}.")
     return int(step)
-
-
-def _dead(owner: list[str]) -> bool:
-    """Whether the lock file's `pid host` names a process of this host that is gone."""
-    if len(owner) != 2 or owner[1] != socket.gethostname() or not owner[0].isdigit():
-        return False
-    try:
-        os.kill(int(owner[0]), 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # EPERM: it exists
-        return False
-    return False
-
-
-@contextlib.contextmanager
-def _guard(directory: pathlib.Path):
-    """The directory `flock`ed: one process at a time replaces a dead writer's lock."""
-    import fcntl
-
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        with contextlib.suppress(OSError):  # no `flock` on directories here: unguarded
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases it
-
-
-def take_lock(directory: pathlib.Path) -> int | OSError | None:
-    """The open lock file, `flock`ed (the system releases it once no process has it
-    open); an `OSError` where `directory` cannot be written; `None` but on process 0.
-    A lock held only by the children of a writer that died is replaced."""
-    import fcntl  # POSIX only: imported here so that the package imports anywhere
-
-    if jax.process_index() != 0:
-        return None
-    lock = directory / LOCK_FILE
-    while True:
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
-        except OSError as e:
-            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-                return e  # no writer there: `save` raises, naming it
-            raise
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.read(fd, 256).decode(errors="replace").split()
-            if _dead(owner):
-                # A child it forked (or any process given the file) keeps it locked.
-                with _guard(directory):
-                    if _same(fd, lock):
-                        os.unlink(lock)
-                os.close(fd)
-                continue
-            os.close(fd)
-            who = "another process"
-            if len(owner) == 2:
-                who = f"process {owner[0]} on host {owner[1]}"
-            if owner == [str(os.getpid()), socket.gethostname()]:
-                who = "another CheckpointManager of this process (close it first)"
-            raise RuntimeError(
-                f"Another CheckpointManager writes to {directory}: {who} holds its "
-                f"lock {lock}. Two writers on one directory overwrite and delete each "
-                "other's steps, so this one is refused."
-            ) from None
-        # Locked, unless its closing writer unlinked that file meanwhile: lock anew.
-        if _same(fd, lock):
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()} {socket.gethostname()}".encode())
-            return fd
-        os.close(fd)
-
-
-def _same(fd: int, lock: pathlib.Path) -> bool:
-    """Whether the file open as `fd` is still the one at `lock`."""
-    return os.path.exists(lock) and os.path.samestat(os.fstat(fd), os.stat(lock))
-
-
-def drop_lock(directory: pathlib.Path, fd: int) -> None:
-    """Releases the lock; a lock file that cannot be removed is logged and left."""
-    try:
-        (directory / LOCK_FILE).unlink()
-    except OSError as e:
-        logger.warning(
-            "could not remove the writer's lock %s of %s (%s: %s); it is released.",
-            directory / LOCK_FILE, directory, type(e).__name__, e,
-        )  # fmt: skip
-    os.close(fd)
 
 
 class CheckpointManager:

@@ -20,6 +20,7 @@ from .._spec.language import check, resolve_leaves
 from . import data_files, manifest, progress
 from .failures import found, unfinished, writing
 from .orbax import composite, handlers, LOCK, orbax as _orbax
+from .writer_lock import raise_if_locked
 
 
 traceback_util.register_exclusion(__file__)
@@ -113,7 +114,7 @@ def save(
             f"the path it names ({path.resolve()}) to replace that checkpoint, or "
             "remove the link."
         )
-    _raise_if_managed(path)
+    raise_if_locked(path)
     if not overwrite and (path.exists() or found(path) != path):
         raise FileExistsError(
             f"{path} already exists; pass `overwrite=True` to replace it."
@@ -143,30 +144,6 @@ def save(
         "saved %s: %d arrays, %d bytes in %.2f s",
         path, len(arrays), nbytes(arrays), time.perf_counter() - start,
     )  # fmt: skip
-
-
-LOCK_FILE = ".eqxs-writer"  # a `CheckpointManager`'s writer lock, in its directory
-
-
-def _raise_if_managed(path: pathlib.Path) -> None:
-    """Raises if a `CheckpointManager` of any process writes to `path`'s directory."""
-    try:
-        import fcntl  # POSIX only, as the lock
-
-        fd = os.open(path.parent / LOCK_FILE, os.O_RDONLY)
-    except (ImportError, OSError):
-        return  # no writer's lock there
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise RuntimeError(
-            f"A CheckpointManager writes to {path.parent} (it holds its lock "
-            f"{path.parent / LOCK_FILE}); `save` there would add or replace its steps "
-            "behind its back, so it is refused. Save with the manager "
-            "(`manager.save(step, tree, force=True)`), or elsewhere."
-        ) from None
-    finally:
-        os.close(fd)
 
 
 def _read_record(path: pathlib.Path) -> list[dict]:

@@ -7,4 +7,8 @@ function `jax.jit` traces), `packing` (the forms in which PyTrees cross `jax.jit
 `donation`, `launch` (the dispatch's launch, layers and lock), `callbacks` (host
 callbacks and Equinox's runtime errors) and `explain_misses` (JAX's
 `jax_explain_cache_misses` for our cache).
+
+Exports `filter_jit` (with `Compiled` and `Lowered`) to the package.
+
+Imports `_arrays`, `_buffers`, `_dispatch`, `_named`, `_placement` and the wing `_spec`.
 """

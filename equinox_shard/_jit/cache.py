@@ -27,8 +27,8 @@ from .._arrays import (
     raise_if_fun_deleted,
     raise_if_not_jax_type,
 )
-from .._placement import check_shapes
 from .._spec.language import (
+    check_shapes,
     context_mesh,
     flatten_specs,
     for_jax,

@@ -21,9 +21,9 @@ from .._arrays import (
     raise_if_deleted,
     raise_if_not_jax_type,
 )
-from .._placement import all_placed, check_shapes, jit_takes, MOVES, place, PLACED
+from .._placement import all_placed, jit_takes, MOVES, place, PLACED
 from .._spec.kinds import is_auto, kind_of, sharding_of
-from .._spec.language import context_mesh, for_jax, resolve, resolve_each
+from .._spec.language import check_shapes, context_mesh, for_jax, resolve, resolve_each
 from .._spec.leaves import is_spec_leaf, unset
 from . import callbacks, launch
 from .cache import arg_path, ArgStructure, Cache, diagnose, on_its_mesh

@@ -14,50 +14,10 @@ import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 from equinox import is_array
 
+from .._named import KeyPath, Named, Names
+
 
 traceback_util.register_exclusion(__file__)
-
-
-class KeyPath:
-    """A key whose `str` is a whole key path: JAX prints `name + str(key)`."""
-
-    __slots__ = ("path",)
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def __str__(self) -> str:
-        return self.path
-
-    __repr__ = __str__
-
-
-class Names:
-    """The key paths of a `Named`'s leaves; compared by identity, so that `jax.jit`'s
-    cache lookup does not compare paths."""
-
-    __slots__ = ("keys",)
-
-    def __init__(self, keys: tuple):
-        self.keys = keys
-
-
-class Named:
-    """One parameter's traced leaves, flat, named by their key paths."""
-
-    __slots__ = ("leaves", "names")
-
-    def __init__(self, leaves: tuple, names: Names):
-        self.leaves = leaves
-        self.names = names
-
-
-jtu.register_pytree_with_keys(
-    Named,
-    lambda x: (tuple(zip(x.names.keys, x.leaves)), x.names),
-    lambda names, leaves: Named(tuple(leaves), names),
-    flatten_func=lambda x: (x.leaves, x.names),
-)
 
 
 def getter(indices: tuple[int, ...], key: bool = False) -> Callable[[Any], Any]:

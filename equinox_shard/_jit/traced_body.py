@@ -12,9 +12,9 @@ from equinox import is_array
 from jax.sharding import AxisType, NamedSharding
 
 from .._arrays import is_tracer
-from .._placement import check_shapes, place, trimmed_spec
+from .._placement import place, trimmed_spec
 from .._spec.kinds import is_auto, kind_of, sharding_of
-from .._spec.language import for_jax, leaf_path, resolve, resolve_leaves
+from .._spec.language import check_shapes, for_jax, leaf_path, resolve, resolve_leaves
 from .._spec.leaves import is_rule, is_spec_leaf, may_be_own_leaf, PathRules, unset
 from .cache import ArgStructure, Cache, unique_name
 from .packing import mirror, mirror_combine, OutStatic

@@ -2,4 +2,8 @@
 built on it.
 
 Read `shard_map` first, then `pipeline`.
+
+Exports `shard_map` and `pipeline` to the package.
+
+Imports `_arrays`, `_named` and the wing `_spec`.
 """

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from .._arrays import raise_if_deleted
-from .._jit.packing import KeyPath, Named, Names
+from .._named import KeyPath, Named, Names
 from .._spec.language import (
     call_rule,
     check,

@@ -482,3 +482,25 @@ def check(shape: Sequence[int], sharding: Any, where: Callable[[], str]) -> None
                 f"{where()}: {sharding} cannot shard an array of shape "
                 f"{tuple(shape)}: {e}"
             ) from e
+
+
+# The `(shape, target)` pairs that `check` passed, emptied when full.
+_fits: set = set()
+
+
+def check_shapes(leaves: list, todo, where: Callable[[int], str]) -> None:
+    """Raises, naming the leaf, if a target of `todo` cannot hold `leaves[i]`'s shape:
+    the one shape check of placement and of `filter_jit`."""
+    for i, target in todo:
+        shape = getattr(leaves[i], "shape", ())
+        try:
+            if (shape, target) in _fits:
+                continue
+            hashable = True
+        except TypeError:  # an unhashable target: checked every time
+            hashable = False
+        check(shape, target, ft.partial(where, i))
+        if hashable:
+            if len(_fits) >= 4096:
+                _fits.clear()
+            _fits.add((shape, target))
