@@ -106,11 +106,12 @@ def test_lock_of_a_killed_writer_is_free_while_its_child_lives(tmp_path, how):
         trainer.kill()
         trainer.wait()
         os.kill(child, 0)  # alive, the lock file open
+        eqxs.save(directory / "plain", {"x": np.arange(2.0)})  # nor refuses `save`
         with eqxs.CheckpointManager(directory) as manager:
             owner = (directory / ".eqxs-writer").read_text().split()[0]
             assert owner == str(os.getpid())
             manager.save(1, {"x": np.arange(4.0)})
-        assert sorted(p.name for p in directory.iterdir()) == ["1"]
+        assert sorted(p.name for p in directory.iterdir()) == ["1", "plain"]
     finally:
         if trainer.poll() is None:
             trainer.kill()

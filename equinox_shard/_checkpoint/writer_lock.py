@@ -32,6 +32,8 @@ def raise_if_locked(path: pathlib.Path) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
+        if _dead(os.read(fd, 256).decode(errors="replace").split()):
+            return  # held only by what a dead writer left: as `take_lock` sees it
         raise RuntimeError(
             f"A CheckpointManager writes to {path.parent} (it holds its lock "
             f"{path.parent / LOCK_FILE}); `save` there would add or replace its steps "
