@@ -148,8 +148,9 @@ def _child(group: list[str], sample: int, seed: int, jobs: int) -> None:
         mm._run(names, jobs)
 
 
-def _run_group(group: list[str], args, seconds: float) -> dict[str, dict]:
-    """Runs `_child` on `group` for at most `seconds`: each drawn mutant -> record."""
+def _run_group(group: list[str], args, seconds: float) -> tuple[dict, dict]:
+    """Runs `_child` on `group` for at most `seconds`: each drawn mutant -> its record,
+    and each module -> its number of mutants."""
     command = [sys.executable, __file__, *group, "--child"]
     command += [f"--sample={args.sample}", f"--seed={args.seed}", f"--jobs={args.jobs}"]
     log = pathlib.Path("mutants") / f"{group[0]}.log"
@@ -163,17 +164,18 @@ def _run_group(group: list[str], args, seconds: float) -> dict[str, dict]:
         except subprocess.TimeoutExpired:
             os.killpg(child.pid, signal.SIGKILL)  # its fork server and workers too
             child.wait()
-    records = {}
+    records, population = {}, {}
     for module in group:
         drawn_file = pathlib.Path("mutants") / f"{module}.sample"
         drawn = drawn_file.read_text().split() if drawn_file.exists() else []
         status = _results(module)
+        population[module] = len(status)
         for name in drawn:
             records[name] = {
                 "module": module,
                 "status": status.get(name, "not checked"),
             }
-    return records
+    return records, population
 
 
 def _classify(name: str, status: str, equivalent: dict[str, str]) -> str:
@@ -196,7 +198,7 @@ def wilson(killed: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def _row(name: str, c: dict[str, int]) -> str:
+def _row(name: str, c: dict[str, int], mutants: int) -> str:
     run = c["killed"] + c["survived"]
     if run:
         low, high = wilson(c["killed"], run)
@@ -204,31 +206,37 @@ def _row(name: str, c: dict[str, int]) -> str:
     else:
         rate = "-"
     cells = " | ".join(str(c[k]) for k in _COLUMNS)
-    return f"| {name} | {sum(c.values())} | {cells} | {rate} |"
+    return f"| {name} | {mutants or '?'} | {sum(c.values())} | {cells} | {rate} |"
 
 
-def table(records: dict[str, dict], equivalent: dict[str, str]) -> str:
-    """The markdown table of `records`, per module and per target."""
-    by_module, by_target = {}, {}
+def table(records: dict, population: dict[str, int], equivalent: dict[str, str]) -> str:
+    """The markdown table of `records`, per module and per target; `population` is
+    each module's number of mutants."""
+    by_module: dict[str, dict[str, int]] = {}
+    by_target: dict[str, dict[str, int]] = {}
     for name, record in sorted(records.items()):
         column = _classify(name, record["status"], equivalent)
         for key, counts in (
             (record["module"], by_module),
             (target_of(record["module"]), by_target),
         ):
-            counts.setdefault(key, dict.fromkeys(_COLUMNS, 0))[column] += 1
+            counts.setdefault(key, {k: 0 for k in _COLUMNS})[column] += 1
     lines = [
-        "| module | drawn | killed | survived | equivalent | not run "
+        "| module | mutants | drawn | killed | survived | equivalent | not run "
         "| killed of non-equivalent run (95% interval) |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    lines += [_row(m, c) for m, c in sorted(by_module.items())]
-    lines += [_row(f"**{t}**", c) for t, c in sorted(by_target.items())]
-    total = dict.fromkeys(_COLUMNS, 0)
+    lines += [_row(m, c, population.get(m, 0)) for m, c in sorted(by_module.items())]
+    for t, c in sorted(by_target.items()):
+        if not t.endswith("/"):
+            continue  # a module: its row is there already
+        size = sum(n for m, n in population.items() if target_of(m) == t)
+        lines.append(_row(f"**{t}**", c, size))
+    total = {k: 0 for k in _COLUMNS}
     for c in by_target.values():
         for k in _COLUMNS:
             total[k] += c[k]
-    lines.append(_row("**all**", total))
+    lines.append(_row("**all**", total, sum(population.values())))
     return "\n".join(lines)
 
 
@@ -266,9 +274,12 @@ def main() -> int:
     if args.child:
         _child(args.modules, args.sample, args.seed, args.jobs)
         return 0
-    equivalent = _equivalent()
+    equivalent, reports = _equivalent(), []
     if args.merge:
-        records = _merge([json.loads(p.read_text()) for p in args.merge])
+        reports = [json.loads(p.read_text()) for p in args.merge]
+        records, population = _merge(reports), {}
+        for report in reports:
+            population.update(report.get("population", {}))
     else:
         import mutmut  # pyright: ignore[reportMissingImports]
 
@@ -279,19 +290,27 @@ def main() -> int:
         groups: dict[tuple[str, ...], list[str]] = {}
         for module in modules(args.modules or TARGETS):
             groups.setdefault(tuple(tests_of(module)), []).append(module)
-        records, left = {}, sum(len(g) for g in groups.values())
+        records, population = {}, {}
+        left = sum(len(g) for g in groups.values())
         for group in groups.values():
             # A share of the time left by modules, so that every module gets its turn.
             share = (deadline - time.monotonic()) * len(group) / left
             left -= len(group)
             start = time.monotonic()
-            records.update(_run_group(group, args, share))
+            group_records, group_population = _run_group(group, args, share)
+            records.update(group_records)
+            population.update(group_population)
             print(f"{', '.join(group)}: {(time.monotonic() - start) / 60:.1f} minutes")
         if args.report:
-            report = {"seed": args.seed, "sample": args.sample, "mutants": records}
+            report = {"seed": args.seed, "sample": args.sample}
+            report.update(mutants=records, population=population)
             args.report.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
-    print(f"\nseed {args.seed}, {args.sample or 'all'} mutants per module")
-    print(table(records, equivalent))
+    if args.merge:
+        runs = ", ".join(f"seed {r['seed']} sample {r['sample']}" for r in reports)
+        print(f"\nmerged: {runs}")
+    else:
+        print(f"\nseed {args.seed}, {args.sample or 'all'} mutants per module")
+    print(table(records, population, equivalent))
     untriaged = [
         (n, r)
         for n, r in sorted(records.items())
