@@ -39,7 +39,12 @@ TARGETS = (
     "equinox_shard/_placement.py",
     "equinox_shard/_sharding.py",
 )
-_SHARDING = ["tests/test_sharding.py", "tests/test_donation_safety.py"]
+# Memory spaces are a kind of spec leaf, placed as shardings are.
+_SHARDING = [
+    "tests/test_sharding.py",
+    "tests/test_donation_safety.py",
+    "tests/test_memory_space.py",
+]
 # Target -> the pytest arguments selecting its tests (mutmut then runs, per mutant, the
 # ones among them that call the mutated function). A module takes the entry of the
 # longest target containing it; modules with one entry share one run of mutmut.
@@ -57,6 +62,7 @@ TESTS = {
         "tests/test_kinds.py",
         "tests/test_rules.py",
         "tests/test_rules_report.py",
+        "tests/test_memory_space.py",
     ],
     "equinox_shard/_checkpoint/": sorted(
         str(p.relative_to(pathlib.Path(__file__).parents[1]))
