@@ -39,11 +39,12 @@ TARGETS = (
     "equinox_shard/_placement.py",
     "equinox_shard/_sharding.py",
 )
-# Memory spaces are a kind of spec leaf, placed as shardings are.
+# Memory spaces and formats are kinds of spec leaf, placed as shardings are.
 _SHARDING = [
     "tests/test_sharding.py",
     "tests/test_donation_safety.py",
     "tests/test_memory_space.py",
+    "tests/test_formats.py",
 ]
 # Target -> the pytest arguments selecting its tests (mutmut then runs, per mutant, the
 # ones among them that call the mutated function). A module takes the entry of the
