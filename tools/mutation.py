@@ -64,6 +64,7 @@ TESTS = {
         "tests/test_rules.py",
         "tests/test_rules_report.py",
         "tests/test_memory_space.py",
+        "tests/test_formats.py",
     ],
     "equinox_shard/_checkpoint/": sorted(
         str(p.relative_to(pathlib.Path(__file__).parents[1]))
