@@ -183,6 +183,13 @@ def _run_group(group: list[str], args, seconds: float) -> tuple[dict, dict]:
                 "module": module,
                 "status": status.get(name, "not checked"),
             }
+            if records[name]["status"] in ("survived", "no tests"):
+                # Now: the next group's run copies this module afresh, unmutated.
+                mutmut_cli = pathlib.Path(sys.executable).with_name("mutmut")
+                shown = subprocess.run(
+                    [mutmut_cli, "show", name], capture_output=True, text=True
+                )
+                records[name]["diff"] = shown.stdout.strip()
     return records, population
 
 
@@ -324,15 +331,10 @@ def main() -> int:
         for n, r in sorted(records.items())
         if _classify(n, r["status"], equivalent) == "survived"
     ]
-    mutmut_cli = pathlib.Path(sys.executable).with_name("mutmut")
     for name, record in untriaged:
         how = f"kill it with a test, or list it in {EQUIVALENT.name}"
         print(f"\n{record['status']}: {name} ({how})")
-        if not args.merge:
-            shown = subprocess.run(
-                [mutmut_cli, "show", name], capture_output=True, text=True
-            )
-            print(shown.stdout.strip())
+        print(record.get("diff", ""))
     return 1 if untriaged else 0
 
 
