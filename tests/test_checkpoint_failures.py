@@ -156,6 +156,29 @@ def test_full_disk_raises_naming_the_step(tmp_path, caplog, monkeypatch):
             assert_same_values(manager.restore(small), snapshot(small))
 
 
+def test_failed_save_closed_by_a_with_block_that_raises(tmp_path, caplog, monkeypatch):
+    # The block's own exception goes on; the save's failure is logged, naming the
+    # manager's directory and the step.
+    small = {"x": jnp.arange(16.0)}
+    _full_disk_patch(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="equinox_shard"):
+        with pytest.raises(KeyError, match="the block's own"):
+            with eqxs.CheckpointManager(tmp_path) as manager:
+                assert manager.save(2, small)
+                raise KeyError("the block's own")
+    monkeypatch.undo()
+    (record,) = [
+        r
+        for r in caplog.records
+        if r.name == "equinox_shard" and r.levelno >= logging.ERROR
+    ]
+    assert record.getMessage() == f"closing the CheckpointManager of {tmp_path}"
+    assert record.exc_info is not None
+    assert str(record.exc_info[1]).startswith(
+        f"[Errno {errno.ENOSPC}] The save of step 2 to {tmp_path / '2'} failed: "
+    ), str(record.exc_info[1])
+
+
 def test_save_on_a_full_disk(tmp_path, monkeypatch):
     small = {"x": jnp.arange(16.0)}
     big = {"x": jnp.asarray(np.random.default_rng(0).standard_normal(1 << 17))}

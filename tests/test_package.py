@@ -1,4 +1,5 @@
 import ast
+import importlib.util
 import pathlib
 import re
 
@@ -161,3 +162,43 @@ def test_runs_without_deprecated_jax_names():
     assert any(
         "['a']" in row and str(jax.devices()[1]) in row for row in table.split("\n")
     )
+
+
+def _mutation_tool():
+    path = pathlib.Path(__file__).parents[1] / "tools" / "mutation.py"
+    spec = importlib.util.spec_from_file_location("mutation", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_mutation_testing_reaches_every_module_of_its_targets():
+    # A module added to a target is sampled, against test files that exist.
+    tool = _mutation_tool()
+    root = pathlib.Path(__file__).parents[1]
+    expected = set()
+    for path in _PACKAGE.rglob("*.py"):
+        name = f"equinox_shard/{path.relative_to(_PACKAGE).as_posix()}"
+        defines = any(
+            isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for node in ast.walk(ast.parse(path.read_text()))
+        )
+        if defines and any(name.startswith(t) for t in tool.TARGETS):
+            expected.add(name)
+    assert "equinox_shard/_placement.py" in expected
+    assert len(expected) > 20
+    assert set(tool.modules()) == expected
+    for module in expected:
+        files = [a for a in tool.tests_of(module) if a.startswith("tests/")]
+        assert files, module
+        assert all((root / f).is_file() for f in files), (module, files)
+
+
+def test_mutation_score_interval():
+    tool = _mutation_tool()
+    assert tool.wilson(0, 0) == (0.0, 1.0)
+    low, high = tool.wilson(10, 10)  # the rule of three's neighbour: 0.722 to 1
+    assert round(low, 3) == 0.722 and high == 1.0
+    low, high = tool.wilson(45, 50)
+    assert round(low, 3) == 0.786 and round(high, 3) == 0.957

@@ -6,6 +6,7 @@ import equinox_shard as eqxs
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import jaxtyping
 import numpy as np
 import optax
 import pytest
@@ -304,3 +305,14 @@ def test_regex_flags_are_part_of_a_rule():
     assert insensitive != sensitive
     assert insensitive.match("weight") == 0
     assert sensitive.match("weight") == 1  # the default
+
+
+def test_a_pattern_that_is_not_a_string_is_refused(monkeypatch):
+    # What a user without jaxtyping's checks sees (the suite's checks raise first).
+    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)
+    with pytest.raises(TypeError) as info:
+        eqxs.PathRules([("w", P()), (3, P("x"))])  # pyright: ignore[reportArgumentType]
+    assert str(info.value).startswith(
+        "PathRules: the pattern of rule 1 must be a string or a compiled regular "
+        "expression; got "
+    ), str(info.value)

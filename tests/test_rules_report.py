@@ -519,3 +519,15 @@ def test_a_pattern_anchored_before_the_first_key_suggests_the_path():
         r"#0 ^mlp\.layers\[0\]\.weight$ (did you mean ^\.mlp\.layers\[0\]\.weight$?)"
         in table
     )
+
+
+def test_strict_puts_each_problem_on_its_own_line():
+    rules = eqxs.PathRules([(r"^x$", P()), (r"^y$", P())], default=P(), strict=True)
+    with jax.set_mesh(_mesh()), pytest.raises(ValueError) as error:
+        eqxs.filter_device_put({"w": np.zeros(8, np.float32)}, rules)
+    lines = str(error.value).splitlines()
+    assert [line.split(" matched")[0] for line in lines[1:3]] == [
+        "- rule 0 '^x$'",
+        "- rule 1 '^y$'",
+    ], lines
+    assert lines[3].startswith("With `strict=True` each rule must match"), lines

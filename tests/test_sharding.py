@@ -9,6 +9,7 @@ import equinox_shard as eqxs
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import jaxtyping
 import numpy as np
 import optax
 import pytest
@@ -195,6 +196,22 @@ def test_donate_errors():
     assert_alive(x)
     assert_alive(y)
     assert not x["a"].committed
+
+
+def test_donate_errors_without_the_type_checker(monkeypatch):
+    # What a user without jaxtyping's checks sees (the suite's checks raise first).
+    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)
+    x = {"a": jnp.arange(8.0), "b": jnp.arange(8.0)}
+    for name in ("donate", "may_alias"):
+        with pytest.raises(TypeError) as info:
+            eqxs.filter_device_put(
+                x, jax.devices()[1], **{name: {"a": True, "b": "yes"}}
+            )
+        assert str(info.value) == (
+            f"`{name}` must be a bool or a PyTree prefix of `x` with bool leaves; "
+            "got a leaf 'yes'."
+        )
+    assert_alive(x)
 
 
 def test_filter_device_put_does_not_compile():

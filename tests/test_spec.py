@@ -540,7 +540,13 @@ _errors = {
     "mesh-leaf": (
         lambda m: _spec(m, b=m),
         TypeError,
-        ["device_or_shardings['b']", "got Mesh", "A mesh is not a sharding"],
+        [
+            "device_or_shardings['b']",
+            "got Mesh",
+            " A mesh is not a sharding: pass `jax.sharding.NamedSharding(mesh, spec)`,"
+            " or set the mesh with `jax.set_mesh(mesh)` and pass a bare "
+            "`PartitionSpec`.",
+        ],
     ),
     "rule-returns-non-spec": (
         lambda m: _spec(m, b0=lambda leaf: "x"),
