@@ -129,8 +129,7 @@ class Cache:
             sum(p.default is p.empty for p in positional),
             len(positional) + 1 if var is None else sys.maxsize,
         )
-        self.fun_names = fn_names(fun)
-        self.fun_source = fn_source(fun)
+        self.fun_names, self.fun_source = _names_and_source(fun)
         self.in_leaves: list = []
         # Parameters the dict form names whose defaults are passed in when omitted.
         self.defaults: dict = {}
@@ -315,30 +314,19 @@ def unique_name(name: str, taken: set) -> str:
     return name
 
 
-def _unwrap(fun):
-    while True:
-        if isinstance(fun, ft.partial):
-            fun = fun.func
-        elif hasattr(fun, "__wrapped__") and not isinstance(fun, Module):
-            fun = fun.__wrapped__
-        else:
-            return fun
-
-
-def fn_names(fun) -> tuple[str, str]:
-    fun = _unwrap(fun)
+def _names_and_source(fun) -> tuple[tuple[str, str], Any]:
+    """`fun`'s `(__name__, __qualname__)`, and the Python function whose source JAX's
+    messages point at (or `None`), past `functools.partial` and `__wrapped__`."""
+    while isinstance(fun, ft.partial) or (
+        hasattr(fun, "__wrapped__") and not isinstance(fun, Module)
+    ):
+        fun = fun.func if isinstance(fun, ft.partial) else fun.__wrapped__
     try:
-        return fun.__name__, fun.__qualname__
+        names = fun.__name__, fun.__qualname__
     except AttributeError:
-        return type(fun).__name__, type(fun).__qualname__
-
-
-def fn_source(fun) -> Any:
-    """The Python function whose source JAX's messages point at, or `None`."""
-    fun = _unwrap(fun)
-    if not hasattr(fun, "__code__"):
-        fun = getattr(type(fun), "__call__", None)
-    return fun if hasattr(fun, "__code__") else None
+        names = type(fun).__name__, type(fun).__qualname__
+    source = fun if hasattr(fun, "__code__") else getattr(type(fun), "__call__", None)
+    return names, source if hasattr(source, "__code__") else None
 
 
 # `StructureKey` fields the program ignores: NumPy and JAX leaves share a `jax.jit`.

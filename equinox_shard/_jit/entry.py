@@ -255,10 +255,8 @@ class Typed:
                     return self._other(dynamic, leaves)
         elif any(map(is_tracer, jtu.tree_leaves(dynamic))):
             return self.entry.jitted(*dynamic)
-        at, _ = self.types(dynamic)
-        with self.donation.tracing():
-            compiled = self.compiled = self.entry.jitted.lower(*at).compile()
-        return compiled(*dynamic)
+        self.compiled = self._compile(dynamic)
+        return self.compiled(*dynamic)
 
     def _other(self, dynamic: tuple, leaves: list):
         """Runs a call whose committed inputs have other formats than the executable's
@@ -266,13 +264,16 @@ class Typed:
         key = tuple(x.format for x in leaves if is_value(x) and is_committed(x))
         compiled = self.others.get(key)
         if compiled is None:
-            at, _ = self.types(dynamic)
-            with self.donation.tracing():
-                compiled = self.entry.jitted.lower(*at).compile()
+            compiled = self._compile(dynamic)
             if len(self.others) >= _OTHERS:
                 self.others.clear()  # no loop grows it
             self.others[key] = compiled
         return compiled(*dynamic)
+
+    def _compile(self, dynamic: tuple) -> Any:
+        at, _ = self.types(dynamic)
+        with self.donation.tracing():
+            return self.entry.jitted.lower(*at).compile()
 
 
 # The most executables a `Typed` keeps for other formats of committed inputs.

@@ -28,10 +28,6 @@ traceback_util.register_exclusion(__file__)
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
-#
-# The call path: `_JitWrapper.__call__ -> _call`.
-#
-
 
 def _call(wrapper, args, kwargs, compiled=None):
     """A call in four steps, each taking the call as one value (`cache.Call`): look up
@@ -113,11 +109,6 @@ def _build(call: Call, key, static_fun) -> None:
         if not jax.config.jax_disable_jit:  # under it nothing is traced, nothing kept
             structure.entries[entry_key] = entry
             cache.structures[key] = structure
-
-
-#
-# Ahead-of-time compilation.
-#
 
 
 class Compiled(Module):
@@ -204,11 +195,6 @@ class Lowered(Module):
             with self._wrapper._cache.lock:
                 self._entry.jitted.compiled = compiled
         return Compiled(compiled, self._wrapper, self._entry)
-
-
-#
-# The public wrapper.
-#
 
 
 class _JitWrapper(Module):
