@@ -3,9 +3,8 @@
 `transfer` (private copies, donation, the one `jax.device_put`)."""
 
 import functools as ft
-import operator
 from collections.abc import Callable
-from itertools import compress, repeat
+from itertools import repeat
 from typing import Any
 
 import jax
@@ -72,52 +71,6 @@ def _is_on(x: jax.Array, target: Any) -> bool:
     kind: Any = kind_of(target)
     sharding = kind.sharding(target)
     return (sharding is None or is_placed(x, sharding)) and kind.is_placed(x, target)
-
-
-def all_placed(values, expected: tuple) -> bool:
-    """Whether every value is a `jax.Array` whose sharding equals its target in
-    `expected`, at C speed (upstream/jax-reports/jit-committed-device-order)."""
-    try:
-        return all(map(operator.eq, map(getattr, values, _SHARD), expected))
-    except Exception:  # NumPy; a tracer without one
-        return False
-
-
-def jit_takes(values, expected: tuple) -> int:
-    """Whether `jax.jit` takes every value as it is for its target in `expected`:
-    `PLACED` (all there, or committed where `is_placed` says they stand for it),
-    `MOVES` (those, and it moves the uncommitted others itself), or `0`. At C speed
-    where all are there (`all_placed`)."""
-    try:
-        if all(map(operator.eq, map(getattr, values, _SHARD, _NONE), expected)):
-            return PLACED
-        off_values, off_expected = values, expected  # a model never placed
-        if getattr(values[-1], "committed", False):
-            # Beside a placed model (a fresh batch): one pass finds the few off target.
-            off = list(map(operator.ne, map(getattr, values, _SHARD, _NONE), expected))
-            off_values = list(compress(values, off))
-            off_expected = compress(expected, off)
-        committed = list(map(getattr, off_values, _COMMITTED, _FALSE))
-        pairs = (compress(off_values, committed), compress(off_expected, committed))
-        if not all(map(is_placed, *pairs)):
-            return 0
-        if all(committed):
-            return PLACED
-        # Weak types are `place`'s: `entry.Typed` runs either as the other.
-        if any(map(getattr, map(getattr, values, _AVAL, _NONE), _WEAK, _FALSE)):
-            return 0
-        return MOVES
-    except Exception:  # a tracer: `place` leaves it to the enclosing call
-        return 0
-
-
-PLACED, MOVES = 1, 2  # `jit_takes`'s answers (both true)
-_FALSE = repeat(False)
-_NONE = repeat(None)
-_AVAL = repeat("aval")
-_COMMITTED = repeat("committed")
-_SHARD = repeat("sharding")
-_WEAK = repeat("weak_type")
 
 
 def place(

@@ -11,27 +11,18 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import equinox._caches
-import jax
 import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 from equinox import Module
-from jax.sharding import NamedSharding
 from jax.tree_util import PyTreeDef
 
 from .._arrays import (
     deleted_test,
-    is_committed,
     is_tracer,
-    on_abstract_mesh,
-    raise_if_deleted,
-    raise_if_fun_deleted,
-    raise_if_not_jax_type,
 )
 from .._spec.language import (
-    check_shapes,
     context_mesh,
     flatten_specs,
-    for_jax,
     key_names,
     needs_mesh,
     spread,
@@ -79,17 +70,43 @@ _structure_key = ft.partial(tuple.__new__, StructureKey)
 _entry_key = ft.partial(tuple.__new__, EntryKey)
 
 
-def look_up(cache: "Cache", treedef, leaves: list, is_traced) -> tuple:
-    """A call's `StructureKey` (made here only), `ArgStructure` and `Entry` (`None` on
-    a miss)."""
+def look_up(call: "Call", treedef, is_traced) -> StructureKey:
+    """A call's `StructureKey` (made here only), and its `ArgStructure` and `Entry`
+    set on `call` (`None` on a miss)."""
+    leaves = call.leaves
     key = _structure_key((treedef, tuple(map(type, leaves)), is_traced))
-    structure = cache.structures.get(key)
-    if structure is None:
-        return key, None, None
+    structure = call.structure = call.cache.structures.get(key)
     try:
-        return key, structure, structure.entries.get(structure.key_in_entries(leaves))
+        call.entry = structure and structure.entries.get(
+            structure.key_in_entries(leaves)
+        )
     except TypeError:  # an unhashable static leaf, which a miss names
-        return key, structure, None
+        call.entry = None
+    return key
+
+
+class Call:
+    """One call, the value each step of the call path takes: its bound arguments and
+    their leaves (as placed, once prepared), its `ArgStructure` and `Entry`, and what
+    the dispatch launches, `run(*dynamic)`. `where(i)` names leaf `i` for errors."""
+
+    __slots__ = (
+        "cache",
+        "fun",  # the function's arrays, in their mirror (`None` if it has none)
+        "jit_id",  # read by `eqx.error_if`'s stacks: one per decoration
+        "args",
+        "kwargs",
+        "leaves",
+        "structure",
+        "entry",
+        "dynamic",
+        "run",
+    )
+
+    def where(self, i: int) -> str:
+        """The key path of leaf `i` of the bound `(args, kwargs)`."""
+        path, _ = jtu.tree_flatten_with_path((self.args, self.kwargs))[0][i]
+        return self.cache.path_name(path, (self.args, self.kwargs))
 
 
 class Cache:
@@ -113,8 +130,7 @@ class Cache:
             sum(p.default is p.empty for p in positional),
             len(positional) + 1 if var is None else sys.maxsize,
         )
-        self.fun_names = fn_names(fun)
-        self.fun_source = fn_source(fun)
+        self.fun_names, self.fun_source = _names_and_source(fun)
         self.in_leaves: list = []
         # Parameters the dict form names whose defaults are passed in when omitted.
         self.defaults: dict = {}
@@ -214,7 +230,29 @@ class Cache:
         spec = "in_shardings" + jtu.keystr(path)
         if self.by_name is not None:  # the dict form
             spec = f"in_shardings[{self.names[path[0].idx]!r}]" + jtu.keystr(path[1:])
-        return f"{_positional(self, path[0].idx)}{jtu.keystr(path[1:])} (`{spec}`)"
+        return f"{self.positional(path[0].idx)}{jtu.keystr(path[1:])} (`{spec}`)"
+
+    def positional(self, position: int) -> str:
+        """Positional argument `position`'s name: its parameter's, or `xs[k]`."""
+        if position < len(self.names):
+            return self.names[position]
+        if self.var_name is not None:
+            return f"{self.var_name}[{position - len(self.names)}]"
+        return f"args[{position}]"
+
+    def path_name(self, path: tuple, tree: Any = None) -> str:
+        """A key path into the bound `(args, kwargs)` (`tree`, to name `State` entries),
+        from the parameter's name."""
+        if len(path) < 2:
+            return "the arguments"
+        _, key, *rest = path  # `args[p]` or `kwargs[k]`
+        if isinstance(key, jtu.SequenceKey):
+            name = self.positional(key.idx)
+        else:
+            name = str(key.key if isinstance(key, jtu.DictKey) else key)
+        if tree is None:
+            return name + jtu.keystr(tuple(rest))
+        return name + "".join(key_names(tree, path)[2:])
 
     def clear(self):
         with self.lock:
@@ -280,30 +318,19 @@ def unique_name(name: str, taken: set) -> str:
     return name
 
 
-def _unwrap(fun):
-    while True:
-        if isinstance(fun, ft.partial):
-            fun = fun.func
-        elif hasattr(fun, "__wrapped__") and not isinstance(fun, Module):
-            fun = fun.__wrapped__
-        else:
-            return fun
-
-
-def fn_names(fun) -> tuple[str, str]:
-    fun = _unwrap(fun)
+def _names_and_source(fun) -> tuple[tuple[str, str], Any]:
+    """`fun`'s `(__name__, __qualname__)`, and the Python function whose source JAX's
+    messages point at (or `None`), past `functools.partial` and `__wrapped__`."""
+    while isinstance(fun, ft.partial) or (
+        hasattr(fun, "__wrapped__") and not isinstance(fun, Module)
+    ):
+        fun = fun.func if isinstance(fun, ft.partial) else fun.__wrapped__
     try:
-        return fun.__name__, fun.__qualname__
+        names = fun.__name__, fun.__qualname__
     except AttributeError:
-        return type(fun).__name__, type(fun).__qualname__
-
-
-def fn_source(fun) -> Any:
-    """The Python function whose source JAX's messages point at, or `None`."""
-    fun = _unwrap(fun)
-    if not hasattr(fun, "__code__"):
-        fun = getattr(type(fun), "__call__", None)
-    return fun if hasattr(fun, "__code__") else None
+        names = type(fun).__name__, type(fun).__qualname__
+    source = fun if hasattr(fun, "__code__") else getattr(type(fun), "__call__", None)
+    return names, source if hasattr(source, "__code__") else None
 
 
 # `StructureKey` fields the program ignores: NumPy and JAX leaves share a `jax.jit`.
@@ -313,7 +340,8 @@ _NOT_IN_PROGRAM = ("leaf_types", "is_traced")
 class ArgStructure:
     """What depends only on the structure and leaf types of the bound arguments."""
 
-    def __init__(self, cache: Cache, args, kwargs, leaves, key: StructureKey):
+    def __init__(self, call: Call, key: StructureKey):
+        cache, args, leaves = call.cache, call.args, call.leaves
         self.structure_key = key
         treedef, is_traced = key.treedef, key.is_traced
         mask = tuple(map(is_traced, leaves))
@@ -324,12 +352,10 @@ class ArgStructure:
         # One `Packing` per traced leaves, as the entries: any packs for any entry.
         packing = cache.packings.get((treedef, mask))
         if packing is None:
-            packing = cache.packings[treedef, mask] = Packing(
-                args, kwargs, mask, len(cache.names), cache.donation
-            )
+            packing = cache.packings[treedef, mask] = Packing(call, mask)
         self.packing = packing
         self.donated = cache.donation.leaves(args, self.traced_indices)
-        self.specs = _in_specs(cache, args, kwargs, leaves, is_traced)
+        self.specs = _in_specs(call, is_traced)
         # What resolving the specs depends on: the leaves rules see, and the mesh.
         in_rules = tuple(i for i in self.traced_indices if is_rule(self.specs[i]))
         self.rules = self.traced_indices if cache.out_rules else in_rules
@@ -354,8 +380,9 @@ class ArgStructure:
         return _entry_key((self.static_of(leaves), avals, mesh))
 
 
-def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, is_traced) -> list:
+def _in_specs(call: Call, is_traced) -> list:
     """One `in_shardings` leaf per leaf of the bound `(args, kwargs)`."""
+    cache, args, kwargs, leaves = call.cache, call.args, call.kwargs, call.leaves
     if cache.in_shardings is unset:
         return [None] * len(leaves)
     if cache.in_kind == "broadcast":
@@ -378,10 +405,10 @@ def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, is_traced) 
                 "of the call. For one specification of every argument, pass it "
                 "alone: `in_shardings=spec`."
             )
-    where = ft.partial(arg_path, cache, args, kwargs)
+    where = call.where
     groups = []
     for p, (spec, arg) in enumerate(zip(specs, args)):
-        name = _positional(cache, p)
+        name = cache.positional(p)
         entry = repr(name) if cache.by_name is not None else p  # the dict form's key
         groups.append((f"in_shardings[{entry}]", spec, arg, name))
     if cache.by_name is None:
@@ -401,89 +428,14 @@ def _in_specs(cache: Cache, args: tuple, kwargs: dict, leaves: list, is_traced) 
     return out + [None] * (len(leaves) - len(out))  # keyword arguments
 
 
-def _positional(cache: Cache, position: int) -> str:
-    """Positional argument `position`'s name: its parameter's, or `xs[k]`."""
-    if position < len(cache.names):
-        return cache.names[position]
-    if cache.var_name is not None:
-        return f"{cache.var_name}[{position - len(cache.names)}]"
-    return f"args[{position}]"
-
-
-def arg_path(cache: Cache, args: tuple, kwargs: dict, index: int) -> str:
-    """The key path of leaf `index` of the bound `(args, kwargs)`."""
-    path, _ = jtu.tree_flatten_with_path((args, kwargs))[0][index]
-    return path_name(cache, path, (args, kwargs))
-
-
-def path_name(cache: Cache, path: tuple, tree: Any = None) -> str:
-    """A key path into the bound `(args, kwargs)` (`tree`, to name `State` entries),
-    rooted at the parameter's name."""
-    if len(path) < 2:
-        return "the arguments"
-    _, key, *rest = path  # `args[p]` or `kwargs[k]`
-    if isinstance(key, jtu.SequenceKey):
-        name = _positional(cache, key.idx)
-    else:
-        name = str(key.key if isinstance(key, jtu.DictKey) else key)
-    if tree is None:
-        return name + jtu.keystr(tuple(rest))
-    return name + "".join(key_names(tree, path)[2:])
-
-
-def raise_if_unhashable(cache: Cache, args, kwargs, leaves: list, static) -> None:
+def raise_if_unhashable(call: Call, static: tuple) -> None:
     """Raises naming the first `static` leaf that cannot be hashed."""
     for i in static:
         try:
-            hash(leaves[i])
+            hash(call.leaves[i])
         except TypeError as e:
             raise ValueError(
-                f"{arg_path(cache, args, kwargs, i)}: a static (non-array) argument "
-                f"that is not hashable ({e}); static arguments key the cache of "
-                "compiled functions, as in `equinox.filter_jit`, so each must be "
-                "hashable."
+                f"{call.where(i)}: a static (non-array) argument that is not hashable "
+                f"({e}); static arguments key the cache of compiled functions, as in "
+                "`equinox.filter_jit`, so each must be hashable."
             ) from None
-
-
-def diagnose(cache: Cache, args, kwargs, leaves: list, entry: Any, dynamic_fun=None):
-    """After `jax.jit` raised: raises our own error if we can name the culprit."""
-    where = ft.partial(arg_path, cache, args, kwargs)
-    raise_if_deleted(leaves, entry.structure.traced_indices, where)
-    raise_if_not_jax_type(leaves, entry.structure.traced_indices, where)
-    raise_if_fun_deleted(cache.fun_name, dynamic_fun)
-    check_shapes(leaves, entry.targets, where)
-    for i, target in entry.targets:
-        x = leaves[i]
-        if not on_abstract_mesh(target):
-            continue
-        # Resolved inside a transform, where no concrete mesh is known to move it.
-        if is_committed(x) and on_its_mesh(x, target) is None:
-            at = f"committed to {x.sharding}, off the mesh of"
-        elif is_tracer(x) and _refused(x, target):  # its value is (`jax.grad`'s)
-            at = "traced, and its value committed elsewhere than"
-        else:
-            continue
-        raise ValueError(
-            f"{where(i)}: {at} its `in_shardings` entry {target.spec}. Inside a "
-            "transform (`jax.grad`, `jax.vmap`, ...) that entry is only on the "
-            "abstract mesh of `jax.set_mesh`, where nothing can be moved: place it "
-            "before the transform, with `eqxs.filter_device_put`."
-        )
-
-
-def _refused(x: Any, target: Any) -> bool:
-    """Whether `jax.jit` refuses the traced `x` for `target` (asked of it alone)."""
-    try:
-        jax.jit(lambda a: a, in_shardings=for_jax(target))(x)
-    except ValueError:
-        return True
-    return False
-
-
-def on_its_mesh(x: Any, target: Any) -> Any:
-    """`target`, resolved on an abstract mesh (inside a transform such as `jax.grad`),
-    on the concrete mesh of the committed array `x`, if `x` is on that mesh."""
-    mesh = getattr(x.sharding, "mesh", None) if is_committed(x) else None
-    if isinstance(mesh, jax.sharding.Mesh) and mesh.abstract_mesh == target.mesh:
-        return NamedSharding(mesh, target.spec, memory_kind=target.memory_kind)
-    return None

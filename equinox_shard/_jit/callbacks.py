@@ -118,14 +118,16 @@ class Guards:
         out = jc.jaxpr_as_fun(closed.replace(jaxpr=jaxpr))(*jtu.tree_leaves(dynamic))
         return jtu.tree_unflatten(jtu.tree_structure(shape), out)
 
-    def __call__(self, dispatch: Callable, program: Callable | None, jit_id: bytes):
-        """`dispatch(program or self.jitted)`, waited for; raises what a callback
-        raised."""
+    def __call__(self, inner: Callable, call):
+        """`inner(call)` launching the guarded program (unless `call.run` is an
+        executable of it already), waited for; raises what a callback raised."""
         __tracebackhide__ = True
+        if not isinstance(call.run, jax.stages.Compiled):
+            call.run = self.jitted
         with self.lock:
             self.error = self.info = None
             try:
-                out = dispatch(self.jitted if program is None else program)
+                out = inner(call)
                 # The callbacks have run once the outputs are ready.
                 if not jax.block_until_ready(jtu.tree_leaves(out)):
                     jax.effects_barrier()
@@ -135,7 +137,7 @@ class Guards:
         if error is None:
             return out
         if info is not None:
-            raise _equinox_runtime_error(info, jit_id) from None
+            raise _equinox_runtime_error(info, call.jit_id) from None
         raise _JaxRuntimeError(
             f"A callback raised {type(error).__name__}: {error}"
         ) from error
@@ -159,28 +161,25 @@ def _runs_now(dynamic) -> bool:
     return type(jc.find_top_trace(())).__name__ == "EvalTrace"
 
 
-def waiting(guards: Guards, inner: Callable, run, dynamic, deleted, leaves, jit_id):
+def waiting(guards: Guards, inner: Callable, call):
     """The dispatch layer of an entry with callbacks: `inner` launches the guarded
     program, which `guards` waits for (a `Compiled`'s executable is of it already)."""
     __tracebackhide__ = True
-    call = lambda launch: inner(launch, dynamic, deleted, leaves, jit_id)
-    if _runs_now(dynamic):
-        return guards(
-            call, run if isinstance(run, jax.stages.Compiled) else None, jit_id
-        )
+    if _runs_now(call.dynamic):
+        return guards(inner, call)
     # Else callbacks raise here, as in `eqx.filter_jit` (Equinox's error rebuilt).
     before = getattr(eqx_jit, "last_error_info", None)
     quiet = lambda record: record.getMessage() != "jax.pure_callback failed"
     callback_logger = logging.getLogger("jax._src.callback")
     callback_logger.addFilter(quiet)
     try:
-        out = call(run)
+        out = inner(call)
         jax.block_until_ready(out[0])
         return out
     except (_JaxRuntimeError, ValueError):
         info = getattr(eqx_jit, "last_error_info", None)
         if info is None or info is before:  # not Equinox's error
             raise
-        raise _equinox_runtime_error(info, jit_id) from None
+        raise _equinox_runtime_error(info, call.jit_id) from None
     finally:
         callback_logger.removeFilter(quiet)

@@ -7,7 +7,7 @@ import functools as ft
 import warnings
 from collections.abc import Callable
 from itertools import chain, repeat
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax._src.traceback_util as traceback_util
@@ -102,26 +102,22 @@ class Donation:
         where it has none)."""
         return bool(leaves) or (dynamic_fun is not None and self._donates(None, n_args))
 
-    def keeper(
-        self,
-        leaves: tuple[int, ...],
-        traced_indices: tuple[int, ...],
-        n_args: int,
-        fun_name: str,
-        targets: list[tuple[int, Any]],
-    ) -> Callable:
-        """A donating entry's `keep(leaves, dynamic_fun, where)`: `keep_undonated`,
-        for an entry that places leaf `i` on `sharding` for each `(i, sharding)` of
-        `targets`."""
-        fun_donated = self._donates(None, n_args)
-        traced = (traced_indices, getter(traced_indices))
+    def keeper(self, call: Any, targets: list[tuple[int, Any]]) -> Callable:
+        """A donating entry's `keep(call)`: `keep_undonated`, for the entry of `call`
+        that places leaf `i` on `sharding` for each `(i, sharding)` of `targets`."""
+        structure, n_args = call.structure, len(call.args)
+        leaves, traced_indices = structure.donated, structure.traced_indices
         placed = dict(targets)
         onto = tuple(i for i in leaves if _in_unpinned_host(placed.get(i)))
         passed = getter(tuple(i for i in leaves if i not in placed))
-        unpinned = (onto, passed)
-        return ft.partial(
-            keep_undonated, leaves, traced, fun_donated, fun_name, unpinned
+        known = _Kept(
+            leaves,
+            (traced_indices, getter(traced_indices)),
+            self._donates(None, n_args),
+            call.cache.fun_name,
+            (onto, passed),
         )
+        return ft.partial(keep_undonated, known)
 
     def may_alias(self, leaves: list, moves: list, donated: tuple[int, ...]) -> list:
         """`place`'s `may_alias` per leaf, for `moves` `(i, sharding)`: a moved array
@@ -143,18 +139,19 @@ class Donation:
         if not jtu.tree_leaves(dynamic_fun):
             fun_at = None
 
-        def dispatch(run, dynamic, deleted, leaves, jit_id):
+        def dispatch(call):
+            dynamic = call.dynamic
             with dispatch_lock:
                 # Again under the lock: another thread may have donated an input since.
-                if deleted(leaves) or (
+                if call.structure.deleted(call.leaves) or (
                     fun_at is not None
                     and any(map(is_deleted, jtu.tree_leaves(dynamic[fun_at])))
                 ):
                     raise RuntimeError("An input was donated by another thread.")
                 if not quiet:
-                    return run(*dynamic)
+                    return call.run(*dynamic)
                 with _unusable_donations_ignored():
-                    return run(*dynamic)
+                    return call.run(*dynamic)
 
         return dispatch
 
@@ -162,20 +159,24 @@ class Donation:
     tracing = staticmethod(_unusable_donations_ignored)
 
 
-def keep_undonated(
-    donated: tuple[int, ...],
-    traced: tuple[tuple[int, ...], Callable],
-    fun_donated: bool,
-    fun_name: str,
-    unpinned: tuple[tuple[int, ...], Callable],
-    leaves: list,
-    dynamic_fun: Any,
-    where: Callable[[int], str],
-) -> list:
-    """`leaves` with each `donated` array also passed where it is not donated replaced
-    by a private copy (donating it would free the other); one donated twice raises, as
-    does one in `unpinned_host` memory (`unpinned`: the donated leaves that `targets`
-    place there, and the getter of those passed to `jax.jit` as they are)."""
+class _Kept(NamedTuple):
+    """What `keep_undonated` knows of an entry."""
+
+    donated: tuple[int, ...]
+    traced: tuple[tuple[int, ...], Callable]  # the indices, and their C-level getter
+    fun_donated: bool
+    fun_name: str
+    # The donated leaves that `targets` place in `unpinned_host` memory, and the getter
+    # of those passed to `jax.jit` as they are.
+    unpinned: tuple[tuple[int, ...], Callable]
+
+
+def keep_undonated(known: _Kept, call: Any) -> list:
+    """`call.leaves` with each donated array also passed where it is not donated
+    replaced by a private copy (donating it would free the other); one donated twice
+    raises, as does one in `unpinned_host` memory."""
+    donated, traced, fun_donated, fun_name, unpinned = known
+    leaves, dynamic_fun, where = call.leaves, call.fun, call.where
     fun_leaves = jtu.tree_leaves(dynamic_fun) if fun_donated else []
     if any(map(is_deleted, fun_leaves)):
         raise_if_fun_deleted(fun_name, dynamic_fun)
@@ -185,7 +186,7 @@ def keep_undonated(
         paths = jtu.tree_flatten_with_path(dynamic_fun)[0]
         fun_where = lambda k: fun_name + jtu.keystr(paths[k][0])
         _raise_if_unpinned(fun_leaves, (), lambda a: a, fun_where)
-    traced_indices, get_traced = traced  # the indices, and their C-level getter
+    traced_indices, get_traced = traced
     traced_ids = set(map(identity_hash, get_traced(leaves)))
     fun_ids = set(map(identity_hash, fun_leaves))
     if (

@@ -3,7 +3,9 @@ call's inputs go through before it (`prepare`). `jax.jit` moves uncommitted and 
 inputs itself (RFC §6); we move only what it refuses."""
 
 import functools as ft
+import operator
 from collections.abc import Callable
+from itertools import compress, repeat
 from typing import Any
 
 import jax
@@ -19,14 +21,15 @@ from .._arrays import (
     is_value,
     on_abstract_mesh,
     raise_if_deleted,
+    raise_if_fun_deleted,
     raise_if_not_jax_type,
 )
-from .._placement import all_placed, jit_takes, MOVES, place, PLACED
+from .._placement import is_placed, place
 from .._spec.kinds import is_auto, kind_of, sharding_of
 from .._spec.language import check_shapes, context_mesh, for_jax, resolve, resolve_each
 from .._spec.leaves import is_spec_leaf, unset
 from . import callbacks, launch
-from .cache import arg_path, ArgStructure, Cache, diagnose, on_its_mesh
+from .cache import ArgStructure, Call
 from .packing import getter, mirror
 from .traced_body import in_body, ResolveRules, static_out_shardings, traced_function
 
@@ -58,24 +61,16 @@ class Entry:
     )
 
 
-def build_entry(
-    dynamic_fun,
-    static_fun,
-    cache: Cache,
-    structure: ArgStructure,
-    args,
-    kwargs,
-    leaves,
-    watch: Callable | None = None,
-) -> tuple:
-    """The entry for this call, in four steps: targets, `jax.jit`, trace, dispatch
-    (with `watch`'s layer if given). Returns it and what `prepare` returns."""
-    where = ft.partial(arg_path, cache, args, kwargs)
+def build_entry(call: Call, static_fun, watch: Callable | None = None) -> Entry:
+    """The entry for `call`, in four steps: targets, `jax.jit`, trace, dispatch (with
+    `watch`'s layer if given); `call` is prepared for it (`prepare`)."""
+    cache, structure, where = call.cache, call.structure, call.where
+    args, kwargs, leaves = call.args, call.kwargs, call.leaves
     raise_if_not_jax_type(leaves, structure.traced_indices, where)
     formats = _targets(structure, leaves, where)
     auto = _auto_layouts(formats, leaves, where)
     targets = [(i, sharding_of(s)) for i, s in formats]
-    entry = Entry()
+    entry = call.entry = Entry()
     entry.structure = structure
     entry.static = structure.static_of(leaves)
     entry.targets = targets
@@ -90,14 +85,12 @@ def build_entry(
     )
     entry.shardings = tuple(s for _, s in reversed(targets))
     donation = cache.donation
-    entry.donates = donation.donates(structure.donated, dynamic_fun, len(args))
-    entry.keep = entry.donates and donation.keeper(
-        structure.donated, structure.traced_indices, len(args), cache.fun_name, targets
-    )
+    entry.donates = donation.donates(structure.donated, call.fun, len(args))
+    entry.keep = entry.donates and donation.keeper(call, targets)
     entry.packs_only = not entry.donates and not targets
     entry.checks_deleted = not entry.donates
     entry.places_uncommitted = False
-    entry.jitted = _jit(static_fun, cache, structure, args, leaves, formats)
+    entry.jitted = _jit(call, static_fun, formats)
     casts = _casts(structure, targets) if entry.jax_moves_inputs else []
     entry.typed = Typed(entry, casts, donation) if casts and auto is None else None
     entry.explicit = frozenset(
@@ -105,22 +98,19 @@ def build_entry(
         for k, s in casts
         if AxisType.Explicit in s.mesh.axis_types
     )
-    placed, dynamic, _ = prepare(
-        dynamic_fun, cache, entry, structure, args, kwargs, leaves
-    )
+    prepare(call)
     run = guards = None
     if not jax.config.jax_disable_jit:
-        run, guards, again = _trace(entry, dynamic, len(args), donation)
-        if again:  # placed after all (see `_trace`)
-            placed, dynamic, _ = prepare(
-                dynamic_fun, cache, entry, structure, args, kwargs, leaves
-            )
+        run, guards = _trace(call)
+        if entry.places_uncommitted:  # placed after all (see `_trace`)
+            call.args, call.kwargs, call.leaves = args, kwargs, leaves
+            prepare(call)
     entry.guards = guards
     if auto is not None:
         entry.jitted = AutoLayouts(entry.jitted, auto)
     shardings = [s for _, s in targets]
     shardings += [
-        getattr(placed[i], "sharding", None) for i in structure.traced_indices
+        getattr(call.leaves[i], "sharding", None) for i in structure.traced_indices
     ]
     serialized = launch.serialize_dispatch(shardings)
     # XLA crashes on a deleted multi-device input: a launch under `dispatch_lock` looks
@@ -130,13 +120,14 @@ def build_entry(
     if guards is not None:
         layers.append(ft.partial(callbacks.waiting, guards))
     if watch is not None:
-        layers.append(watch(entry, placed))
+        layers.append(watch(call))
     if entry.donates:
-        first = donation.launch(dynamic_fun, structure.packing.fun_at)
+        first = donation.launch(call.fun, structure.packing.fun_at)
     else:
         first = launch.paced_serialized if serialized else launch.plain
     entry.dispatch = launch.stack(first, layers)
-    return entry, placed, dynamic, entry.jitted if run is None else run
+    call.run = entry.jitted if run is None else run
+    return entry
 
 
 def _targets(structure: ArgStructure, leaves: list, where) -> list[tuple[int, Any]]:
@@ -171,27 +162,28 @@ def _targets(structure: ArgStructure, leaves: list, where) -> list[tuple[int, An
     return targets
 
 
-def _trace(entry: Entry, dynamic: tuple, n_args: int, donation):
+def _trace(call: Call) -> tuple:
     """Traces the entry's `jax.jit` for the call's inputs. Returns what this call runs
-    (`None`: `jitted`), the `callbacks.Guards` or `None`, and whether to place again."""
-    structure = entry.structure
+    (`None`: `jitted`) and the `callbacks.Guards` or `None`; where the entry places
+    uncommitted inputs now (`places_uncommitted`), the call is prepared again."""
+    entry, structure, donation = call.entry, call.structure, call.cache.donation
     jitted = entry.jitted
     # Traced for the types of committed inputs, which those `typed` runs take.
-    at, moved = dynamic, False
+    at, moved = call.dynamic, False
     if entry.typed is not None and not structure.has_tracers:
-        at, moved = entry.typed.types(dynamic)
+        at, moved = entry.typed.types(call.dynamic)
     with donation.tracing():
         if isinstance(jitted, ResolveRules):
             jitted = entry.jitted = jitted.trace(*at)
         if not callbacks.has_callback(jitted.trace(*at).jaxpr.jaxpr):
-            return (entry.typed if moved else None), None, False
+            return (entry.typed if moved else None), None
     entry.typed = None
     if moved:
         # Traced for committed types: the guarded program is given placed inputs.
         entry.jax_moves_inputs = False
         entry.places_uncommitted = True
-    argnums = donation.argnums(structure.packing.positions, n_args)
-    return None, callbacks.Guards(jitted, argnums), moved
+    argnums = donation.argnums(structure.packing.positions, len(call.args))
+    return None, callbacks.Guards(jitted, argnums)
 
 
 def _casts(structure: ArgStructure, targets) -> list[tuple[int, Any]]:
@@ -263,10 +255,8 @@ class Typed:
                     return self._other(dynamic, leaves)
         elif any(map(is_tracer, jtu.tree_leaves(dynamic))):
             return self.entry.jitted(*dynamic)
-        at, _ = self.types(dynamic)
-        with self.donation.tracing():
-            compiled = self.compiled = self.entry.jitted.lower(*at).compile()
-        return compiled(*dynamic)
+        self.compiled = self._compile(dynamic)
+        return self.compiled(*dynamic)
 
     def _other(self, dynamic: tuple, leaves: list):
         """Runs a call whose committed inputs have other formats than the executable's
@@ -274,69 +264,119 @@ class Typed:
         key = tuple(x.format for x in leaves if is_value(x) and is_committed(x))
         compiled = self.others.get(key)
         if compiled is None:
-            at, _ = self.types(dynamic)
-            with self.donation.tracing():
-                compiled = self.entry.jitted.lower(*at).compile()
+            compiled = self._compile(dynamic)
             if len(self.others) >= _OTHERS:
                 self.others.clear()  # no loop grows it
             self.others[key] = compiled
         return compiled(*dynamic)
+
+    def _compile(self, dynamic: tuple) -> Any:
+        at, _ = self.types(dynamic)
+        with self.donation.tracing():
+            return self.entry.jitted.lower(*at).compile()
 
 
 # The most executables a `Typed` keeps for other formats of committed inputs.
 _OTHERS = 8
 
 
-def prepare(dynamic_fun, cache, entry, structure, args, kwargs, leaves) -> tuple:
-    """A call's checks and placements before `jax.jit`: the leaves as placed, the
-    dynamic trees to call, and what to call them with (`Entry.jitted` or `Typed`)."""
+def all_placed(values, expected: tuple) -> bool:
+    """Whether every value is a `jax.Array` whose sharding equals its target in
+    `expected`, at C speed (upstream/jax-reports/jit-committed-device-order)."""
+    try:
+        return all(map(operator.eq, map(getattr, values, _SHARD), expected))
+    except Exception:  # NumPy; a tracer without one
+        return False
+
+
+def jit_takes(values, expected: tuple) -> int:
+    """Whether `jax.jit` takes every value as it is for its target in `expected`:
+    `PLACED` (all there, or committed where `is_placed` says they stand for it),
+    `MOVES` (those, and it moves the uncommitted others itself), or `0`. At C speed
+    where all are there (`all_placed`)."""
+    try:
+        if all(map(operator.eq, map(getattr, values, _SHARD, _NONE), expected)):
+            return PLACED
+        off_values, off_expected = values, expected  # a model never placed
+        if getattr(values[-1], "committed", False):
+            # Beside a placed model (a fresh batch): one pass finds the few off target.
+            off = list(map(operator.ne, map(getattr, values, _SHARD, _NONE), expected))
+            off_values = list(compress(values, off))
+            off_expected = compress(expected, off)
+        committed = list(map(getattr, off_values, _COMMITTED, _FALSE))
+        pairs = (compress(off_values, committed), compress(off_expected, committed))
+        if not all(map(is_placed, *pairs)):
+            return 0
+        if all(committed):
+            return PLACED
+        # Weak types are `place`'s: `Typed` runs either as the other.
+        if any(map(getattr, map(getattr, values, _AVAL, _NONE), _WEAK, _FALSE)):
+            return 0
+        return MOVES
+    except Exception:  # a tracer: `place` leaves it to the enclosing call
+        return 0
+
+
+PLACED, MOVES = 1, 2  # `jit_takes`'s answers (both true)
+_FALSE = repeat(False)
+_NONE = repeat(None)
+_AVAL = repeat("aval")
+_COMMITTED = repeat("committed")
+_SHARD = repeat("sharding")
+_WEAK = repeat("weak_type")
+
+
+def prepare(call: Call) -> None:
+    """A call's checks and placements before `jax.jit`: sets its `leaves` as placed,
+    the `dynamic` trees to call and what to call them with, `run` (`Entry.jitted` or
+    `Typed`)."""
+    entry, structure, leaves = call.entry, call.structure, call.leaves
     # One call looks at the inputs: where `jax.jit` moves inputs, `jit_takes` alone.
     takes = jit_takes if entry.jax_moves_inputs else all_placed
     ready = entry.packs_only or takes(entry.get_targets(leaves), entry.shardings)
     deleted = entry.checks_deleted and structure.deleted(leaves)
     if ready and not (deleted or entry.donates):  # nothing to check, donate or place
-        dynamic = structure.packing.arguments(dynamic_fun, args, kwargs, leaves)
+        call.dynamic = structure.packing.arguments(call)
+        call.run = entry.jitted
         if ready != MOVES:
-            return leaves, dynamic, entry.jitted
+            return
         if not entry.explicit:
             # Inside an outer trace (tracers) there is no executable to call.
             if entry.typed is not None and not structure.has_tracers:
-                return leaves, dynamic, entry.typed
-            return leaves, dynamic, entry.jitted
+                call.run = entry.typed
+            return
         if _typed_runs(entry, leaves):
-            return leaves, dynamic, entry.typed
+            call.run = entry.typed
+            return
         ready = 0  # `jax.jit` would trace them unsharded: placed by us
-    where = ft.partial(arg_path, cache, args, kwargs)
     if deleted:
-        raise_if_deleted(leaves, structure.traced_indices, where)
-    placed = leaves
+        raise_if_deleted(leaves, structure.traced_indices, call.where)
     if entry.donates:  # its private copies are where the originals are
-        placed = entry.keep(leaves, dynamic_fun, where)
+        call.leaves = entry.keep(call)
         if ready != PLACED and entry.jax_moves_inputs:
-            ready = jit_takes(entry.get_targets(placed), entry.shardings)
-    if ready == MOVES and entry.explicit and not _typed_runs(entry, placed):
+            ready = jit_takes(entry.get_targets(call.leaves), entry.shardings)
+    if ready == MOVES and entry.explicit and not _typed_runs(entry, call.leaves):
         ready = 0  # `jax.jit` would trace them unsharded: placed by us
     if not ready:
-        placed = list(placed)
+        call.leaves = list(call.leaves)
         try:
-            _place_inputs(placed, entry, where, cache, structure)
+            _place_inputs(call)
         except Exception as error:
             # The entry was checked for the shapes of the call that made it.
             try:
-                diagnose(cache, args, kwargs, placed, entry)
+                diagnose(call)
             except Exception as named:
                 if str(named) == str(error):  # `place` named it already: say it once
                     raise error from None
                 raise
             raise
     packing = structure.packing
-    if packing.trivial and placed is not leaves:
-        args, kwargs = structure.treedef.unflatten(placed)
-    dynamic = packing.arguments(dynamic_fun, args, kwargs, placed)
+    if packing.trivial and call.leaves is not leaves:
+        call.args, call.kwargs = structure.treedef.unflatten(call.leaves)
+    call.dynamic = packing.arguments(call)
     # Inside an outer trace (tracers) there is no executable to call.
-    if ready == MOVES and entry.typed is not None and not structure.has_tracers:
-        return placed, dynamic, entry.typed
-    return placed, dynamic, entry.jitted
+    typed = ready == MOVES and entry.typed is not None and not structure.has_tracers
+    call.run = entry.typed if typed else entry.jitted
 
 
 def _typed_runs(entry: Entry, leaves: list) -> bool:
@@ -352,11 +392,10 @@ def _typed_runs(entry: Entry, leaves: list) -> bool:
     )
 
 
-def _place_inputs(
-    leaves: list, entry: Entry, where, cache: Cache, structure: ArgStructure
-) -> None:
+def _place_inputs(call: Call) -> None:
     """`place`s the inputs that `jax.jit` would refuse, or trace unsharded (uncommitted
-    inputs for Explicit axes, where `Typed` does not run the call)."""
+    inputs for Explicit axes, where `Typed` does not run the call), in `call.leaves`."""
+    entry, leaves = call.entry, call.leaves
     targets = []
     for i, s in entry.targets:
         if on_abstract_mesh(s):  # inside a transform: `jax.jit` places the others
@@ -371,8 +410,53 @@ def _place_inputs(
         moved = is_value if multiprocess or entry.places_uncommitted else is_concrete
         value = lambda x, i: moved(x)
     todo = [(i, s) for i, s in targets if value(leaves[i], i)]
-    may_alias = cache.donation.may_alias(leaves, todo, structure.donated)
-    place(leaves, todo, where, may_alias=may_alias)
+    donated = call.structure.donated
+    may_alias = call.cache.donation.may_alias(leaves, todo, donated)
+    place(leaves, todo, call.where, may_alias=may_alias)
+
+
+def diagnose(call: Call) -> None:
+    """After `jax.jit` raised: raises our own error if we can name the culprit."""
+    leaves, traced, where = call.leaves, call.entry.structure.traced_indices, call.where
+    raise_if_deleted(leaves, traced, where)
+    raise_if_not_jax_type(leaves, traced, where)
+    raise_if_fun_deleted(call.cache.fun_name, call.fun)
+    check_shapes(leaves, call.entry.targets, where)
+    for i, target in call.entry.targets:
+        x = leaves[i]
+        if not on_abstract_mesh(target):
+            continue
+        # Resolved inside a transform, where no concrete mesh is known to move it.
+        if is_committed(x) and on_its_mesh(x, target) is None:
+            at = f"committed to {x.sharding}, off the mesh of"
+        elif is_tracer(x) and _refused(x, target):  # its value is (`jax.grad`'s)
+            at = "traced, and its value committed elsewhere than"
+        else:
+            continue
+        raise ValueError(
+            f"{where(i)}: {at} its `in_shardings` entry {target.spec}. Inside a "
+            "transform (`jax.grad`, `jax.vmap`, ...) that entry is only on the "
+            "abstract mesh of `jax.set_mesh`, where nothing can be moved: place it "
+            "before the transform, with `eqxs.filter_device_put`."
+        )
+
+
+def _refused(x: Any, target: Any) -> bool:
+    """Whether `jax.jit` refuses the traced `x` for `target` (asked of it alone)."""
+    try:
+        jax.jit(lambda a: a, in_shardings=for_jax(target))(x)
+    except ValueError:
+        return True
+    return False
+
+
+def on_its_mesh(x: Any, target: Any) -> Any:
+    """`target`, resolved on an abstract mesh (inside a transform such as `jax.grad`),
+    on the concrete mesh of the committed array `x`, if `x` is on that mesh."""
+    mesh = getattr(x.sharding, "mesh", None) if is_committed(x) else None
+    if isinstance(mesh, jax.sharding.Mesh) and mesh.abstract_mesh == target.mesh:
+        return NamedSharding(mesh, target.spec, memory_kind=target.memory_kind)
+    return None
 
 
 def _auto_layouts(targets, leaves, where) -> str | None:
@@ -414,8 +498,9 @@ class AutoLayouts:
         return compiled(*args)
 
 
-def _jit(static_fun, cache: Cache, structure: ArgStructure, args, leaves, targets):
+def _jit(call: Call, static_fun, targets) -> Any:
     """The `jax.jit` of an entry (a `ResolveRules` for rules in `out_shardings`)."""
+    cache, structure, leaves = call.cache, call.structure, call.leaves
     jit_kwargs: dict = {}
     if cache.in_shardings is not unset:
         shardings: list = [None] * len(leaves)
@@ -423,7 +508,7 @@ def _jit(static_fun, cache: Cache, structure: ArgStructure, args, leaves, target
             shardings[i] = for_jax(sharding)
         jit_kwargs["in_shardings"] = structure.packing.pack(shardings)
     positions = structure.packing.positions
-    jit_kwargs["donate_argnums"] = cache.donation.argnums(positions, len(args))
+    jit_kwargs["donate_argnums"] = cache.donation.argnums(positions, len(call.args))
     out_specs = cache.out_shardings
     if out_specs is not unset:
         out_specs = static_out_shardings(out_specs)

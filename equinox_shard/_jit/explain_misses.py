@@ -17,7 +17,6 @@ import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 
 from .._arrays import is_concrete
-from .cache import path_name
 
 
 traceback_util.register_exclusion(__file__)
@@ -79,7 +78,7 @@ def _describe(cache, structure, leaves: list, entry=None) -> dict:
     `cache.EntryKey`) by field, the caller's leaf names, and `_array` of each traced."""
     tree = structure.treedef.unflatten([None] * len(leaves))
     paths = jtu.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
-    names = [path_name(cache, path) for path, _ in paths]
+    names = [cache.path_name(path) for path, _ in paths]
     key = structure.structure_key._asdict() | structure.entry_key(leaves)._asdict()
     arrays = {names[i]: _array(leaves[i]) for i in structure.traced_indices}
     return dict(
@@ -103,7 +102,7 @@ def _structure(cache, new: Any, old: Any, path: tuple | None = None):
         for (key, a), (_, b) in zip(kids, old_kids):
             yield from _structure(cache, a, b, path + key)
         return
-    where = path_name(cache, path)
+    where = cache.path_name(path)
     name = lambda k: getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
     keys = [{name(k) for (k,), _ in c} for c in (kids, old_kids)]
     if type(new) is type(old) and keys[0] == keys[1] and dataclasses.is_dataclass(new):
@@ -195,31 +194,33 @@ def _never_failing():
         logger.warning(f"FILTER_JIT CACHE MISS, not explained: {e!r}")
 
 
-def miss(cache, structure, leaves: list) -> Callable:
-    """Explains a miss of our cache (a new `jax.jit`), and returns `watch(entry,
-    leaves)` for `entry.build_entry`: it records the call (its leaves as placed) and
-    returns the entry's dispatch layer, `_watched`."""
+def miss(call) -> Callable:
+    """Explains a miss of our cache (a new `jax.jit`) by `call`, and returns
+    `watch(call)` for `entry.build_entry`: it records the call (its leaves as placed)
+    and returns the entry's dispatch layer, `_watched`."""
+    cache = call.cache
     with _never_failing():
-        new = _describe(cache, structure, leaves)
+        new = _describe(cache, call.structure, call.leaves)
         _report(cache, new, cache.seen, "a new jax.jit", _key_diff)
 
-    def watch(entry, leaves: list) -> Callable:
+    def watch(call) -> Callable:
+        entry = call.entry
         with contextlib.suppress(Exception):  # then "not explained" was said
-            cache.seen.append(_describe(cache, entry.structure, leaves, entry))
-        return ft.partial(_watched, cache, entry)
+            cache.seen.append(_describe(cache, entry.structure, call.leaves, entry))
+        return ft.partial(_watched, entry)
 
     return watch
 
 
-def _watched(cache, entry, inner, run, dynamic, deleted, leaves, jit_id):
+def _watched(entry, inner, call):
     """A dispatch layer (`launch.stack`): names the call to `_heard` (in a
     thread-local) while the flag is on (not for an AOT `Compiled`)."""
     __tracebackhide__ = True
-    if not jax.config.jax_explain_cache_misses or run is not entry.jitted:
-        return inner(run, dynamic, deleted, leaves, jit_id)
-    outer, _state.call = getattr(_state, "call", None), [cache, entry, leaves]
+    if not jax.config.jax_explain_cache_misses or call.run is not entry.jitted:
+        return inner(call)
+    outer, _state.call = getattr(_state, "call", None), [call.cache, entry, call.leaves]
     try:
-        return inner(run, dynamic, deleted, leaves, jit_id)
+        return inner(call)
     finally:
         _state.call = outer
 

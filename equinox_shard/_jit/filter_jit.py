@@ -16,16 +16,9 @@ from equinox import field, is_array, Module, module_update_wrapper, Partial
 from .._arrays import is_array_or_struct
 from .._spec.leaves import unset
 from . import explain_misses
-from .cache import (
-    ArgStructure,
-    Cache,
-    diagnose,
-    get_cache,
-    look_up,
-    raise_if_unhashable,
-)
+from .cache import ArgStructure, Cache, Call, get_cache, look_up, raise_if_unhashable
 from .donation import DonateMode
-from .entry import AutoLayouts, build_entry, Entry, prepare
+from .entry import AutoLayouts, build_entry, diagnose, Entry, prepare
 from .packing import mirror_combine, mirror_partition
 
 
@@ -35,57 +28,53 @@ traceback_util.register_exclusion(__file__)
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
-#
-# The call path: `_JitWrapper.__call__ -> _call`.
-#
-
 
 def _call(wrapper, args, kwargs, compiled=None):
-    """A call in four steps: look up its entry (`cache.look_up`; on a miss `_build`
-    makes it), prepare its inputs (`entry.prepare`), dispatch (`Entry.dispatch`) and
-    combine the output (`_combine`)."""
+    """A call in four steps, each taking the call as one value (`cache.Call`): look up
+    its entry (`cache.look_up`; on a miss `_build` makes it), prepare its inputs
+    (`entry.prepare`), dispatch (`Entry.dispatch`) and combine the output."""
     __tracebackhide__ = True
     # One attribute lookup, past `Module.__getattribute__` (Python, on every lookup).
     fields = object.__getattribute__(wrapper, "__dict__")
     cache: Cache = fields["_cache"]
-    dynamic_fun = fields["_dynamic_fun"]
     # Read by `eqx.error_if`'s stacks: one per decoration.
     __equinox_jit_id__ = fields["_jit_id"]
     if kwargs or len(args) not in cache.arity:
         args, kwargs = cache.bind(args, kwargs)
-    leaves, treedef = jtu.tree_flatten((args, kwargs))
+    call = _new(Call)
+    call.cache, call.fun, call.args = cache, fields["_dynamic_fun"], args
+    call.kwargs, call.jit_id = kwargs, __equinox_jit_id__
+    call.leaves, treedef = jtu.tree_flatten((args, kwargs))
     # 1. Look up.
     if compiled is None:
-        key, structure, entry = look_up(cache, treedef, leaves, is_array)
+        key = look_up(call, treedef, is_array)
     else:
-        key, structure, entry = None, *compiled._check(treedef, leaves)
+        key = compiled._check(call, treedef)
     # 2. Prepare (on a miss, `_build` first makes the entry, under the cache's lock).
-    if entry is None:
-        structure, entry, leaves, dynamic, run = _build(
-            wrapper, cache, args, kwargs, leaves, key
-        )
+    if call.entry is None:
+        _build(call, key, fields["_static_fun"])
     else:
-        leaves, dynamic, run = prepare(
-            dynamic_fun, cache, entry, structure, args, kwargs, leaves
-        )
+        prepare(call)
     if compiled is not None:
-        run = compiled.compiled
+        call.run = compiled.compiled
     # 3. Dispatch `run(*dynamic)`: the entry's `jax.jit` (or `Typed`, `AutoLayouts`).
     try:
-        if entry.dispatch is None:  # no layer: the launch alone
-            out = run(*dynamic)
+        if call.entry.dispatch is None:  # no layer: the launch alone
+            out = call.run(*call.dynamic)
         else:
-            out = entry.dispatch(
-                run, dynamic, structure.deleted, leaves, __equinox_jit_id__
-            )
+            out = call.entry.dispatch(call)
     except eqx.EquinoxRuntimeError:
         raise
     except Exception:
-        diagnose(cache, args, kwargs, leaves, entry, dynamic_fun)
+        diagnose(call)
         raise
     # 4. Combine (`_combine`, inline: one frame less on every call).
     dynamic, static = out
     return dynamic if static is None else static.combine(dynamic)
+
+
+# A `Call` without a Python frame; `_call` sets its fields.
+_new = object.__new__
 
 
 def _combine(out: tuple) -> Any:
@@ -94,48 +83,32 @@ def _combine(out: tuple) -> Any:
     return dynamic if static is None else static.combine(dynamic)
 
 
-def _build(wrapper, cache: Cache, args, kwargs, leaves, key) -> tuple:
+def _build(call: Call, key, static_fun) -> None:
     """A miss (or `.lower()`): finds or makes the structure of `key` and the entry,
-    under the cache's lock, and prepares this call's inputs."""
+    under the cache's lock, and prepares the call."""
+    cache = call.cache
     with cache.lock:
-        structure = cache.structures.get(key)
+        structure = call.structure = cache.structures.get(key)
         if structure is None:
-            structure = ArgStructure(cache, args, kwargs, leaves, key)
-        entry_key = structure.key_in_entries(leaves)
+            structure = call.structure = ArgStructure(call, key)
+        entry_key = structure.key_in_entries(call.leaves)
         try:
-            entry = structure.entries.get(entry_key)
+            entry = call.entry = structure.entries.get(entry_key)
         except TypeError:
-            raise_if_unhashable(cache, args, kwargs, leaves, structure.static_indices)
+            raise_if_unhashable(call, structure.static_indices)
             raise
         if entry is not None:
             # Made meanwhile, or for other leaf types: keep this structure too.
-            prepared = prepare(
-                wrapper._dynamic_fun, cache, entry, structure, args, kwargs, leaves
-            )
+            prepare(call)
         else:
             watch = None
             if jax.config.jax_explain_cache_misses and not jax.config.jax_disable_jit:
                 # JAX's own flag: say why, in the caller's names (`explain_misses`).
-                watch = explain_misses.miss(cache, structure, leaves)
-            entry, *prepared = build_entry(
-                wrapper._dynamic_fun,
-                wrapper._static_fun,
-                cache,
-                structure,
-                args,
-                kwargs,
-                leaves,
-                watch,
-            )
+                watch = explain_misses.miss(call)
+            entry = build_entry(call, static_fun, watch)
         if not jax.config.jax_disable_jit:  # under it nothing is traced, nothing kept
             structure.entries[entry_key] = entry
             cache.structures[key] = structure
-    return structure, entry, *prepared
-
-
-#
-# Ahead-of-time compilation.
-#
 
 
 class Compiled(Module):
@@ -153,10 +126,11 @@ class Compiled(Module):
     def as_text(self) -> str | None:
         return self.compiled.as_text()
 
-    def _check(self, treedef, leaves: list) -> tuple:
-        """Its `ArgStructure` and `Entry`, once a call is checked against them."""
+    def _check(self, call: Call, treedef) -> None:
+        """Sets its `ArgStructure` and `Entry` on `call`, once checked against them
+        (no `StructureKey`: nothing is built)."""
         structure = self._entry.structure
-        static = structure.static_of(leaves)
+        static = structure.static_of(call.leaves)
         if treedef != structure.treedef or static != self._entry.static:
             raise TypeError(
                 "This function was compiled for arguments of structure "
@@ -164,7 +138,7 @@ class Compiled(Module):
                 f"{self._entry.static}, but was called with {treedef} and {static}. "
                 "Lower and compile it again for these arguments."
             )
-        return structure, self._entry
+        call.structure, call.entry = structure, self._entry
 
     @property
     def input_shardings(self) -> tuple[tuple, dict]:
@@ -223,11 +197,6 @@ class Lowered(Module):
         return Compiled(compiled, self._wrapper, self._entry)
 
 
-#
-# The public wrapper.
-#
-
-
 class _JitWrapper(Module):
     fn: str  # this attribute exists solely to give a nice repr
     _dynamic_fun: Any = field(repr=False)
@@ -250,16 +219,17 @@ class _JitWrapper(Module):
     def _ahead(self, args, kwargs, stage: Callable) -> tuple[Entry, Any]:
         """`stage(entry, dynamic)` for `.lower` and `.eval_shape`, whose arguments are
         checked, and errors named, as a call's."""
-        cache = self._cache
-        args, kwargs = cache.bind(args, kwargs)
-        leaves, treedef = jtu.tree_flatten((args, kwargs))
-        key, _, _ = look_up(cache, treedef, leaves, is_array_or_struct)
-        _, entry, leaves, dynamic, _ = _build(self, cache, args, kwargs, leaves, key)
+        call = _new(Call)
+        call.cache, call.fun, call.jit_id = self._cache, self._dynamic_fun, self._jit_id
+        call.args, call.kwargs = self._cache.bind(args, kwargs)
+        call.leaves, treedef = jtu.tree_flatten((call.args, call.kwargs))
+        key = look_up(call, treedef, is_array_or_struct)
+        _build(call, key, self._static_fun)
         try:
-            return entry, stage(entry, dynamic)
+            return call.entry, stage(call.entry, call.dynamic)
         except Exception:
             # The entry was checked for the shapes of the call that made it.
-            diagnose(cache, args, kwargs, leaves, entry)
+            diagnose(call)
             raise
 
     def lower(self, /, *args, **kwargs) -> Lowered:

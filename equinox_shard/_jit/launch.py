@@ -1,5 +1,5 @@
-"""An entry's dispatch, `dispatch(run, dynamic, deleted, leaves, jit_id)`: a launch with
-layers stacked over it (`stack`), under `dispatch_lock` where it must be (RFC §6)."""
+"""An entry's dispatch, `dispatch(call)` for a `cache.Call`: a launch with layers
+stacked over it (`stack`), under `dispatch_lock` where it must be (RFC §6)."""
 
 import functools as ft
 import itertools
@@ -16,8 +16,8 @@ from .._dispatch import dispatch_lock
 traceback_util.register_exclusion(__file__)
 
 
-def plain(run, dynamic, deleted, leaves, jit_id):
-    return run(*dynamic)
+def plain(call):
+    return call.run(*call.dynamic)
 
 
 # Every PACE-th multi-device CPU launch waits for its outputs: with more queued, JAX
@@ -27,21 +27,21 @@ PACE = 8
 launches = itertools.count(1)
 
 
-def paced(inner: Callable, run, dynamic, deleted, leaves, jit_id):
+def paced(inner: Callable, call):
     """The layer of an entry on several CPU devices: every `PACE`-th launch waits."""
-    out = inner(run, dynamic, deleted, leaves, jit_id)
+    out = inner(call)
     if next(launches) % PACE == 0:
         _wait(out)
     return out
 
 
-def paced_serialized(run, dynamic, deleted, leaves, jit_id):
+def paced_serialized(call):
     """`paced` over a launch under `dispatch_lock`, in one frame (a multi-device CPU
     entry that donates nothing)."""
     with dispatch_lock:
-        if deleted(leaves):  # donated by another thread since `prepare`
+        if call.structure.deleted(call.leaves):  # donated by another thread since
             raise RuntimeError("An input was donated by another thread.")
-        out = run(*dynamic)
+        out = call.run(*call.dynamic)
     if next(launches) % PACE == 0:
         _wait(out)
     return out
@@ -67,7 +67,7 @@ def serialize_dispatch(shardings: list) -> bool:
 
 def stack(launch: Callable, layers: Sequence[Callable]) -> Callable | None:
     """`launch` wrapped by each of `layers`, innermost first; `None` for `plain` alone
-    (the call launches `run(*dynamic)` itself, without a frame)."""
+    (the call launches `call.run(*call.dynamic)` itself, without a frame)."""
     dispatch = launch
     for layer in layers:
         dispatch = ft.partial(layer, dispatch)

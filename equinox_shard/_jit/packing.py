@@ -52,14 +52,8 @@ class Packing:
     namedtuple whose fields are its leaves' key paths (JAX prints `model` +
     `.layers[0].weight`) where they all start with an attribute; else as a `Named`."""
 
-    def __init__(
-        self,
-        args: tuple,
-        kwargs: dict,
-        mask: tuple[bool, ...],
-        n_named: int,
-        donation: Any,
-    ):
+    def __init__(self, call: Any, mask: tuple[bool, ...]):
+        args, kwargs = call.args, call.kwargs
         paths = [path for path, _ in jtu.tree_flatten_with_path((args, kwargs))[0]]
         parts = []
         plan = []
@@ -92,12 +86,13 @@ class Packing:
         # Per part of `(*args, kwargs)`: its traced leaves' getter and its maker.
         self.makes, self.gets = (tuple(x) for x in zip(*plan))
         n = len(args)
+        n_named = len(call.cache.names)
         self.named = named = min(n, n_named)
         self.variadic = n > n_named
         self.fun_at = min(n, 1)
         # The variadic slots, `(pad, start, stop)`: `donation` (`Donation`) says where
         # one starts; `pad` `None`s keep each argument's index in `*args`.
-        starts = donation.slot_starts(named, n)
+        starts = call.cache.donation.slot_starts(named, n)
         stops = (*starts[1:], n)
         self.runs = tuple((b - named, b, e) for b, e in zip(starts, stops))
         # The argument position in each slot (`None`: the function, the keywords).
@@ -124,17 +119,18 @@ class Packing:
         parts = tuple(map(_apply, self.makes, traced))
         return self.slots(None, parts[:-1], parts[-1])
 
-    def arguments(self, fun: Any, args: tuple, kwargs: dict, leaves: list) -> tuple:
-        """`slots` to call `jax.jit` with: `args` and `kwargs` as they are where
-        `trivial`, else packed from `leaves`."""
+    def arguments(self, call: Any) -> tuple:
+        """`slots` to call `jax.jit` with, for a `cache.Call`: its `args` and `kwargs`
+        as they are where `trivial`, else packed from its `leaves`."""
+        args, kwargs = call.args, call.kwargs
         if not self.trivial:
             # As `pack`, at C speed: no frame (a comprehension is one on Python 3.11).
-            traced = map(_apply, self.gets, repeat(leaves))
+            traced = map(_apply, self.gets, repeat(call.leaves))
             parts = tuple(map(_apply, self.makes, traced))
             args, kwargs = parts[:-1], parts[-1]
         if not self.variadic:
-            return (*args[:1], fun, *args[1:], kwargs)
-        return self.slots(fun, args, kwargs)
+            return (*args[:1], call.fun, *args[1:], kwargs)
+        return self.slots(call.fun, args, kwargs)
 
     def unpack(self, slots: Sequence[Any]) -> list:
         """The traced leaves from what `pack` made (or `jax.jit` returned for it)."""

@@ -40,7 +40,12 @@ def traced_function(
     single = jtu.tree_structure(out_specs, is_leaf=is_spec_leaf).num_nodes == 1
     structured = out_specs is not unset and not single
     packing = structure.packing
-    explicit = [(i, s) for i, s in map(_sharding_at, targets) if _is_explicit(s)]
+    shardings = [(i, sharding_of(s)) for i, s in targets]
+    explicit = [
+        (i, s)
+        for i, s in shardings
+        if isinstance(s, NamedSharding) and AxisType.Explicit in s.mesh.axis_types
+    ]
 
     def fun_wrapped(*slots):
         fun = mirror_combine(slots[packing.fun_at], static_fun)
@@ -134,17 +139,6 @@ def _out_shardings(out, out_specs, found: list | None, structured: bool, mesh):
         place(out_leaves, _eager_targets(out_leaves, todo), where)
         return out_def.unflatten(out_leaves)
     return out
-
-
-def _sharding_at(target: tuple[int, Any]) -> tuple[int, Any]:
-    i, spec = target
-    return i, sharding_of(spec)
-
-
-def _is_explicit(sharding: Any) -> bool:
-    return isinstance(sharding, NamedSharding) and (
-        AxisType.Explicit in sharding.mesh.axis_types
-    )
 
 
 def _eager_targets(leaves: list, todo: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
