@@ -19,6 +19,19 @@ def is_single_device_sharding(sharding):
     return type(sharding) is type(single)
 
 
+def grid_shape():
+    """The suite's 4x2 grid on the devices there are: (n // 2, 2) on an even number of
+    devices, (1, 1) on one (or an odd number)."""
+    n = jax.device_count()
+    return (n // 2, 2) if n % 2 == 0 else (1, 1)
+
+
+def nth_device(k):
+    """`jax.devices()[k]`, or the last device when there are fewer than `k + 1`."""
+    devices = jax.devices()
+    return devices[min(k, len(devices) - 1)]
+
+
 def _shape(shape):
     # One axis over every device there is unless the test asks for a shape.
     return (jax.device_count(),) if shape is None else shape

@@ -21,15 +21,16 @@ from jax.sharding import (
     Sharding,
 )
 
+from .helpers import grid_shape
+
 
 #
 # Meshes, and the PartitionSpecs that can be tried on each.
 #
 
-MESHES = {
-    "1d": ((8,), ("x",)),
-    "2d": ((4, 2), ("a", "b")),
-}
+# The axis names of each kind of mesh, built over the devices there are: "1d" one axis
+# over all of them, "2d" the grid of `helpers.grid_shape()` (4x2 on 8 devices).
+MESHES = {"1d": ("x",), "2d": ("a", "b")}
 _PSPECS = {
     "1d": [P(), P(None), P("x"), P(None, "x"), P("x", None), P(None, None, "x")],
     "2d": [
@@ -47,7 +48,8 @@ _PSPECS = {
 
 @ft.cache
 def cached_mesh(kind: str, axis_type: AxisType) -> jax.sharding.Mesh:
-    shape, names = MESHES[kind]
+    names = MESHES[kind]
+    shape = (jax.device_count(),) if kind == "1d" else grid_shape()
     return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
 
 

@@ -12,15 +12,24 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .helpers import assert_same_values, auto_mesh, explicit_mesh, snapshot
+from .helpers import (
+    assert_same_values,
+    auto_mesh,
+    explicit_mesh,
+    grid_shape,
+    nth_device,
+    snapshot,
+)
 
 
 pytest.importorskip("orbax.checkpoint")
 
 CONTEXTS = {
-    "auto_mesh": lambda: jax.set_mesh(auto_mesh((4, 2), ("data", "model"))),
-    "explicit_mesh": lambda: jax.set_mesh(explicit_mesh((4, 2), ("data", "model"))),
-    "default_device": lambda: jax.default_device(jax.devices()[5]),
+    "auto_mesh": lambda: jax.set_mesh(auto_mesh(grid_shape(), ("data", "model"))),
+    "explicit_mesh": lambda: jax.set_mesh(
+        explicit_mesh(grid_shape(), ("data", "model"))
+    ),
+    "default_device": lambda: jax.default_device(nth_device(5)),
     "x64": lambda: jax.enable_x64(True),
     "strict_promotion": lambda: jax.numpy_dtype_promotion("strict"),
     "rank_promotion_raise": lambda: jax.numpy_rank_promotion("raise"),
@@ -34,11 +43,11 @@ def _state():
     # on one device, a NumPy array and a Python scalar.
     mesh = auto_mesh(names=("x",))
     return {
-        "one": jax.device_put(jnp.arange(6.0).reshape(2, 3), jax.devices()[3]),
+        "one": jax.device_put(jnp.arange(6.0).reshape(2, 3), nth_device(3)),
         "split": jax.device_put(
             jnp.arange(32, dtype=jnp.int32).reshape(8, 4), NamedSharding(mesh, P("x"))
         ),
-        "key": jax.device_put(jax.random.key(7), jax.devices()[3]),
+        "key": jax.device_put(jax.random.key(7), nth_device(3)),
         "host": np.linspace(0.0, 1.0, 5, dtype=np.float32),
         "n": 3,
     }
@@ -144,7 +153,7 @@ def test_checksums_are_those_of_version_2(dtype, shape, spec):
     # cross their boundaries): the very sums that checkpoints already written carry.
     from equinox_shard._checkpoint import manifest
 
-    mesh = auto_mesh((4, 2), ("data", "model"))
+    mesh = auto_mesh(grid_shape(), ("data", "model"))
     values = np.random.default_rng(0).standard_normal(shape) * 5
     x = jax.device_put(jnp.asarray(values).astype(dtype), NamedSharding(mesh, spec))
     expected = _reference_checksum(x)
@@ -164,7 +173,7 @@ def test_checksums_on_the_device_are_those_of_the_host(monkeypatch, axis_type):
     from equinox_shard._checkpoint import manifest
 
     mesh = {"auto": auto_mesh, "explicit": explicit_mesh}[axis_type](
-        (4, 2), ("data", "model")
+        grid_shape(), ("data", "model")
     )
     rng = np.random.default_rng(0)
     cases = [
@@ -188,7 +197,7 @@ def test_checksums_on_the_device_are_those_of_the_host(monkeypatch, axis_type):
     # The same devices in another mesh, and one device: several calls, no transfer.
     other = explicit_mesh(names=("x",))
     arrays.insert(0, jax.device_put(jnp.arange(16.0), NamedSharding(other, P("x"))))
-    arrays.insert(0, jax.device_put(jnp.arange(3, dtype=jnp.int8), jax.devices()[5]))
+    arrays.insert(0, jax.device_put(jnp.arange(3, dtype=jnp.int8), nth_device(5)))
     host = manifest.checksums(arrays)
     assert not any(manifest.on_device(x) for x in arrays)
     monkeypatch.setattr(manifest, "HOST_PLATFORMS", ())
@@ -209,7 +218,7 @@ def test_restore_checks_on_the_device_what_the_host_saved(monkeypatch, tmp_path)
 
     from .test_checkpoint_safety import _flip_byte_of
 
-    mesh = auto_mesh((4, 2), ("data", "model"))
+    mesh = auto_mesh(grid_shape(), ("data", "model"))
     values = np.random.default_rng(0).integers(0, 2**32, 4096, dtype=np.uint32)
     mesh_replicated = NamedSharding(mesh, P())
     state = {

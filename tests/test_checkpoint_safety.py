@@ -14,7 +14,13 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import checkpoint_worker as worker
-from .helpers import assert_same_values, auto_mesh, explicit_mesh
+from .helpers import (
+    assert_same_values,
+    auto_mesh,
+    explicit_mesh,
+    grid_shape,
+    nth_device,
+)
 from .isolated import killed_after_first_line, run_isolated
 
 
@@ -94,7 +100,7 @@ def _flip_byte_of(directory: pathlib.Path, values: np.ndarray) -> None:
 def test_corruption_names_the_leaf(tmp_path, kind):
     values = np.random.default_rng(0).integers(0, 2**32, 4096, dtype=np.uint32)
     if kind == "array":
-        mesh = auto_mesh((4, 2), ("data", "model"))
+        mesh = auto_mesh(grid_shape(), ("data", "model"))
         leaf = jax.device_put(values.reshape(64, 64), NamedSharding(mesh, P("data")))
         values = np.asarray(leaf).reshape(-1)
     elif kind == "key":
@@ -107,7 +113,7 @@ def test_corruption_names_the_leaf(tmp_path, kind):
     with pytest.raises(ValueError, match=r"like\['w'\]: .* checksum"):
         eqxs.restore(tmp_path / "ckpt", state)
     with pytest.raises(ValueError, match=r"like\['w'\]: .* checksum"):
-        eqxs.restore(tmp_path / "ckpt", state, jax.devices()[3])
+        eqxs.restore(tmp_path / "ckpt", state, nth_device(3))
 
 
 def test_key_without_sharding_is_not_committed(tmp_path):

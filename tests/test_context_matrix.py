@@ -52,7 +52,7 @@ from jax.sharding import (
     PartitionSpec as P,
 )
 
-from .helpers import make_module
+from .helpers import make_module, nth_device
 
 
 TAG = "a static leaf"
@@ -67,7 +67,7 @@ def _mesh(kind: str) -> jax.sharding.Mesh:
 CONTEXTS: dict[str, Callable[[], Any]] = {
     "set_mesh auto": lambda: jax.set_mesh(_mesh("auto")),
     "set_mesh explicit": lambda: jax.set_mesh(_mesh("explicit")),
-    "default_device": lambda: jax.default_device(jax.devices()[3]),
+    "default_device": lambda: jax.default_device(nth_device(3)),
     "disable_jit": lambda: jax.disable_jit(),
     "x64": lambda: jax.enable_x64(True),
     "dtype strict": lambda: jax.numpy_dtype_promotion("strict"),
@@ -159,7 +159,7 @@ def _device_put(args):
 
 def _device_put_device(args):
     tree, _ = args
-    return eqxs.filter_device_put(tree, jax.devices()[1])
+    return eqxs.filter_device_put(tree, nth_device(1))
 
 
 def _shard_eager(args):
@@ -327,7 +327,7 @@ def _jit_uncommitted_oracle(args):
 
 def _single_device_like(mesh):
     del mesh
-    return eqxs.filter_device_put(_tree(), jax.devices()[2])
+    return eqxs.filter_device_put(_tree(), nth_device(2))
 
 
 _ALL_BUT_DISABLE_JIT = tuple(c for c in CONTEXTS if c != "disable_jit")
@@ -486,6 +486,6 @@ def _cells():
 def test_context_matrix(name, context, tmp_path):
     ours, outside = _run(name, context, tmp_path)
     # Under `jax.default_device`, an uncommitted result is on that device.
-    default = jax.devices()[3] if context == "default_device" else None
+    default = nth_device(3) if context == "default_device" else None
     problems = _compare(ours, outside, context != "disable_jit", default)
     assert not problems, "\n".join(problems)

@@ -33,8 +33,10 @@ from .helpers import (
     assert_array_shardings,
     assert_same_values,
     auto_mesh,
+    grid_shape,
     make_module,
     mixed_mesh,
+    nth_device,
     snapshot,
 )
 from .isolated import run_isolated
@@ -354,16 +356,18 @@ def test_indivisible_dimension(apply):
 
 
 @apply_modes
+@pytest.mark.devices(8, reason="a dimension size that 8 devices do not divide")
 def test_indivisible_by_two_mesh_axes(apply):
-    mesh = auto_mesh((4, 2), ("a", "b"))
+    mesh = auto_mesh(grid_shape(), ("a", "b"))
     x = {"w": jnp.ones((8, 4)), "v": jnp.ones((4, 4))}
     with _raises(ValueError, _kp("x", "v"), inputs=x, match=r"\('a', 'b'\)"):
         apply(x, NamedSharding(mesh, P(("a", "b"))))
 
 
 @apply_modes
+@pytest.mark.devices(8, reason="a dimension size that 8 devices do not divide")
 def test_indivisible_second_dimension(apply):
-    mesh = auto_mesh((4, 2), ("a", "b"))
+    mesh = auto_mesh(grid_shape(), ("a", "b"))
     x = {"w": jnp.ones((8, 4)), "v": jnp.ones((8, 3))}
     with _raises(ValueError, _kp("x", "v"), inputs=x, match="dimension 1"):
         apply(x, NamedSharding(mesh, P("a", "b")))
@@ -413,6 +417,7 @@ def test_unknown_memory_kind(apply):
 
 
 @eager_modes
+@pytest.mark.devices(8, reason="two meshes of four devices each")
 def test_two_meshes_eagerly_is_fine(apply):
     # Eagerly, each leaf is a separate transfer: different meshes (even disjoint sets
     # of devices) in one call are allowed, as in `jax.device_put`.
@@ -572,7 +577,7 @@ def test_device_put_donating_one_buffer_twice(target, donate):
     # One array twice in the tree, donated twice, or donated once and kept once: no
     # crash, right values, and a kept reference is not deleted.
     s, r = _sharded()
-    device = jax.devices()[3]
+    device = nth_device(3)
     target = {
         "replicated": r,
         "single device": make_single_device_sharding(device),
@@ -923,7 +928,7 @@ def test_committed_outside_target_devices(where, donate):
         half = jax.sharding.Mesh(np.array(jax.devices()[4:]), ("x",))
         placed = jax.device_put(jnp.arange(8.0), NamedSharding(half, P("x")))
     elif where == "one device":
-        placed = jax.device_put(jnp.arange(8.0), jax.devices()[5])
+        placed = jax.device_put(jnp.arange(8.0), nth_device(5))
     else:
         reverse = jax.sharding.Mesh(np.array(jax.devices()[::-1]), ("x",))
         placed = jax.device_put(jnp.arange(8.0), NamedSharding(reverse, P("x")))
@@ -958,12 +963,13 @@ def test_committed_with_other_memory_kind():
     intact.check()
 
 
+@pytest.mark.devices(2, reason="an array committed to another device")
 @pytest.mark.parametrize("donate", ["none", "all"])
 def test_committed_on_other_devices_unspecified(donate):
     s, _ = _sharded()
     f = eqxs.filter_jit(_step, in_shardings=(s, None), donate=donate)
     model = jax.device_put(jnp.arange(8.0), s)
-    batch = {"q": jax.device_put(jnp.arange(8.0), jax.devices()[5])}
+    batch = {"q": jax.device_put(jnp.arange(8.0), nth_device(5))}
     with _raises(ValueError, "model", _kp("batch", "q"), inputs=(model, batch)):
         f(model, batch)
 

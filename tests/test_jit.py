@@ -24,6 +24,8 @@ from .helpers import (
     compiled_names,
     count_compiles,
     explicit_mesh,
+    grid_shape,
+    nth_device,
     snapshot,
     tree_allclose,
 )
@@ -265,7 +267,7 @@ def test_in_shardings_per_argument_of_a_variadic_call(getkey):
 
 @pytest.mark.parametrize("make_mesh", [auto_mesh, explicit_mesh])
 def test_auto_and_explicit_mesh_2d(make_mesh, getkey):
-    mesh = make_mesh((4, 2), ("data", "model"))
+    mesh = make_mesh(grid_shape(), ("data", "model"))
     batch = NamedSharding(mesh, P("data"))
     columns = NamedSharding(mesh, P(None, "model"))
     replicated = NamedSharding(mesh, P())
@@ -1103,7 +1105,9 @@ def test_matmul_precision_on_a_chip(dtype, precision, tolerance):
 #
 
 
-def _input_mesh(devices: int, axis_type: str):
+def _input_mesh(devices: int | None, axis_type: str):
+    # `devices`: the first so many devices, or None for all there are.
+    devices = jax.device_count() if devices is None else devices
     return jax.make_mesh(
         (devices,),
         ("x",),
@@ -1171,7 +1175,7 @@ def test_inputs_as_users_pass_them_go_to_jax_jit(
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 @pytest.mark.parametrize("first", ["numpy", "jax"])
 def test_numpy_and_jax_arrays_in_either_order_trace_as_jax_jit(first, axis_type):
-    replicated = NamedSharding(_input_mesh(8, axis_type), P())
+    replicated = NamedSharding(_input_mesh(None, axis_type), P())
     counts = {"ours": 0, "oracle": 0}
 
     def counted(name):
@@ -1243,7 +1247,7 @@ def test_input_on_an_equivalent_sharding_compiles_as_under_jax_jit():
     "transform", ["eqx.filter_grad", "jax.grad", "eqx.filter_vmap", "jax.vmap"]
 )
 def test_transforms_around_filter_jit_with_in_shardings(transform, source, axis_type):
-    mesh = _input_mesh(8, axis_type)
+    mesh = _input_mesh(None, axis_type)
     replicated = NamedSharding(mesh, P())
     batched = "vmap" in transform
     split = NamedSharding(mesh, P(None, "x") if batched else P("x"))
@@ -1309,7 +1313,7 @@ def test_inputs_as_users_pass_them_compile_once(scenario, devices):
 def test_uncommitted_inputs_of_other_shapes_and_donated(getkey):
     # Uncommitted inputs of alternating shapes, donated: each shape compiles once, and
     # every input is freed or kept exactly as `jax.jit` frees or keeps it.
-    replicated = NamedSharding(_input_mesh(8, "Auto"), P())
+    replicated = NamedSharding(_input_mesh(None, "Auto"), P())
 
     def doubled(model, x):
         return model * 2, x.sum()
@@ -1453,13 +1457,14 @@ def test_an_unhashable_static_leaf_is_named(in_shardings):
         assert jnp.array_equal(jitted(jnp.ones(2), {"lr": 0.1}), jnp.full(2, 2.0))
 
 
+@pytest.mark.devices(2, reason="an array committed to another device")
 def test_an_input_that_cannot_be_moved_is_reported_once():
     # A committed input on another device is moved by us; its shape error is ours,
     # raised once (not again, chained, by the diagnosis of JAX's errors).
     s = NamedSharding(auto_mesh(names=("x",)), P("x"))
     f = eqxs.filter_jit(lambda a: a * 2, in_shardings=s, out_shardings=s)
     f(jnp.arange(16.0))
-    other = jax.device_put(jnp.arange(12.0), jax.devices()[3])
+    other = jax.device_put(jnp.arange(12.0), nth_device(3))
     with pytest.raises(ValueError, match=r"^a: dimension 0 of shape \(12,\)") as info:
         f(other)
     shown = "".join(traceback.format_exception(info.value))
@@ -1636,7 +1641,7 @@ def test_under_grad_a_committed_input_is_moved_as_when_called(transform, axis_ty
     # Made with `jnp` under `jax.set_mesh`, `x` is committed (replicated); a call moves
     # it onto `P("x")`, and so does a call under `jax.grad` (JAX's "Sharding passed to
     # jit does not match", naming no leaf, before).
-    mesh = _input_mesh(8, axis_type)
+    mesh = _input_mesh(None, axis_type)
     with jax.set_mesh(mesh):
         f = eqxs.filter_jit(lambda w, x: jnp.sum(x @ w), in_shardings=(P(), P("x")))
         w = jnp.arange(4.0)
@@ -1651,10 +1656,11 @@ def test_under_grad_a_committed_input_is_moved_as_when_called(transform, axis_ty
     assert_same_values(x, np.arange(128.0, dtype=np.float32).reshape(32, 4))
 
 
+@pytest.mark.devices(2, reason="an array on another mesh of other devices")
 def test_under_grad_an_input_on_another_mesh_is_named():
     # Inside a transform no concrete mesh is known for a bare `PartitionSpec`, so an
     # input committed to one device cannot be moved: the error names it.
-    with jax.set_mesh(_input_mesh(8, "Auto")):
+    with jax.set_mesh(_input_mesh(None, "Auto")):
         f = eqxs.filter_jit(lambda w, x: jnp.sum(x @ w), in_shardings=(P(), P("x")))
         w = jnp.arange(4.0)
         x = jax.device_put(np.ones((32, 4), np.float32), jax.devices()[0])
@@ -1668,7 +1674,7 @@ def test_in_shardings_by_parameter_name():
     # A diffusion step needed `(P(), None, None, P("data"), None, P(), P(), None)`:
     # the dict form names the parameters it places and leaves the others as they are,
     # passed by position or by keyword, keyword-only ones included.
-    mesh = _input_mesh(8, "Auto")
+    mesh = _input_mesh(None, "Auto")
     split, rep = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
 
     def step(model, key, t, x, *, scale):
@@ -1696,7 +1702,7 @@ def test_explicit_axes_an_unspecified_input_committed_elsewhere_beside_a_fresh_b
     # `Typed`'s executable is compiled for the first call's committed inputs; an input
     # without a target committed to another sharding later (which it refuses) runs the
     # executable lowered for its own types, the batch still typed as its spec.
-    mesh = _input_mesh(8, "Explicit")
+    mesh = _input_mesh(None, "Explicit")
     split, rep = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
     seen = []
 
@@ -1717,13 +1723,14 @@ def test_explicit_axes_an_unspecified_input_committed_elsewhere_beside_a_fresh_b
     assert set(seen) == {jax.typeof(jax.device_put(host, split))}
 
 
+@pytest.mark.devices(2, reason="an array committed to another device")
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_under_grad_a_traced_input_on_another_device_is_named(axis_type):
     # `jax.grad(f, argnums=1)`: the traced `x` is committed off the mesh, `w` exactly
     # at its entry; the error names `x`, not `w`.
-    mesh = _input_mesh(8, axis_type)
+    mesh = _input_mesh(None, axis_type)
     w = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P()))
-    x = jax.device_put(jnp.arange(64.0).reshape(8, 8), jax.devices()[2])
+    x = jax.device_put(jnp.arange(64.0).reshape(8, 8), nth_device(2))
     f = eqxs.filter_jit(
         lambda w, x: jnp.sum(jnp.tanh(x @ w)), in_shardings=(P(), P("x"))
     )
@@ -1734,11 +1741,12 @@ def test_under_grad_a_traced_input_on_another_device_is_named(axis_type):
     assert not w.is_deleted()
 
 
+@pytest.mark.devices(2, reason="P('x') and P() are the same sharding on one device")
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_in_shardings_by_name_places_a_default(axis_type):
     # A parameter named in the dict form and left to its default is placed as if
     # passed (`jax.jit` would see it so), not silently left where it is.
-    mesh = _input_mesh(8, axis_type)
+    mesh = _input_mesh(None, axis_type)
     split = NamedSharding(mesh, P("x"))
     default = jnp.ones(8)
     seen = []
@@ -1766,7 +1774,7 @@ def test_in_shardings_by_name_places_a_default(axis_type):
 def test_out_shardings_take_a_spec_tree_keeping_non_array_leaves():
     # One rule for every function: a spec tree made by `jax.tree.map` over a Module
     # keeps its non-array leaves (`t1=10.0`), as `filter_device_put` takes it.
-    mesh = _input_mesh(8, "Auto")
+    mesh = _input_mesh(None, "Auto")
     rep = NamedSharding(mesh, P())
 
     class M(eqx.Module):
@@ -1802,7 +1810,7 @@ def test_explicit_axes_an_uncommitted_input_under_a_transform_has_its_type(
 ):
     # The input a transform traces is uncommitted (made outside `jax.set_mesh`): the
     # function still sees it at its `in_shardings` type, as in a call.
-    mesh = _input_mesh(8, "Explicit")
+    mesh = _input_mesh(None, "Explicit")
     seen = []
 
     def f(w, x):
@@ -1833,7 +1841,7 @@ def test_explicit_axes_an_input_committed_to_one_device_is_moved(source):
     # An array put on one device from one made under `jax.set_mesh` carries the mesh
     # in its type; `jax.device_put` refuses it for a split target ("Length of device
     # assignment 1 ..."); `in_shardings` promises to move it.
-    mesh = _input_mesh(8, "Explicit")
+    mesh = _input_mesh(None, "Explicit")
     split = NamedSharding(mesh, P("x"))
     g = eqxs.filter_jit(lambda v: v * 2, in_shardings=split)
     with jax.set_mesh(mesh):
@@ -1841,7 +1849,7 @@ def test_explicit_axes_an_input_committed_to_one_device_is_moved(source):
     if made is None:
         made = jnp.arange(32.0)
     with jax.set_mesh(mesh):
-        x = jax.device_put(made, jax.devices()[3])
+        x = jax.device_put(made, nth_device(3))
         out = g(x)
         put = eqxs.filter_device_put(x, split)
     assert out.sharding == split and put.sharding == split
@@ -1850,6 +1858,7 @@ def test_explicit_axes_an_input_committed_to_one_device_is_moved(source):
     assert_same_values(x, np.arange(32.0, dtype=np.float32))
 
 
+@pytest.mark.devices(2, reason="P('x') and P() are the same sharding on one device")
 def test_explicit_axes_the_typed_fallback_compiles_once(monkeypatch):
     # An unspecified input committed to another sharding than the first call's, beside
     # a fresh batch: the executable lowered for its types is kept, not lowered and
@@ -1862,7 +1871,7 @@ def test_explicit_axes_the_typed_fallback_compiles_once(monkeypatch):
         return compile_(self, *args, **kwargs)
 
     monkeypatch.setattr(jax.stages.Lowered, "compile", counted)
-    mesh = _input_mesh(8, "Explicit")
+    mesh = _input_mesh(None, "Explicit")
     split, rep = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
     g = eqxs.filter_jit(lambda w, x: w + x * 2, in_shardings=(None, split))
     host = np.arange(16.0, dtype=np.float32)

@@ -269,6 +269,14 @@ def test_process_local_data_single_process():
     assert again is out["x"]
 
 
+@pytest.mark.devices(8, reason="a dimension size that 8 devices do not divide")
+def test_process_local_data_single_process_indivisible():
+    sharded = NamedSharding(auto_mesh(), P("x"))
+    local = {"a": np.ones((8, 3), np.float32), "b": np.ones(4, np.float32)}
+    with pytest.raises(ValueError, match=r"^local_data\['b'\]: dimension 0"):
+        eqxs.filter_make_array_from_process_local_data(sharded, local)
+
+
 def test_process_local_data_single_process_errors():
     sharded = NamedSharding(auto_mesh(), P("x"))
     local = {"a": np.ones((8, 3), np.float32), "b": np.ones(4, np.float32)}
@@ -280,8 +288,6 @@ def test_process_local_data_single_process_errors():
         "local_data['b']: in a single-process run, `global_shape` must be None or "
         "the local shape (4,); got (8,)."
     )
-    with pytest.raises(ValueError, match=r"^local_data\['b'\]: dimension 0"):
-        eqxs.filter_make_array_from_process_local_data(sharded, local)
     with pytest.raises(ValueError, match="`global_shape` must be None, a shape"):
         eqxs.filter_make_array_from_process_local_data(
             sharded, local, global_shape=[(8, 3), (4,)]

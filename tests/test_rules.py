@@ -16,7 +16,9 @@ from .helpers import (
     assert_array_shardings,
     auto_mesh,
     explicit_mesh,
+    grid_shape,
     make_module,
+    nth_device,
     tree_allclose,
 )
 
@@ -33,7 +35,7 @@ TENSOR = eqxs.PathRules(
 
 
 def _mesh(make_mesh=auto_mesh):
-    return make_mesh((4, 2), ("data", "model"))
+    return make_mesh(grid_shape(), ("data", "model"))
 
 
 def _expected_mlp(mesh):
@@ -90,7 +92,7 @@ def test_no_match_no_default_is_an_error_naming_the_path():
 
 def test_first_match_wins_and_spec_kinds():
     mesh = _mesh()
-    device = jax.devices()[3]
+    device = nth_device(3)
     tree = {"a": jnp.zeros(8), "b": jnp.ones(8), "c": jnp.arange(8.0), "d": np.ones(4)}
     rules = eqxs.PathRules(
         [

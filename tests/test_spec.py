@@ -25,8 +25,10 @@ from .helpers import (
     assert_shardings,
     auto_mesh,
     explicit_mesh,
+    grid_shape,
     make_module,
     mixed_mesh,
+    nth_device,
     snapshot,
 )
 
@@ -75,7 +77,7 @@ def _tree():
 @placers
 @pytest.mark.parametrize("make_mesh", [auto_mesh, explicit_mesh])
 def test_sharding_leaf(place, make_mesh):
-    mesh = make_mesh((4, 2), ("data", "model"))
+    mesh = make_mesh(grid_shape(), ("data", "model"))
     x = _tree()
     expected = snapshot(x)
     sharding = NamedSharding(mesh, P("data"))
@@ -87,7 +89,7 @@ def test_sharding_leaf(place, make_mesh):
 
 @pytest.mark.parametrize("place", [_eager_device_put, _eager_shard])
 def test_device_leaf(place):
-    device = jax.devices()[3]
+    device = nth_device(3)
     x = _tree()
     expected = snapshot(x)
     out = place(x, device)
@@ -98,21 +100,21 @@ def test_device_leaf(place):
 
 
 def test_device_leaf_per_subtree():
-    devices = jax.devices()
+    one, five = nth_device(1), nth_device(5)
     x = _tree()
     expected = snapshot(x)
-    out = eqxs.filter_device_put(x, {"a": devices[1], "b": devices[5], "c": None})
-    assert out["a"][0].devices() == {devices[1]}
-    assert out["a"][1].devices() == {devices[1]}
-    assert out["b"][0].devices() == {devices[5]}
-    assert_shardings(out["a"], make_single_device_sharding(devices[1]))
+    out = eqxs.filter_device_put(x, {"a": one, "b": five, "c": None})
+    assert out["a"][0].devices() == {one}
+    assert out["a"][1].devices() == {one}
+    assert out["b"][0].devices() == {five}
+    assert_shardings(out["a"], make_single_device_sharding(one))
     assert_same_values(out, expected)
 
 
 @placers
 @pytest.mark.parametrize("make_mesh", [auto_mesh, explicit_mesh])
 def test_bare_partition_spec_under_set_mesh(place, make_mesh):
-    mesh = make_mesh((4, 2), ("data", "model"))
+    mesh = make_mesh(grid_shape(), ("data", "model"))
     x = _tree()
     expected = snapshot(x)
     with jax.set_mesh(mesh):
@@ -147,7 +149,7 @@ def test_none_leaves_subtree_untouched(place):
     sharding = NamedSharding(mesh, P("x"))
     numpy_leaf = np.arange(8.0)
     uncommitted = jnp.arange(8.0)
-    committed = jax.device_put(jnp.arange(8.0), jax.devices()[2])
+    committed = jax.device_put(jnp.arange(8.0), nth_device(2))
     x = {"keep": [numpy_leaf, uncommitted, committed, "s"], "move": jnp.arange(16.0)}
     expected = snapshot(x)
     out = place(x, {"keep": None, "move": sharding})
@@ -195,7 +197,7 @@ def _shard_first_axis(leaf):
 @placers
 @pytest.mark.parametrize("make_mesh", [auto_mesh, explicit_mesh])
 def test_callable_rule(place, make_mesh):
-    mesh = make_mesh((4, 2), ("data", "model"))
+    mesh = make_mesh(grid_shape(), ("data", "model"))
     calls = []
 
     def rule(leaf):
@@ -227,7 +229,7 @@ def test_callable_rule(place, make_mesh):
 @pytest.mark.parametrize("place", [_eager_device_put, _eager_shard])
 def test_callable_rule_returning_each_spec_kind(place):
     mesh = auto_mesh()
-    device = jax.devices()[6]
+    device = nth_device(6)
     sharding = NamedSharding(mesh, P("x"))
     untouched = jnp.arange(3.0)
     x = [jnp.arange(8.0), jnp.arange(16.0), jnp.arange(24.0), untouched]
@@ -290,7 +292,7 @@ def _deep_tree():
 @pytest.mark.parametrize("depth", [0, 1, 2, 3])
 @pytest.mark.parametrize("place", [_eager_device_put, _eager_shard, _jit_shard])
 def test_prefix_broadcasting(depth, place):
-    mesh = auto_mesh((4, 2), ("data", "model"))
+    mesh = auto_mesh(grid_shape(), ("data", "model"))
     r = NamedSharding(mesh, P())
     d = NamedSharding(mesh, P("data"))
     m = NamedSharding(mesh, P("model"))
@@ -321,7 +323,7 @@ def test_prefix_broadcasting(depth, place):
 
 def test_module_shaped_spec():
     # The usual way to build a per-parameter specification: map over the model.
-    mesh = auto_mesh((4, 2), ("data", "model"))
+    mesh = auto_mesh(grid_shape(), ("data", "model"))
     model = make_module(eqx.nn.MLP, 8, 4, 16, 2)
     expected = snapshot(model)
     spec = jax.tree.map(
@@ -371,7 +373,7 @@ def _rule(leaf):
     "make_spec",
     [
         lambda mesh: NamedSharding(mesh, P("x")),
-        lambda mesh: jax.devices()[1],
+        lambda mesh: nth_device(1),
         lambda mesh: P("x"),
         lambda mesh: None,
         lambda mesh: _rule,
@@ -402,7 +404,7 @@ def test_non_array_leaves_are_the_same_object(make_spec, function, jit):
 
 @pytest.mark.parametrize("place", [_eager_device_put, _eager_shard])
 def test_mlp_activations_are_the_same_object(place):
-    mesh = auto_mesh((4, 2), ("data", "model"))
+    mesh = auto_mesh(grid_shape(), ("data", "model"))
     model = make_module(
         eqx.nn.MLP, 8, 4, 16, 2, activation=jax.nn.gelu, final_activation=jnp.tanh
     )
@@ -633,7 +635,7 @@ def test_error_module_with_other_static_fields():
 @pytest.mark.parametrize("function", [eqxs.filter_device_put, eqxs.filter_shard])
 def test_error_deleted_input(function, placements):
     mesh = auto_mesh()
-    deleted = jax.device_put(jnp.arange(8.0), jax.devices()[1])
+    deleted = jax.device_put(jnp.arange(8.0), nth_device(1))
     deleted.delete()
     alive = jnp.arange(16.0)
     x = {"first": alive, "second": [deleted]}
