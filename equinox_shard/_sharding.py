@@ -125,7 +125,9 @@ def filter_device_put(
 
     Outside a trace this is one batched `jax.device_put`, compiling nothing of its own
     (unlike an eager `jax.lax.with_sharding_constraint`). A committed array already on
-    an equivalent sharding (`Sharding.is_equivalent_to`) is returned as the same object.
+    an equivalent sharding (`Sharding.is_equivalent_to`) over the same mesh (on
+    `Explicit` axes, with the same spec: both are part of its type) is returned as the
+    same object.
 
     **Arguments:**
 
