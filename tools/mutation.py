@@ -185,9 +185,11 @@ def _run_group(group: list[str], args, seconds: float) -> tuple[dict, dict]:
             }
             if records[name]["status"] in ("survived", "no tests"):
                 # Now: the next group's run copies this module afresh, unmutated.
-                mutmut_cli = pathlib.Path(sys.executable).with_name("mutmut")
+                # `-m`: where mutmut is only importable (a --target install), no script.
                 shown = subprocess.run(
-                    [mutmut_cli, "show", name], capture_output=True, text=True
+                    [sys.executable, "-m", "mutmut", "show", name],
+                    capture_output=True,
+                    text=True,
                 )
                 records[name]["diff"] = shown.stdout.strip()
     return records, population
