@@ -89,14 +89,15 @@ def _describe(value, expected) -> None:
 
 def _same_type(have, want) -> bool:
     """The docstring's "over the same mesh (on `Explicit` axes, with the same spec)"."""
-    meshes = [getattr(s, "mesh", None) for s in (have, want)]
-    if None in meshes:
-        return all(m is None or AxisType.Explicit not in m.axis_types for m in meshes)
+    mesh, other = (getattr(s, "mesh", None) for s in (have, want))
+    if mesh is None or other is None:
+        one = mesh if other is None else other
+        return one is None or AxisType.Explicit not in one.axis_types
     trim = lambda s: tuple(s.spec)[
         : max([0, *(i + 1 for i, p in enumerate(s.spec) if p is not None)])
     ]
-    explicit = AxisType.Explicit in meshes[0].axis_types
-    return meshes[0] == meshes[1] and (not explicit or trim(have) == trim(want))
+    explicit = AxisType.Explicit in mesh.axis_types
+    return mesh == other and (not explicit or trim(have) == trim(want))
 
 
 def _check_placed(value, out, expected, before):
