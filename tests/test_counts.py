@@ -144,3 +144,44 @@ def test_no_audit_events(cases, _recording, name):
         events, _events = _events, None
     jax.block_until_ready(out)
     assert events == [], f"{name}: a warm call raised the audit events {events}"
+
+
+# `jax.jit`'s positional arguments, one per argument slot: a sequence, not a step's
+# values (issue 64 asks steps to hand back one value or a pair).
+_ARGUMENT_LISTS = {"_jit/packing.py:Packing.arguments"}
+
+
+@pytest.mark.parametrize("name", [n for n in _WORK if "filter_device_put" not in n])
+def test_warm_call_passes_one_value(cases, name):
+    # Issue 64: no function of ours on the warm call path takes more than 4 parameters
+    # or hands back a bare tuple of more than 2 (the call is one record, `cache.Call`).
+    fn, make_args = cases[name]
+    ours = hot_path._OURS
+    seen: dict[str, tuple[int, int]] = {}
+
+    def profile(frame, event, arg):
+        code = frame.f_code
+        if not code.co_filename.startswith(ours):
+            return
+        where = f"{code.co_filename[len(ours) :]}:{code.co_qualname}"
+        params, longest = seen.get(where, (0, 0))
+        if event == "call":
+            params = code.co_argcount + code.co_kwonlyargcount
+        elif event == "return" and type(arg) is tuple:
+            longest = max(longest, len(arg))
+        seen[where] = (params, longest)
+
+    args = make_args()
+    sys.setprofile(profile)
+    try:
+        out = fn(*args)
+    finally:
+        sys.setprofile(None)
+    jax.block_until_ready(out)
+    assert "_jit/cache.py:look_up" in seen, sorted(seen)
+    wide = {k: v for k, v in seen.items() if v[0] > 4}
+    bare = {k: v for k, v in seen.items() if v[1] > 2 and k not in _ARGUMENT_LISTS}
+    assert not wide and not bare, (
+        f"{name}: (parameters, longest tuple returned) of functions taking more than "
+        f"4 parameters: {wide}; returning a bare tuple of more than 2: {bare}"
+    )
