@@ -8,7 +8,6 @@ from itertools import repeat
 from typing import Any
 
 import jax
-import jax._src.traceback_util as traceback_util
 from jax.sharding import AxisType, NamedSharding, PartitionSpec, Sharding
 
 from . import _multihost
@@ -24,9 +23,6 @@ from ._buffers import private_copies, shares_single_device_buffer, shares_source
 from ._dispatch import dispatch_lock
 from ._spec.kinds import kind_of, sharding_of
 from ._spec.language import check_shapes, for_jax
-
-
-traceback_util.register_exclusion(__file__)
 
 
 _UNCONSTRAINED = PartitionSpec.UNCONSTRAINED

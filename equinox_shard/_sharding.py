@@ -5,7 +5,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax._src.traceback_util as traceback_util
 import jax.lax as lax
 import jax.tree_util as jtu
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
@@ -23,9 +22,6 @@ from ._spec.language import (
     leaf_path,
     resolve_leaves,
 )
-
-
-traceback_util.register_exclusion(__file__)
 
 
 def _broadcast_flags(flags: Any, x: Any, n: int, name: str) -> list | bool | None:
