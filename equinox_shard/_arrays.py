@@ -5,13 +5,9 @@ from itertools import compress, repeat
 from typing import Any
 
 import jax
-import jax._src.traceback_util as traceback_util
 import jax.core
 import numpy as np
 from equinox import is_array
-
-
-traceback_util.register_exclusion(__file__)
 
 
 # The memory kinds that mean a device's default memory (`None`: unspecified).

@@ -3,13 +3,9 @@
 from typing import Any
 
 import jax
-import jax._src.traceback_util as traceback_util
 from jax.sharding import Sharding
 
 from ._arrays import is_concrete
-
-
-traceback_util.register_exclusion(__file__)
 
 
 def private_copies(leaves: list, indices: list[int]) -> None:

@@ -6,15 +6,11 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax._src.traceback_util as traceback_util
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, Sharding
 
 from ._arrays import is_concrete, is_key_array, NUMPY, raise_if_deleted
-
-
-traceback_util.register_exclusion(__file__)
 
 
 def is_host_local(x: Any) -> bool:

@@ -8,7 +8,6 @@ from itertools import repeat
 from typing import Any
 
 import jax
-import jax._src.traceback_util as traceback_util
 from jax.sharding import AxisType, NamedSharding, PartitionSpec, Sharding
 
 from . import _multihost
@@ -24,9 +23,6 @@ from ._buffers import private_copies, shares_single_device_buffer, shares_source
 from ._dispatch import dispatch_lock
 from ._spec.kinds import kind_of, sharding_of
 from ._spec.language import check_shapes, for_jax
-
-
-traceback_util.register_exclusion(__file__)
 
 
 _UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
@@ -246,11 +242,8 @@ def transfer(
 
 
 def may_donate(x: Any, target: Any) -> bool:
-    """Whether `jax.device_put(x, target, donate=True)` may donate `x`: not from one
-    device onto one device, where JAX 0.10.2 frees `x` without marking it deleted
-    (onto any target but a `jax.Device`, which it does not donate to), nor into
-    another memory, which it refuses
-    (upstream/jax-reports/device-put-donate-single-device-sharding)."""
+    """Not from one device onto one, where JAX 0.10.2 frees `x` unmarked, nor into
+    another memory (upstream/jax-reports/device-put-donate-single-device-sharding)."""
     source = getattr(x, "sharding", None)
     if source is None or not isinstance(target, Sharding):
         return True
@@ -317,10 +310,8 @@ def _onto_shardings_first(leaves: list, indices: list, targets: list) -> tuple:
 
 
 def _replicated_first(leaves: list, indices: list, targets: list) -> bool:
-    """Replicates on its target's mesh first, in place, each array whose type names
-    another number of devices than it is on (put on one device from an array made under
-    `jax.set_mesh`), which `jax.device_put` refuses onto a split sharding ("Length of
-    device assignment 1 is not equal to the size of the mesh"). Returns whether any."""
+    """Replicates first, in place, each array whose type names another number of
+    devices than it is on, which `jax.device_put` refuses onto a split sharding."""
     first = [
         (i, NamedSharding(t.mesh, PartitionSpec(), memory_kind=t.memory_kind))
         for i, t in zip(indices, targets)

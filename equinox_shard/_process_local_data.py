@@ -3,7 +3,6 @@
 from typing import Any
 
 import jax
-import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
@@ -12,9 +11,6 @@ from ._arrays import is_committed
 from ._multihost import check_identical, is_host_local, processes_of, to_host
 from ._placement import place
 from ._spec.language import broadcast_prefix, check, leaf_path, resolve_leaves
-
-
-traceback_util.register_exclusion(__file__)
 
 
 def _is_shape(x: Any) -> bool:

@@ -5,7 +5,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax._src.traceback_util as traceback_util
 import jax.lax as lax
 import jax.tree_util as jtu
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
@@ -23,9 +22,6 @@ from ._spec.language import (
     leaf_path,
     resolve_leaves,
 )
-
-
-traceback_util.register_exclusion(__file__)
 
 
 def _broadcast_flags(flags: Any, x: Any, n: int, name: str) -> list | bool | None:
@@ -84,15 +80,14 @@ def constrain_leaves(
     memory = []
     for i, sharding in todo:
         where = lambda i=i: leaf_path(value, i, value_name)
-        kind = kind_of(sharding)
-        how = InTrace.CONSTRAIN if kind is None else kind.in_trace
-        if how is InTrace.TRANSFER:
+        kind: Any = kind_of(sharding)  # every resolved spec leaf is of a kind
+        if kind.in_trace is InTrace.TRANSFER:
             memory.append((i, sharding))
             continue
-        if how is InTrace.REFUSED:
+        if kind.in_trace is InTrace.REFUSED:
             raise TypeError(
                 f"{where()}: inside a trace an array cannot be constrained to a "
-                f"{kind.name} ({sharding}): {kind.in_trace_hint}."  # pyright: ignore
+                f"{kind.name} ({sharding}): {kind.in_trace_hint}."
             )
         check(jax.numpy.shape(leaves[i]), sharding, where)
         function = _constraint(sharding, where)

@@ -9,11 +9,8 @@ from urllib.parse import unquote
 def check(
     path: pathlib.Path, names: dict[str, str | None], where: str, metadata: dict
 ) -> int | None:
-    """Raises `ValueError` naming the first leaf (`where<key path>`, in `names`: key
-    path -> stored name) whose data is missing or truncated, or naming the index if
-    orbax's `metadata` says it used one and it is missing, or the metadata if it names
-    another array format than the index holds. Returns the bytes of the values (`None`
-    where orbax did not use OCDBT)."""
+    """Raises, naming the first leaf whose data is missing or truncated, a missing
+    index, or metadata naming another format; the values' bytes (`None`: no OCDBT)."""
     root = path / "arrays"
     if not (root / "manifest.ocdbt").is_file():
         if metadata.get("use_ocdbt"):

@@ -12,7 +12,6 @@ import threading
 import time
 from typing import Any
 
-import jax._src.traceback_util as traceback_util
 import numpy as np
 from jaxtyping import PyTree
 
@@ -21,9 +20,6 @@ from .failures import Pending
 from .orbax import composite, handlers, orbax as _orbax
 from .save_restore import absolute_path, logger, nbytes, restore_from
 from .writer_lock import drop_lock, take_lock
-
-
-traceback_util.register_exclusion(__file__)
 
 
 def _positive(name: str, value: Any, types: type | tuple[type, ...]) -> None:

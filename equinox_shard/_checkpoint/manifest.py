@@ -8,7 +8,6 @@ import zlib
 from typing import Any
 
 import jax
-import jax._src.traceback_util as traceback_util
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -16,9 +15,6 @@ from equinox import is_array
 
 from .._arrays import is_key_array, is_tracer, raise_if_deleted
 from .orbax import writes
-
-
-traceback_util.register_exclusion(__file__)
 
 
 FORMAT = "equinox_shard.checkpoint"

@@ -10,7 +10,6 @@ import time
 from typing import Any
 
 import jax
-import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import NamedSharding, Sharding
@@ -21,9 +20,6 @@ from . import data_files, manifest, progress
 from .failures import found, unfinished, writing
 from .orbax import composite, handlers, LOCK, orbax as _orbax
 from .writer_lock import raise_if_locked
-
-
-traceback_util.register_exclusion(__file__)
 
 
 logger = logging.getLogger("equinox_shard")

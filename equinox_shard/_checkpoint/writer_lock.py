@@ -9,10 +9,6 @@ import pathlib
 import socket
 
 import jax
-import jax._src.traceback_util as traceback_util
-
-
-traceback_util.register_exclusion(__file__)
 
 
 logger = logging.getLogger("equinox_shard")

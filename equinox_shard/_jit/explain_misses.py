@@ -13,13 +13,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
 
 from .._arrays import is_concrete
 
-
-traceback_util.register_exclusion(__file__)
 
 logger = logging.getLogger("equinox_shard")
 # Frames that are not the caller's: ours, JAX's, and the wrappers between.

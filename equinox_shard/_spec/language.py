@@ -48,9 +48,7 @@ def flatten_specs(
     own_leaves: bool = False,
 ) -> tuple[list, PyTreeDef]:  # pyright: ignore[reportInvalidTypeForm]
     """A specification's spec leaves, each checked and named `name` plus its key path
-    (or `where(path)`); `placement` and `jit_in` say which kinds an error lists.
-    `own_leaves`: leaves that may be the value's own (`may_be_own_leaf`) are left to
-    `spread`, which checks them against the value."""
+    (or `where(path)`); `own_leaves`: those of `may_be_own_leaf` go to `spread`."""
     leaves, treedef = jtu.tree_flatten(specs, is_leaf=is_spec_leaf)
     if not all(map(is_spec_leaf, leaves)):  # the slow path names the leaf
         # Placement-only kinds where nothing is placed; inputs `jax.jit` refuses.
@@ -243,12 +241,9 @@ def spread(
 def _own_leaves_as_none(
     specs: Any, value: Any, selected: Callable, spec_name: str, value_name: str
 ) -> tuple[Any, Callable[[tuple], str] | None]:
-    """`specs` with each non-spec leaf over no `selected` leaf of the value that may be
-    the value's own (a spec tree made by `jax.tree.map` over a Module keeps
-    `t1=10.0`: one rule for every function, whatever the value's leaf is now), or that
-    is it, replaced by `None`; and how `flatten_specs` names a leaf left (one over an
-    array, or a container of them: never taken as `None`). `specs` and `None` if they
-    do not line up (`flatten_specs` then names the leaf by the specification)."""
+    """`specs` with each non-spec leaf over no `selected` leaf that may be (or is) the
+    value's own (`may_be_own_leaf`) as `None`, and how `flatten_specs` names a leaf
+    left; `specs` and `None` if they do not line up."""
 
     def own_as_none(spec: Any, subtree: Any) -> Any:
         if is_spec_leaf(spec) or any(map(selected, jtu.tree_leaves(subtree))):

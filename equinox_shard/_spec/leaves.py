@@ -50,10 +50,8 @@ def describe_leaf(x: Any) -> str:
 
 
 def may_be_own_leaf(x: Any) -> bool:
-    """Whether `x`, no spec leaf, may be the value's own non-array leaf at its place (a
-    spec tree made by `jax.tree.map` over a Module keeps `t1=10.0`): taken there as
-    `None`, as `filter_device_put` takes it, and checked against the value. Not a
-    string, which is more often an axis name meant as a `PartitionSpec`."""
+    """Whether `x` may be the value's own non-array leaf (`jax.tree.map` over a Module
+    keeps `t1=10.0`): not a string, more often an axis name meant as a spec."""
     return (
         not is_spec_leaf(x)
         and not isinstance(x, str)
