@@ -2,6 +2,9 @@
 its resolution and its eager placement included, so that a new kind is read by every
 public function without any other module naming it."""
 
+import inspect
+import re
+
 import equinox as eqx
 import equinox_shard as eqxs
 import equinox_shard._spec.kinds as kinds_module
@@ -93,3 +96,17 @@ def test_a_new_kind_is_its_row(toy_kinds):
         eqx.filter_jit(lambda t: eqxs.filter_shard(t, spec))(tree)
     with pytest.raises(TypeError, match=r"\['b'\]: `in_shardings` cannot hold"):
         eqxs.filter_jit(lambda t: t, in_shardings=(spec,))(tree)
+
+
+# The public names that take a spec tree: each docstring lists the kinds for its users,
+# so a row of the table without its line there fails here (derived, not copied).
+@pytest.mark.parametrize(
+    "public", ["filter_device_put", "filter_shard", "filter_jit", "PathRules"]
+)
+def test_each_docstring_names_every_kind_of_the_table(public):
+    doc = inspect.getdoc(getattr(eqxs, public)) or ""
+    names = [re.search(r"`([^`]+)`", kind.name) for kind in kinds_module.KINDS]
+    missing = [n.group(1) for n in names if n is not None and n.group(1) not in doc]
+    assert len(names) == len(kinds_module.KINDS) >= 5 and missing == [], (
+        f"`{public}`'s docstring does not name the spec-leaf kinds {missing}"
+    )
