@@ -42,10 +42,6 @@ from .hypothesis_profiles import examples
 from .strategies import cached_mesh
 
 
-pytestmark = pytest.mark.skipif(
-    jax.default_backend() != "cpu", reason="simulates 8 CPU devices"
-)
-
 _STEPS = 6
 _BODIES = ("plain", "error_if", "debug_callback", "pure_callback")
 _PLACEMENTS = ("none", "replicated", "split")

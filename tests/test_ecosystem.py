@@ -23,11 +23,6 @@ from .helpers import tree_allclose
 from .strategies import cached_mesh
 
 
-pytestmark = pytest.mark.skipif(
-    jax.default_backend() != "cpu", reason="simulates 8 CPU devices"
-)
-
-
 def _placements():
     return {"unsharded": {}, "replicated": {"in_shardings": _replicated()}}
 
