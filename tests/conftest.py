@@ -15,7 +15,8 @@ typing.TESTING = True  # pyright: ignore
 # the CPU that host callbacks need), and `JAX_NUM_CPU_DEVICES` the number of CPU
 # devices (`JAX_NUM_CPU_DEVICES=1` runs here what one chip runs). A test builds its
 # meshes from the devices there are (`helpers.auto_mesh()`: one axis over all of
-# them); one whose point needs a count says so with `@pytest.mark.devices(n, reason=)`.
+# them); one whose point needs a count says so with `@pytest.mark.devices(n, reason=)`,
+# and one that relies on the CPU backend's behaviour with `@pytest.mark.cpu(reason=)`.
 SUITE_DEVICES = 8
 if not os.environ.get("JAX_PLATFORMS"):
     jax.config.update("jax_platforms", "cpu")
@@ -42,6 +43,11 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("accelerator") is not None and backend == "cpu":
             reason = "needs an accelerator (JAX_PLATFORMS=tpu,cpu or gpu,cpu)"
             item.add_marker(pytest.mark.skip(reason=reason))
+        marker = item.get_closest_marker("cpu")
+        if marker is not None and backend != "cpu":
+            why = marker.kwargs.get("reason")
+            reason = "relies on the CPU backend" + (f": {why}" if why else "")
+            item.add_marker(pytest.mark.skip(reason=f"{reason}; {backend} present"))
         marker = item.get_closest_marker("devices")
         if marker is not None and n < marker.args[0]:
             why = marker.kwargs.get("reason")

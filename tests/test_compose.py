@@ -34,10 +34,6 @@ from .isolated import run_isolated
 from .strategies import cached_mesh
 
 
-pytestmark = pytest.mark.skipif(
-    jax.default_backend() != "cpu", reason="simulates 8 CPU devices"
-)
-
 FEATURES = (
     "donate",
     "callback",

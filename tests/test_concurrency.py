@@ -29,11 +29,6 @@ from .helpers import auto_mesh, count_compiles
 from .isolated import run_isolated
 
 
-pytestmark = pytest.mark.skipif(
-    jax.default_backend() != "cpu", reason="simulates 8 CPU devices"
-)
-
-
 _THREADS = """
 import collections
 import threading

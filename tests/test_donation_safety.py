@@ -26,11 +26,6 @@ from .helpers import (
 from .isolated import run_isolated
 
 
-pytestmark = pytest.mark.skipif(
-    jax.default_backend() != "cpu", reason="simulates 8 CPU devices"
-)
-
-
 def _mesh(axis_type):
     return jax.make_mesh(grid_shape(), ("data", "model"), axis_types=(axis_type,) * 2)
 
@@ -276,6 +271,7 @@ def test_sharding_table_shows_deleted(getkey):
 #
 
 
+@pytest.mark.cpu(reason="memory kinds other than device behave otherwise on a chip")
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 def test_filter_shard_in_trace_moves_between_memory_kinds(axis_type):
     mesh = jax.make_mesh((jax.device_count(),), ("x",), axis_types=(axis_type,))

@@ -23,11 +23,6 @@ from .helpers import tree_allclose
 from .strategies import cached_mesh
 
 
-pytestmark = pytest.mark.skipif(
-    jax.default_backend() != "cpu", reason="simulates 8 CPU devices"
-)
-
-
 def _placements():
     return {"unsharded": {}, "replicated": {"in_shardings": _replicated()}}
 
@@ -73,27 +68,29 @@ def _linear_solve(matrix, vector):
     return eqx.error_if(solution.value, failed, "linear solve failed")
 
 
+def _sequence(first, second, other_dtype):
+    # One wrapper meets a new dtype, then a new shape: each retraces.
+    return [(first, jnp.float32), (first, other_dtype), (second, other_dtype)]
+
+
 def _ode_cases():
     # diffrax takes float16 states (it solves in the time's float32).
-    for shape in [(3,), (2, 5)]:
-        for dtype in [jnp.float32, jnp.float16]:
-            yield _host(shape, dtype), jnp.asarray(1.5, jnp.float32)
+    for shape, dtype in _sequence((3,), (2, 5), jnp.float16):
+        yield _host(shape, dtype), jnp.asarray(1.5, jnp.float32)
 
 
 def _root_cases():
     # optimistix solves float32 only (x64 off): the second dtype is the arguments'.
-    for shape in [(3,), (4, 2)]:
-        for dtype in [jnp.float32, jnp.float16]:
-            yield jnp.zeros(shape, jnp.float32), _host(shape, dtype) * 0.5
+    for shape, dtype in _sequence((3,), (4, 2), jnp.float16):
+        yield jnp.zeros(shape, jnp.float32), _host(shape, dtype) * 0.5
 
 
 def _linear_cases():
     # lineax solves float32 and complex64 (here: symmetric positive definite).
-    for n in [3, 6]:
-        for dtype in [jnp.float32, jnp.complex64]:
-            half = _host((n, n), jnp.float32, seed=1)
-            matrix = half @ half.T + n * jnp.eye(n)
-            yield matrix.astype(dtype), _host((n,), jnp.float32).astype(dtype)
+    for n, dtype in _sequence(3, 6, jnp.complex64):
+        half = _host((n, n), jnp.float32, seed=1)
+        matrix = half @ half.T + n * jnp.eye(n)
+        yield matrix.astype(dtype), _host((n,), jnp.float32).astype(dtype)
 
 
 _CASES = {

@@ -42,11 +42,6 @@ from .helpers import (
 from .isolated import run_isolated
 
 
-pytestmark = pytest.mark.skipif(
-    jax.default_backend() != "cpu", reason="simulates 8 CPU devices"
-)
-
-
 def _internal_names() -> tuple[str, ...]:
     """Names that belong to the implementation, not to the user's arguments, read from
     the package itself: each module's file (as a traceback prints it), each function
@@ -951,6 +946,7 @@ def test_committed_to_one_device_replicated_and_donated():
         f(model, None)
 
 
+@pytest.mark.cpu(reason="memory kinds other than device behave otherwise on a chip")
 def test_committed_with_other_memory_kind():
     mesh = auto_mesh()
     pinned = NamedSharding(mesh, P("x"), memory_kind="pinned_host")

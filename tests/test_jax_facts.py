@@ -728,7 +728,7 @@ _DONATE_TO_SINGLE_DEVICE_SHARDING = textwrap.dedent(
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU behaviour")
+@pytest.mark.cpu(reason="a fact about the CPU backend")
 @rfc("§6")
 def test_device_put_donate_to_single_device_sharding_crashes():
     """`jax.device_put(x, SingleDeviceSharding(d), donate=True)` for an `x` on another
@@ -753,7 +753,7 @@ def test_device_put_donate_to_single_device_sharding_crashes():
         assert results["sharding"].returncode < 0, results["sharding"].stdout
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU behaviour")
+@pytest.mark.cpu(reason="a fact about the CPU backend")
 @rfc("§6")
 def test_device_put_donate_is_best_effort_on_cpu():
     mesh = auto_mesh()

@@ -60,10 +60,6 @@ from .strategies import (
 )
 
 
-pytestmark = pytest.mark.skipif(
-    jax.default_backend() != "cpu", reason="simulates 8 CPU devices"
-)
-
 _DONATE_MODES = tuple(donation.MODES)
 _DONATION_WARNING = "Some donated buffers were not usable"
 

@@ -302,7 +302,8 @@ def test_keys_in_x_ride_with_the_activations(typed):
         return _reference(layers, x, microbatches=4, fn=fn)
 
     def loss(layers, pipelined):
-        return jnp.sum(jnp.sin(run(layers, pipelined)["h"])), run(layers, pipelined)
+        out = run(layers, pipelined)
+        return jnp.sum(jnp.sin(out["h"])), out
 
     grad = eqx.filter_jit(eqx.filter_grad(loss, has_aux=True))
     with jax.set_mesh(_mesh(4)):

@@ -44,11 +44,6 @@ from .strategies import (
 )
 
 
-pytestmark = pytest.mark.skipif(
-    jax.default_backend() != "cpu", reason="simulates 8 CPU devices"
-)
-
-
 @st.composite
 def _examples(draw, *, traced):
     """`(mesh, value, spec, bare)`. With `traced`, everything lives on the mesh's

@@ -32,11 +32,6 @@ from .helpers import (
 )
 
 
-pytestmark = pytest.mark.skipif(
-    jax.default_backend() != "cpu", reason="simulates 8 CPU devices"
-)
-
-
 @pytest.mark.devices(8)
 def test_devices():
     assert len(jax.devices()) == 8
@@ -534,6 +529,7 @@ def test_filter_shard_eval_shape(make_mesh):
     assert shape.shape == (8, 2)
 
 
+@pytest.mark.cpu(reason="memory kinds other than device behave otherwise on a chip")
 def test_filter_shard_pinned_host_inside_jit():
     mesh = auto_mesh()
     s = NamedSharding(mesh, P("x"), memory_kind="pinned_host")
