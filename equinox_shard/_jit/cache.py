@@ -259,6 +259,8 @@ class Cache:
             self.structures: dict = {}
             self.entries: dict = {}
             self.packings: dict = {}
+            # The last warm call's `entry._warm`, which `filter_jit`'s step 0 tries.
+            self.warm: tuple | None = None
             # The calls that made entries, under `jax_explain_cache_misses`.
             self.seen: list = []
 

@@ -58,6 +58,7 @@ class Entry:
         "jitted",
         "guards",  # a program with host callbacks: its `callbacks.Guards`, else `None`
         "dispatch",
+        "warm",  # `_warm`'s, for `filter_jit`'s fast path, or `None`
     )
 
 
@@ -127,7 +128,44 @@ def build_entry(call: Call, static_fun, watch: Callable | None = None) -> Entry:
         first = launch.paced_serialized if serialized else launch.plain
     entry.dispatch = launch.stack(first, layers)
     call.run = entry.jitted if run is None else run
+    entry.warm = _warm(call)
     return entry
+
+
+def _warm(call: Call) -> tuple | None:
+    """What a later call needs to run this entry without a look-up or `prepare`, given
+    the same argument structure, static part and leaf types (`filter_jit`'s step 0):
+    where preparing is packing alone (nothing placed or donated, one plain launch)
+    and every traced leaf is of one `jax.Array` type, whose `is_deleted` checks both."""
+    entry, structure = call.entry, call.structure
+    packing = structure.packing
+    if not (
+        entry.packs_only
+        and entry.checks_deleted
+        and entry.dispatch is None
+        and call.run is entry.jitted
+        and packing.trivial
+        and not packing.variadic
+        and structure.key_in_entries is structure.static_of
+        and not structure.has_tracers
+        and not jax.config.jax_disable_jit
+    ):
+        return None
+    types = {type(call.leaves[i]) for i in structure.traced_indices}
+    if len(types) != 1:
+        return None
+    (array_type,) = types
+    if not issubclass(array_type, jax.Array) or issubclass(array_type, jax.core.Tracer):
+        return None
+    return (
+        structure.treedef,
+        getter(structure.traced_indices),
+        structure.static_of,
+        tuple(map(type, entry.static)),
+        array_type.is_deleted,
+        entry.jitted,
+        entry,
+    )
 
 
 def _targets(structure: ArgStructure, leaves: list, where) -> list[tuple[int, Any]]:

@@ -29,10 +29,11 @@ _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
 
-def _call(wrapper, args, kwargs, compiled=None):
+def _call(wrapper, args, kwargs, compiled=None, flat=None):
     """A call in four steps, each taking the call as one value (`cache.Call`): look up
     its entry (`cache.look_up`; on a miss `_build` makes it), prepare its inputs
-    (`entry.prepare`), dispatch (`Entry.dispatch`) and combine the output."""
+    (`entry.prepare`), dispatch (`Entry.dispatch`) and combine the output. `flat`:
+    `(leaves, treedef, args)` of `(args, kwargs)`, flattened already (step 0)."""
     __tracebackhide__ = True
     # One attribute lookup, past `Module.__getattribute__` (Python, on every lookup).
     fields = object.__getattribute__(wrapper, "__dict__")
@@ -41,10 +42,12 @@ def _call(wrapper, args, kwargs, compiled=None):
     __equinox_jit_id__ = fields["_jit_id"]
     if kwargs or len(args) not in cache.arity:
         args, kwargs = cache.bind(args, kwargs)
+    if flat is None or args is not flat[2]:
+        flat = *jtu.tree_flatten((args, kwargs)), args
+    leaves, treedef, _ = flat
     call = _new(Call)
     call.cache, call.fun, call.args = cache, fields["_dynamic_fun"], args
-    call.kwargs, call.jit_id = kwargs, __equinox_jit_id__
-    call.leaves, treedef = jtu.tree_flatten((args, kwargs))
+    call.kwargs, call.jit_id, call.leaves = kwargs, __equinox_jit_id__, leaves
     # 1. Look up.
     if compiled is None:
         key = look_up(call, treedef, is_array)
@@ -68,6 +71,8 @@ def _call(wrapper, args, kwargs, compiled=None):
     except Exception:
         diagnose(call)
         raise
+    if call.entry.warm is not None and compiled is None:
+        cache.warm = call.entry.warm  # the next call of its kind takes step 0
     # 4. Combine (`_combine`, inline: one frame less on every call).
     dynamic, static = out
     return dynamic if static is None else static.combine(dynamic)
@@ -210,8 +215,47 @@ class _JitWrapper(Module):
 
     def __call__(self, /, *args, **kwargs):
         __tracebackhide__ = True
+        fields = object.__getattribute__(self, "__dict__")
+        cache: Cache = fields["_cache"]
+        # Read by `eqx.error_if`'s stacks: one per decoration.
+        __equinox_jit_id__ = fields["_jit_id"]
         try:
-            return _call(self, args, kwargs)
+            warm = cache.warm
+            if warm is None:
+                return _call(self, args, kwargs)
+            # 0. The last warm call's entry, without a look-up or `prepare`, if this
+            # call has its structure (bound, as its equal treedef says), static part
+            # and leaf types (`entry._warm`).
+            leaves, treedef = jtu.tree_flatten((args, kwargs))
+            _, traced_of, static_of, static_types, is_deleted, jitted, entry = warm
+            try:
+                # `is_deleted` (of one `jax.Array` type) refuses any other type.
+                taken = (
+                    treedef == warm[0]
+                    and not any(map(is_deleted, traced_of(leaves)))
+                    and (
+                        not static_types
+                        or tuple(map(type, static := static_of(leaves))) == static_types
+                        and static == entry.static
+                    )
+                )
+            except Exception:  # another leaf type, an odd `__eq__`: looked up
+                taken = False
+            if not taken:
+                return _call(self, args, kwargs, flat=(leaves, treedef, args))
+            fun = fields["_dynamic_fun"]
+            try:
+                dynamic, static = jitted(*args[:1], fun, *args[1:], kwargs)
+            except eqx.EquinoxRuntimeError:
+                raise
+            except Exception:
+                call = _new(Call)
+                call.cache, call.fun, call.args, call.kwargs = cache, fun, args, kwargs
+                call.jit_id, call.leaves = __equinox_jit_id__, leaves
+                call.structure, call.entry = entry.structure, entry
+                diagnose(call)
+                raise
+            return dynamic if static is None else static.combine(dynamic)
         except eqx.EquinoxRuntimeError as e:
             e.__traceback__ = None
             raise
