@@ -135,15 +135,17 @@ def build_entry(call: Call, static_fun, watch: Callable | None = None) -> Entry:
 def _warm(call: Call) -> tuple | None:
     """What a later call needs to run this entry without a look-up or `prepare`, given
     the same argument structure, static part and leaf types (`filter_jit`'s step 0):
-    where preparing is packing alone (nothing placed or donated, one plain launch)
-    and every traced leaf is of one `jax.Array` type, whose `is_deleted` checks both."""
+    where every traced leaf is of one `jax.Array` type (whose `is_deleted` checks
+    both), nothing is donated and the launch is plain, and preparing is packing alone
+    (no targets), or, where `Typed` runs calls of uncommitted inputs and every traced
+    leaf has a target, for calls whose inputs `jax.jit` would move (`MOVES`)."""
     entry, structure = call.entry, call.structure
     packing = structure.packing
+    traced = structure.traced_indices
     if not (
-        entry.packs_only
-        and entry.checks_deleted
+        entry.checks_deleted
+        and not entry.donates
         and entry.dispatch is None
-        and call.run is entry.jitted
         and packing.trivial
         and not packing.variadic
         and structure.key_in_entries is structure.static_of
@@ -151,7 +153,13 @@ def _warm(call: Call) -> tuple | None:
         and not jax.config.jax_disable_jit
     ):
         return None
-    types = {type(call.leaves[i]) for i in structure.traced_indices}
+    if entry.packs_only and call.run is entry.jitted:
+        run, typed = entry.jitted, None
+    elif entry.typed is not None and len(entry.targets) == len(traced):
+        run, typed = entry.typed, entry.typed
+    else:
+        return None
+    types = {type(call.leaves[i]) for i in traced}
     if len(types) != 1:
         return None
     (array_type,) = types
@@ -159,13 +167,19 @@ def _warm(call: Call) -> tuple | None:
         return None
     return (
         structure.treedef,
-        getter(structure.traced_indices),
+        getter(traced),
         structure.static_of,
         tuple(map(type, entry.static)),
         array_type.is_deleted,
-        entry.jitted,
+        run,
         entry,
+        typed,
     )
+
+
+# The reads of step 0's test for a call that `Typed` runs (`jit_takes`'s `MOVES`).
+get_committed = operator.attrgetter("committed")
+get_weak_type = operator.attrgetter("aval.weak_type")
 
 
 def _targets(structure: ArgStructure, leaves: list, where) -> list[tuple[int, Any]]:

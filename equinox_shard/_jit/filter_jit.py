@@ -18,7 +18,15 @@ from .._spec.leaves import unset
 from . import explain_misses
 from .cache import ArgStructure, Cache, Call, get_cache, look_up, raise_if_unhashable
 from .donation import DonateMode
-from .entry import AutoLayouts, build_entry, diagnose, Entry, prepare
+from .entry import (
+    AutoLayouts,
+    build_entry,
+    diagnose,
+    Entry,
+    get_committed,
+    get_weak_type,
+    prepare,
+)
 from .packing import mirror_combine, mirror_partition
 
 
@@ -227,12 +235,18 @@ class _JitWrapper(Module):
             # call has its structure (bound, as its equal treedef says), static part
             # and leaf types (`entry._warm`).
             leaves, treedef = jtu.tree_flatten((args, kwargs))
-            _, traced_of, static_of, static_types, is_deleted, jitted, entry = warm
+            _, traced_of, static_of, static_types, is_deleted, run, entry, typed = warm
             try:
                 # `is_deleted` (of one `jax.Array` type) refuses any other type.
                 taken = (
                     treedef == warm[0]
-                    and not any(map(is_deleted, traced_of(leaves)))
+                    and not any(map(is_deleted, traced := traced_of(leaves)))
+                    # `Typed` runs it where `jax.jit` would move every input.
+                    and (
+                        typed is None
+                        or not any(map(get_committed, traced))
+                        and not any(map(get_weak_type, traced))
+                    )
                     and (
                         not static_types
                         or tuple(map(type, static := static_of(leaves))) == static_types
@@ -244,8 +258,20 @@ class _JitWrapper(Module):
             if not taken:
                 return _call(self, args, kwargs, flat=(leaves, treedef, args))
             fun = fields["_dynamic_fun"]
+            dynamic = (*args[:1], fun, *args[1:], kwargs)
             try:
-                dynamic, static = jitted(*args[:1], fun, *args[1:], kwargs)
+                if typed is not None:
+                    # Its executable, past `Typed.__call__`'s frame where it runs.
+                    run = typed.compiled
+                    if run is None or jax.config.jax_disable_jit:
+                        run = typed
+                try:
+                    dynamic, static = run(*dynamic)
+                except (TypeError, ValueError):
+                    if run is entry.jitted or run is typed:
+                        raise
+                    # Refused before it runs (other shapes): `Typed` says what runs.
+                    dynamic, static = typed(*dynamic)
             except eqx.EquinoxRuntimeError:
                 raise
             except Exception:
