@@ -146,7 +146,6 @@ def _warm(call: Call) -> tuple | None:
         entry.checks_deleted
         and not entry.donates
         and entry.dispatch is None
-        and packing.trivial
         and not packing.variadic
         and structure.key_in_entries is structure.static_of
         and not structure.has_tracers
@@ -174,6 +173,8 @@ def _warm(call: Call) -> tuple | None:
         run,
         entry,
         typed,
+        # How the traced leaves are packed, where they are not passed as they are.
+        None if packing.trivial else (packing.gets, packing.makes),
     )
 
 

@@ -2,8 +2,10 @@
 dispatch, combine), its ahead-of-time objects and the public wrapper."""
 
 import functools as ft
+import operator
 import os
 from collections.abc import Callable
+from itertools import repeat
 from typing import Any, overload, TypeVar
 from typing_extensions import ParamSpec
 
@@ -88,6 +90,8 @@ def _call(wrapper, args, kwargs, compiled=None, flat=None):
 
 # A `Call` without a Python frame; `_call` sets its fields.
 _new = object.__new__
+# `map(_apply, fs, xs)` calls each `f(x)` at C speed.
+_apply: Any = operator.call
 
 
 def _combine(out: tuple) -> Any:
@@ -235,7 +239,7 @@ class _JitWrapper(Module):
             # call has its structure (bound, as its equal treedef says), static part
             # and leaf types (`entry._warm`).
             leaves, treedef = jtu.tree_flatten((args, kwargs))
-            _, traced_of, static_of, static_types, is_deleted, run, entry, typed = warm
+            _, traced_of, static_of, types, is_deleted, run, entry, typed, packs = warm
             try:
                 # `is_deleted` (of one `jax.Array` type) refuses any other type.
                 taken = (
@@ -248,8 +252,8 @@ class _JitWrapper(Module):
                         and not any(map(get_weak_type, traced))
                     )
                     and (
-                        not static_types
-                        or tuple(map(type, static := static_of(leaves))) == static_types
+                        not types
+                        or tuple(map(type, static := static_of(leaves))) == types
                         and static == entry.static
                     )
                 )
@@ -258,7 +262,12 @@ class _JitWrapper(Module):
             if not taken:
                 return _call(self, args, kwargs, flat=(leaves, treedef, args))
             fun = fields["_dynamic_fun"]
-            dynamic = (*args[:1], fun, *args[1:], kwargs)
+            if packs is None:
+                dynamic = (*args[:1], fun, *args[1:], kwargs)
+            else:  # `Packing.arguments`, inline
+                traced = map(_apply, packs[0], repeat(leaves))
+                *parts, packed_kwargs = map(_apply, packs[1], traced)
+                dynamic = (*parts[:1], fun, *parts[1:], packed_kwargs)
             try:
                 if typed is not None:
                     # Its executable, past `Typed.__call__`'s frame where it runs.
