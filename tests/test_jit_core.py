@@ -336,3 +336,10 @@ def test_a_warm_call_of_other_arguments_is_looked_up(sharded):
     with pytest.raises(RuntimeError, match=r"^a: this array has been deleted"):
         f(z, 2)
     np.testing.assert_array_equal(f(x, 2)[0], [0.0, 2.0, 4.0])
+    # NumPy inputs run it too; an array where the static leaf was is traced there.
+    v = np.arange(3.0, dtype=np.float32)
+    for _ in range(3):
+        np.testing.assert_array_equal(f(v, 2)[0], [0.0, 2.0, 4.0])
+    assert f(v, np.array(2.0, np.float32))[1] == "DynamicJaxprTracer"
+    np.testing.assert_array_equal(f(v, 3)[0], [0.0, 3.0, 6.0])
+    np.testing.assert_array_equal(v, np.arange(3.0))

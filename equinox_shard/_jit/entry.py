@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
+import numpy as np
 from jax.sharding import AxisType, NamedSharding, Sharding
 
 from .._arrays import (
@@ -134,11 +135,11 @@ def build_entry(call: Call, static_fun, watch: Callable | None = None) -> Entry:
 
 def _warm(call: Call) -> tuple | None:
     """What a later call needs to run this entry without a look-up or `prepare`, given
-    the same argument structure, static part and leaf types (`filter_jit`'s step 0):
-    where every traced leaf is of one `jax.Array` type (whose `is_deleted` checks
-    both), nothing is donated and the launch is plain, and preparing is packing alone
-    (no targets), or, where `Typed` runs calls of uncommitted inputs and every traced
-    leaf has a target, for calls whose inputs `jax.jit` would move (`MOVES`)."""
+    the same argument structure, static part and leaf types (`filter_jit`'s step 0).
+    Where every traced leaf is NumPy or of one `jax.Array` type (whose `is_deleted`
+    checks both), nothing is donated, the launch is plain, and preparing is packing
+    alone (no targets), or `Typed` runs the call: every traced leaf has a target and
+    `jax.jit` would move each (`MOVES`), which step 0 checks."""
     entry, structure = call.entry, call.structure
     packing = structure.packing
     traced = structure.traced_indices
@@ -162,14 +163,20 @@ def _warm(call: Call) -> tuple | None:
     if len(types) != 1:
         return None
     (array_type,) = types
-    if not issubclass(array_type, jax.Array) or issubclass(array_type, jax.core.Tracer):
+    if array_type is np.ndarray:  # never deleted, never committed: moved by `jax.jit`
+        is_deleted = None
+    elif issubclass(array_type, jax.Array) and not issubclass(
+        array_type, jax.core.Tracer
+    ):
+        is_deleted = array_type.is_deleted
+    else:
         return None
     return (
         structure.treedef,
         getter(traced),
         structure.static_of,
         tuple(map(type, entry.static)),
-        array_type.is_deleted,
+        is_deleted,
         run,
         entry,
         typed,

@@ -13,6 +13,7 @@ import equinox as eqx
 import jax
 import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
+import numpy as np
 from equinox import field, is_array, Module, module_update_wrapper, Partial
 
 from .._arrays import is_array_or_struct
@@ -92,6 +93,7 @@ def _call(wrapper, args, kwargs, compiled=None, flat=None):
 _new = object.__new__
 # `map(_apply, fs, xs)` calls each `f(x)` at C speed.
 _apply: Any = operator.call
+_NDARRAY = repeat(np.ndarray)
 
 
 def _combine(out: tuple) -> Any:
@@ -244,12 +246,16 @@ class _JitWrapper(Module):
                 # `is_deleted` (of one `jax.Array` type) refuses any other type.
                 taken = (
                     treedef == warm[0]
-                    and not any(map(is_deleted, traced := traced_of(leaves)))
-                    # `Typed` runs it where `jax.jit` would move every input.
                     and (
-                        typed is None
-                        or not any(map(get_committed, traced))
-                        and not any(map(get_weak_type, traced))
+                        not any(map(is_deleted, traced := traced_of(leaves)))
+                        # `Typed` runs it where `jax.jit` would move every input.
+                        and (
+                            typed is None
+                            or not any(map(get_committed, traced))
+                            and not any(map(get_weak_type, traced))
+                        )
+                        if is_deleted is not None
+                        else all(map(operator.is_, map(type, traced), _NDARRAY))
                     )
                     and (
                         not types
