@@ -165,9 +165,7 @@ def _warm(call: Call) -> tuple | None:
     (array_type,) = types
     if array_type is np.ndarray:  # never deleted, never committed: moved by `jax.jit`
         is_deleted = None
-    elif issubclass(array_type, jax.Array) and not issubclass(
-        array_type, jax.core.Tracer
-    ):
+    elif issubclass(array_type, jax.Array):  # not a tracer: `has_tracers` is false
         is_deleted = array_type.is_deleted
     else:
         return None

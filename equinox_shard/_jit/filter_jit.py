@@ -243,11 +243,12 @@ class _JitWrapper(Module):
             leaves, treedef = jtu.tree_flatten((args, kwargs))
             _, traced_of, static_of, types, is_deleted, run, entry, typed, packs = warm
             try:
+                traced = traced_of(leaves)
                 # `is_deleted` (of one `jax.Array` type) refuses any other type.
                 taken = (
                     treedef == warm[0]
                     and (
-                        not any(map(is_deleted, traced := traced_of(leaves)))
+                        not any(map(is_deleted, traced))
                         # `Typed` runs it where `jax.jit` would move every input.
                         and (
                             typed is None
@@ -283,7 +284,7 @@ class _JitWrapper(Module):
                 try:
                     dynamic, static = run(*dynamic)
                 except (TypeError, ValueError):
-                    if run is entry.jitted or run is typed:
+                    if typed is None or run is typed:
                         raise
                     # Refused before it runs (other shapes): `Typed` says what runs.
                     dynamic, static = typed(*dynamic)
