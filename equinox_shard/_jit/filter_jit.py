@@ -82,8 +82,11 @@ def _call(wrapper, args, kwargs, compiled=None, flat=None):
     except Exception:
         diagnose(call)
         raise
-    if call.entry.warm is not None and compiled is None:
-        cache.warm = call.entry.warm  # the next call of its kind takes step 0
+    if compiled is None:
+        # Step 0 is tried for the next call only after a call it would have run (not
+        # for placed inputs, which `Typed` does not run): else it costs each call.
+        warm = call.entry.warm
+        cache.warm = warm if warm is not None and call.run is warm[5] else None
     # 4. Combine (`_combine`, inline: one frame less on every call).
     dynamic, static = out
     return dynamic if static is None else static.combine(dynamic)
