@@ -30,7 +30,7 @@ from .._spec.kinds import is_auto, kind_of, sharding_of
 from .._spec.language import check_shapes, context_mesh, for_jax, resolve, resolve_each
 from .._spec.leaves import is_spec_leaf, unset
 from . import callbacks, launch
-from .cache import ArgStructure, Call
+from .cache import ArgStructure, Call, WARM_FIELDS
 from .packing import getter, mirror
 from .traced_body import in_body, ResolveRules, static_out_shardings, traced_function
 
@@ -149,6 +149,7 @@ def _warm(call: Call) -> tuple | None:
         and entry.dispatch is None
         and not packing.variadic
         and structure.key_in_entries is structure.static_of
+        and structure.structure_key._fields == WARM_FIELDS
         and not structure.has_tracers
         and not jax.config.jax_disable_jit
     ):
