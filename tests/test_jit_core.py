@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from .helpers import auto_mesh, explicit_mesh
 
@@ -304,3 +304,42 @@ def test_jax_error_points_at_the_users_function():
             in message
         ), message
         assert "_jit/entry.py" not in message, message
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "in_shardings"])
+def test_a_warm_call_of_other_arguments_is_looked_up(sharded):
+    # A warm call runs the last call's entry as it is only for its structure, static
+    # part and leaf types (`filter_jit`'s step 0); every other call is looked up.
+    one = jax.make_mesh(
+        (1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1]
+    )
+    kwargs = {"in_shardings": NamedSharding(one, P())} if sharded else {}
+    f = eqxs.filter_jit(lambda a, k: (a * k, type(k).__name__), **kwargs)
+    x = jnp.arange(3.0)
+    for _ in range(3):
+        out, name = f(x, 2)
+        assert name == "int"
+    np.testing.assert_array_equal(out, [0.0, 2.0, 4.0])
+    # An array where the static leaf was (equal to it) is traced.
+    assert f(x, np.array(2.0, np.float32))[1] == "DynamicJaxprTracer"
+    np.testing.assert_array_equal(f(x, 3)[0], [0.0, 3.0, 6.0])
+    np.testing.assert_array_equal(f(np.arange(3.0), 2)[0], [0.0, 2.0, 4.0])
+    assert f(jnp.arange(5.0), 2)[0].shape == (5,)
+    y = jax.device_put(jnp.arange(3.0), jax.devices()[1])
+    out, _ = f(y, 2)
+    np.testing.assert_array_equal(out, [0.0, 2.0, 4.0])
+    assert not y.is_deleted()
+    np.testing.assert_array_equal(y, np.arange(3.0))
+    f(x, 2)
+    z = jnp.arange(3.0)
+    z.delete()
+    with pytest.raises(RuntimeError, match=r"^a: this array has been deleted"):
+        f(z, 2)
+    np.testing.assert_array_equal(f(x, 2)[0], [0.0, 2.0, 4.0])
+    # NumPy inputs run it too; an array where the static leaf was is traced there.
+    v = np.arange(3.0, dtype=np.float32)
+    for _ in range(3):
+        np.testing.assert_array_equal(f(v, 2)[0], [0.0, 2.0, 4.0])
+    assert f(v, np.array(2.0, np.float32))[1] == "DynamicJaxprTracer"
+    np.testing.assert_array_equal(f(v, 3)[0], [0.0, 3.0, 6.0])
+    np.testing.assert_array_equal(v, np.arange(3.0))

@@ -65,6 +65,11 @@ class EntryKey(NamedTuple):
     mesh: Any
 
 
+# The `StructureKey` fields `filter_jit`'s step 0 checks itself (the bound treedef,
+# each leaf's type; `is_traced` is `is_array` on calls): with any other field, calls
+# are looked up.
+WARM_FIELDS = ("treedef", "leaf_types", "is_traced")
+
 # `StructureKey(*key)` and `EntryKey(*key)` without their Python frame.
 _structure_key = ft.partial(tuple.__new__, StructureKey)
 _entry_key = ft.partial(tuple.__new__, EntryKey)
@@ -259,6 +264,8 @@ class Cache:
             self.structures: dict = {}
             self.entries: dict = {}
             self.packings: dict = {}
+            # The last warm call's `entry._warm`, which `filter_jit`'s step 0 tries.
+            self.warm: tuple | None = None
             # The calls that made entries, under `jax_explain_cache_misses`.
             self.seen: list = []
 

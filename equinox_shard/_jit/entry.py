@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
+import numpy as np
 from jax.sharding import AxisType, NamedSharding, Sharding
 
 from .._arrays import (
@@ -29,7 +30,7 @@ from .._spec.kinds import is_auto, kind_of, sharding_of
 from .._spec.language import check_shapes, context_mesh, for_jax, resolve, resolve_each
 from .._spec.leaves import is_spec_leaf, unset
 from . import callbacks, launch
-from .cache import ArgStructure, Call
+from .cache import ArgStructure, Call, WARM_FIELDS
 from .packing import getter, mirror
 from .traced_body import in_body, ResolveRules, static_out_shardings, traced_function
 
@@ -58,6 +59,7 @@ class Entry:
         "jitted",
         "guards",  # a program with host callbacks: its `callbacks.Guards`, else `None`
         "dispatch",
+        "warm",  # `_warm`'s, for `filter_jit`'s fast path, or `None`
     )
 
 
@@ -127,7 +129,64 @@ def build_entry(call: Call, static_fun, watch: Callable | None = None) -> Entry:
         first = launch.paced_serialized if serialized else launch.plain
     entry.dispatch = launch.stack(first, layers)
     call.run = entry.jitted if run is None else run
+    entry.warm = _warm(call)
     return entry
+
+
+def _warm(call: Call) -> tuple | None:
+    """What a later call needs to run this entry without a look-up or `prepare`, given
+    the same argument structure, static part and leaf types (`filter_jit`'s step 0).
+    Where every traced leaf is NumPy or of one `jax.Array` type (whose `is_deleted`
+    checks both), nothing is donated, the launch is plain, and preparing is packing
+    alone (no targets), or `Typed` runs the call: every traced leaf has a target and
+    `jax.jit` would move each (`MOVES`), which step 0 checks."""
+    entry, structure = call.entry, call.structure
+    packing = structure.packing
+    traced = structure.traced_indices
+    if not (
+        entry.checks_deleted
+        and not entry.donates
+        and entry.dispatch is None
+        and not packing.variadic
+        and structure.key_in_entries is structure.static_of
+        and structure.structure_key._fields == WARM_FIELDS
+        and not structure.has_tracers
+        and not jax.config.jax_disable_jit
+    ):
+        return None
+    if entry.packs_only and call.run is entry.jitted:
+        run, typed = entry.jitted, None
+    elif entry.typed is not None and len(entry.targets) == len(traced):
+        run, typed = entry.typed, entry.typed
+    else:
+        return None
+    types = {type(call.leaves[i]) for i in traced}
+    if len(types) != 1:
+        return None
+    (array_type,) = types
+    if array_type is np.ndarray:  # never deleted, never committed: moved by `jax.jit`
+        is_deleted = None
+    elif issubclass(array_type, jax.Array):  # not a tracer: `has_tracers` is false
+        is_deleted = array_type.is_deleted
+    else:
+        return None
+    return (
+        structure.treedef,
+        getter(traced),
+        structure.static_of,
+        tuple(map(type, entry.static)),
+        is_deleted,
+        run,
+        entry,
+        typed,
+        # How the traced leaves are packed, where they are not passed as they are.
+        None if packing.trivial else (packing.gets, packing.makes),
+    )
+
+
+# The reads of step 0's test for a call that `Typed` runs (`jit_takes`'s `MOVES`).
+get_committed = operator.attrgetter("committed")
+get_weak_type = operator.attrgetter("aval.weak_type")
 
 
 def _targets(structure: ArgStructure, leaves: list, where) -> list[tuple[int, Any]]:

@@ -2,8 +2,10 @@
 dispatch, combine), its ahead-of-time objects and the public wrapper."""
 
 import functools as ft
+import operator
 import os
 from collections.abc import Callable
+from itertools import repeat
 from typing import Any, overload, TypeVar
 from typing_extensions import ParamSpec
 
@@ -11,6 +13,7 @@ import equinox as eqx
 import jax
 import jax._src.traceback_util as traceback_util
 import jax.tree_util as jtu
+import numpy as np
 from equinox import field, is_array, Module, module_update_wrapper, Partial
 
 from .._arrays import is_array_or_struct
@@ -18,7 +21,15 @@ from .._spec.leaves import unset
 from . import explain_misses
 from .cache import ArgStructure, Cache, Call, get_cache, look_up, raise_if_unhashable
 from .donation import DonateMode
-from .entry import AutoLayouts, build_entry, diagnose, Entry, prepare
+from .entry import (
+    AutoLayouts,
+    build_entry,
+    diagnose,
+    Entry,
+    get_committed,
+    get_weak_type,
+    prepare,
+)
 from .packing import mirror_combine, mirror_partition
 
 
@@ -29,10 +40,11 @@ _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
 
-def _call(wrapper, args, kwargs, compiled=None):
+def _call(wrapper, args, kwargs, compiled=None, flat=None):
     """A call in four steps, each taking the call as one value (`cache.Call`): look up
     its entry (`cache.look_up`; on a miss `_build` makes it), prepare its inputs
-    (`entry.prepare`), dispatch (`Entry.dispatch`) and combine the output."""
+    (`entry.prepare`), dispatch (`Entry.dispatch`) and combine the output. `flat`:
+    `(leaves, treedef, args)` of `(args, kwargs)`, flattened already (step 0)."""
     __tracebackhide__ = True
     # One attribute lookup, past `Module.__getattribute__` (Python, on every lookup).
     fields = object.__getattribute__(wrapper, "__dict__")
@@ -41,10 +53,12 @@ def _call(wrapper, args, kwargs, compiled=None):
     __equinox_jit_id__ = fields["_jit_id"]
     if kwargs or len(args) not in cache.arity:
         args, kwargs = cache.bind(args, kwargs)
+    if flat is None or args is not flat[2]:
+        flat = *jtu.tree_flatten((args, kwargs)), args
+    leaves, treedef, _ = flat
     call = _new(Call)
     call.cache, call.fun, call.args = cache, fields["_dynamic_fun"], args
-    call.kwargs, call.jit_id = kwargs, __equinox_jit_id__
-    call.leaves, treedef = jtu.tree_flatten((args, kwargs))
+    call.kwargs, call.jit_id, call.leaves = kwargs, __equinox_jit_id__, leaves
     # 1. Look up.
     if compiled is None:
         key = look_up(call, treedef, is_array)
@@ -68,6 +82,11 @@ def _call(wrapper, args, kwargs, compiled=None):
     except Exception:
         diagnose(call)
         raise
+    if compiled is None:
+        # Step 0 is tried for the next call only after a call it would have run (not
+        # for placed inputs, which `Typed` does not run): else it costs each call.
+        warm = call.entry.warm
+        cache.warm = warm if warm is not None and call.run is warm[5] else None
     # 4. Combine (`_combine`, inline: one frame less on every call).
     dynamic, static = out
     return dynamic if static is None else static.combine(dynamic)
@@ -75,6 +94,9 @@ def _call(wrapper, args, kwargs, compiled=None):
 
 # A `Call` without a Python frame; `_call` sets its fields.
 _new = object.__new__
+# `map(_apply, fs, xs)` calls each `f(x)` at C speed.
+_apply: Any = operator.call
+_NDARRAY = repeat(np.ndarray)
 
 
 def _combine(out: tuple) -> Any:
@@ -210,8 +232,75 @@ class _JitWrapper(Module):
 
     def __call__(self, /, *args, **kwargs):
         __tracebackhide__ = True
+        fields = object.__getattribute__(self, "__dict__")
+        cache: Cache = fields["_cache"]
+        # Read by `eqx.error_if`'s stacks: one per decoration.
+        __equinox_jit_id__ = fields["_jit_id"]
         try:
-            return _call(self, args, kwargs)
+            warm = cache.warm
+            if warm is None:
+                return _call(self, args, kwargs)
+            # 0. The last warm call's entry, without a look-up or `prepare`, if this
+            # call has its structure (bound, as its equal treedef says), static part
+            # and leaf types (`entry._warm`).
+            leaves, treedef = jtu.tree_flatten((args, kwargs))
+            _, traced_of, static_of, types, is_deleted, run, entry, typed, packs = warm
+            try:
+                traced = traced_of(leaves)
+                # `is_deleted` (of one `jax.Array` type) refuses any other type.
+                taken = (
+                    treedef == warm[0]
+                    and (
+                        not any(map(is_deleted, traced))
+                        # `Typed` runs it where `jax.jit` would move every input.
+                        and (
+                            typed is None
+                            or not any(map(get_committed, traced))
+                            and not any(map(get_weak_type, traced))
+                        )
+                        if is_deleted is not None
+                        else all(map(operator.is_, map(type, traced), _NDARRAY))
+                    )
+                    and (
+                        not types
+                        or tuple(map(type, static := static_of(leaves))) == types
+                        and static == entry.static
+                    )
+                )
+            except Exception:  # another leaf type, an odd `__eq__`: looked up
+                taken = False
+            if not taken:
+                return _call(self, args, kwargs, flat=(leaves, treedef, args))
+            fun = fields["_dynamic_fun"]
+            if packs is None:
+                dynamic = (*args[:1], fun, *args[1:], kwargs)
+            else:  # `Packing.arguments`, inline
+                traced = map(_apply, packs[0], repeat(leaves))
+                *parts, packed_kwargs = map(_apply, packs[1], traced)
+                dynamic = (*parts[:1], fun, *parts[1:], packed_kwargs)
+            try:
+                if typed is not None:
+                    # Its executable, past `Typed.__call__`'s frame where it runs.
+                    run = typed.compiled
+                    if run is None or jax.config.jax_disable_jit:
+                        run = typed
+                try:
+                    dynamic, static = run(*dynamic)
+                except (TypeError, ValueError):
+                    if typed is None or run is typed:
+                        raise
+                    # Refused before it runs (other shapes): `Typed` says what runs.
+                    dynamic, static = typed(*dynamic)
+            except eqx.EquinoxRuntimeError:
+                raise
+            except Exception:
+                call = _new(Call)
+                call.cache, call.fun, call.args, call.kwargs = cache, fun, args, kwargs
+                call.jit_id, call.leaves = __equinox_jit_id__, leaves
+                call.structure, call.entry = entry.structure, entry
+                diagnose(call)
+                raise
+            return dynamic if static is None else static.combine(dynamic)
         except eqx.EquinoxRuntimeError as e:
             e.__traceback__ = None
             raise
