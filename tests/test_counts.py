@@ -179,7 +179,7 @@ def test_warm_call_passes_one_value(cases, name):
     finally:
         sys.setprofile(None)
     jax.block_until_ready(out)
-    assert "_jit/cache.py:look_up" in seen, sorted(seen)
+    assert "_jit/filter_jit.py:_JitWrapper.__call__" in seen, sorted(seen)
     wide = {k: v for k, v in seen.items() if v[0] > 4}
     bare = {k: v for k, v in seen.items() if v[1] > 2 and k not in _ARGUMENT_LISTS}
     assert not wide and not bare, (

@@ -265,7 +265,7 @@ class Cache:
             self.entries: dict = {}
             self.packings: dict = {}
             # The last warm call's `entry._warm`, which `filter_jit`'s step 0 tries.
-            self.warm: tuple | None = None
+            self.warm: Any = None  # an `entry.Warm`
             # The calls that made entries, under `jax_explain_cache_misses`.
             self.seen: list = []
 

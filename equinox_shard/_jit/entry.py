@@ -6,7 +6,7 @@ import functools as ft
 import operator
 from collections.abc import Callable
 from itertools import compress, repeat
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax._src.traceback_util as traceback_util
@@ -133,7 +133,21 @@ def build_entry(call: Call, static_fun, watch: Callable | None = None) -> Entry:
     return entry
 
 
-def _warm(call: Call) -> tuple | None:
+class Warm(NamedTuple):
+    """What `filter_jit`'s step 0 reads of an entry (`_warm`)."""
+
+    treedef: Any
+    traced_of: Callable  # leaves -> the traced ones
+    static_of: Callable  # leaves -> the static ones
+    types: tuple  # the static leaves' types
+    is_deleted: Callable | None  # of the one `jax.Array` type; `None`: NumPy
+    run: Callable
+    entry: Any
+    typed: Any  # the `Typed` that runs the call, or `None`: the entry's `jax.jit`
+    packs: tuple | None  # `Packing`'s getters and makers, or `None`: passed as they are
+
+
+def _warm(call: Call) -> Warm | None:
     """What a later call needs to run this entry without a look-up or `prepare`, given
     the same argument structure, static part and leaf types (`filter_jit`'s step 0).
     Where every traced leaf is NumPy or of one `jax.Array` type (whose `is_deleted`
@@ -170,7 +184,7 @@ def _warm(call: Call) -> tuple | None:
         is_deleted = array_type.is_deleted
     else:
         return None
-    return (
+    return Warm(
         structure.treedef,
         getter(traced),
         structure.static_of,

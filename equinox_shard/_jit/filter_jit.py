@@ -40,11 +40,10 @@ _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
 
-def _call(wrapper, args, kwargs, compiled=None, flat=None):
+def _call(wrapper, args, kwargs, compiled=None):
     """A call in four steps, each taking the call as one value (`cache.Call`): look up
     its entry (`cache.look_up`; on a miss `_build` makes it), prepare its inputs
-    (`entry.prepare`), dispatch (`Entry.dispatch`) and combine the output. `flat`:
-    `(leaves, treedef, args)` of `(args, kwargs)`, flattened already (step 0)."""
+    (`entry.prepare`), dispatch (`Entry.dispatch`) and combine the output."""
     __tracebackhide__ = True
     # One attribute lookup, past `Module.__getattribute__` (Python, on every lookup).
     fields = object.__getattribute__(wrapper, "__dict__")
@@ -53,12 +52,10 @@ def _call(wrapper, args, kwargs, compiled=None, flat=None):
     __equinox_jit_id__ = fields["_jit_id"]
     if kwargs or len(args) not in cache.arity:
         args, kwargs = cache.bind(args, kwargs)
-    if flat is None or args is not flat[2]:
-        flat = *jtu.tree_flatten((args, kwargs)), args
-    leaves, treedef, _ = flat
     call = _new(Call)
     call.cache, call.fun, call.args = cache, fields["_dynamic_fun"], args
-    call.kwargs, call.jit_id, call.leaves = kwargs, __equinox_jit_id__, leaves
+    call.kwargs, call.jit_id = kwargs, __equinox_jit_id__
+    call.leaves, treedef = jtu.tree_flatten((args, kwargs))
     # 1. Look up.
     if compiled is None:
         key = look_up(call, treedef, is_array)
@@ -86,7 +83,7 @@ def _call(wrapper, args, kwargs, compiled=None, flat=None):
         # Step 0 is tried for the next call only after a call it would have run (not
         # for placed inputs, which `Typed` does not run): else it costs each call.
         warm = call.entry.warm
-        cache.warm = warm if warm is not None and call.run is warm[5] else None
+        cache.warm = warm if warm is not None and call.run is warm.run else None
     # 4. Combine (`_combine`, inline: one frame less on every call).
     dynamic, static = out
     return dynamic if static is None else static.combine(dynamic)
@@ -249,7 +246,7 @@ class _JitWrapper(Module):
                 traced = traced_of(leaves)
                 # `is_deleted` (of one `jax.Array` type) refuses any other type.
                 taken = (
-                    treedef == warm[0]
+                    treedef == warm.treedef
                     and (
                         not any(map(is_deleted, traced))
                         # `Typed` runs it where `jax.jit` would move every input.
@@ -270,7 +267,8 @@ class _JitWrapper(Module):
             except Exception:  # another leaf type, an odd `__eq__`: looked up
                 taken = False
             if not taken:
-                return _call(self, args, kwargs, flat=(leaves, treedef, args))
+                # (Flattened again there: one pass, only when step 0 was tried.)
+                return _call(self, args, kwargs)
             fun = fields["_dynamic_fun"]
             if packs is None:
                 dynamic = (*args[:1], fun, *args[1:], kwargs)
