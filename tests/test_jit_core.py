@@ -346,3 +346,45 @@ def test_a_warm_call_of_other_arguments_is_looked_up(sharded):
     assert f(v, np.array(2.0, np.float32))[1] == "DynamicJaxprTracer"
     np.testing.assert_array_equal(f(v, 3)[0], [0.0, 3.0, 6.0])
     np.testing.assert_array_equal(v, np.arange(3.0))
+
+
+class _Scale:
+    """A static leaf hashed by its value, which a user may change in place."""
+
+    def __init__(self, value: float):
+        self.value = value
+
+    def __eq__(self, other):
+        return isinstance(other, _Scale) and other.value == self.value
+
+    def __hash__(self):
+        return hash(self.value)
+
+
+class _AlwaysEqual(_Scale):
+    """Equal to every `_Scale`, hashed by identity: `==` alone cannot tell two apart."""
+
+    def __eq__(self, other):
+        return isinstance(other, _Scale)
+
+    __hash__ = object.__hash__
+
+
+def test_a_warm_call_sees_its_static_leaves_as_a_look_up_would():
+    # `filter_jit`'s step 0 compares the static part with the last call's as the cache's
+    # look-up does (hash, then `==`): a static leaf changed in place since, or one equal
+    # to it but hashed otherwise, is another entry, whether or not step 0 runs (the
+    # third call; `eqx.filter_jit` and `jax.jit`'s static arguments answer either way,
+    # by version).
+    fn = lambda x, s: x * s.value
+    x = jnp.ones(())
+    for make in (_Scale, _AlwaysEqual):
+        f = eqxs.filter_jit(fn)
+        first = make(2.0)
+        got = [float(f(x, first)) for _ in range(2)]
+        if make is _Scale:
+            first.value = 7.0
+            got.append(float(f(x, first)))
+        else:
+            got.append(float(f(x, make(7.0))))
+        assert got == [2.0, 2.0, 7.0], (make.__name__, got)

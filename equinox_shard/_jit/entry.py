@@ -140,6 +140,7 @@ class Warm(NamedTuple):
     traced_of: Callable  # leaves -> the traced ones
     static_of: Callable  # leaves -> the static ones
     types: tuple  # the static leaves' types
+    static_hash: int  # as the look-up's key: a static leaf changed in place is a miss
     is_deleted: Callable | None  # of the one `jax.Array` type; `None`: NumPy
     run: Callable
     entry: Any
@@ -189,6 +190,7 @@ def _warm(call: Call) -> Warm | None:
         getter(traced),
         structure.static_of,
         tuple(map(type, entry.static)),
+        hash(entry.static),
         is_deleted,
         run,
         entry,

@@ -241,7 +241,8 @@ class _JitWrapper(Module):
             # call has its structure (bound, as its equal treedef says), static part
             # and leaf types (`entry._warm`).
             leaves, treedef = jtu.tree_flatten((args, kwargs))
-            _, traced_of, static_of, types, is_deleted, run, entry, typed, packs = warm
+            traced_of, static_of, types, hashed = warm[1:5]
+            is_deleted, run, entry, typed, packs = warm[5:]
             try:
                 traced = traced_of(leaves)
                 # `is_deleted` (of one `jax.Array` type) refuses any other type.
@@ -261,6 +262,7 @@ class _JitWrapper(Module):
                     and (
                         not types
                         or tuple(map(type, static := static_of(leaves))) == types
+                        and hash(static) == hashed
                         and static == entry.static
                     )
                 )
