@@ -107,8 +107,7 @@ def _first_mismatch(spec: Any, value: Any, path: tuple) -> tuple[tuple, str] | N
     if not same_data and type(spec) is type(value) and is_pytree_node(spec):
         spec_data = spec_def.node_data()[1]  # pyright: ignore[reportOptionalSubscript]
         value_data = value_def.node_data()[1]  # pyright: ignore[reportOptionalSubscript]
-        fields = _static_fields_differing(spec, value)
-        if fields:
+        if fields := _static_fields_differing(spec, value):
             return (
                 path,
                 f"{found} whose static fields differ from the value's: {fields}",
@@ -131,15 +130,11 @@ def _first_mismatch(spec: Any, value: Any, path: tuple) -> tuple[tuple, str] | N
 def _static_fields_differing(spec: Any, value: Any) -> str:
     """`name=spec's (the value's: value's)` for each static dataclass field (an
     Equinox Module's `field(static=True)`) where they differ; `""` if none is found."""
-    if not dataclasses.is_dataclass(spec):
-        return ""
     differing = []
-    for field in dataclasses.fields(spec):
+    for field in dataclasses.fields(spec) if dataclasses.is_dataclass(spec) else ():
         if field.metadata.get("static", False):
-            ours, theirs = (
-                getattr(spec, field.name, None),
-                getattr(value, field.name, None),
-            )
+            ours = getattr(spec, field.name, None)
+            theirs = getattr(value, field.name, None)
             try:
                 same = bool(ours == theirs)
             except Exception:  # e.g. arrays: compared by identity
