@@ -43,13 +43,6 @@ def state_view(model: PyTree, state: eqx.nn.State, entries: Any = None) -> PyTre
     )
 
 
-def state_order(model: PyTree, state: eqx.nn.State) -> list[int]:
-    """For each leaf of `state_view(model, state)`, its index among `state`'s leaves."""
-    treedef = jtu.tree_structure(state)
-    tokens = jtu.tree_unflatten(treedef, range(treedef.num_leaves))
-    return jtu.tree_leaves(state_view(model, state, tokens))
-
-
 def state_specs(model: PyTree, state: eqx.nn.State, specs: Any) -> eqx.nn.State:
     """A specification of an `eqx.nn.State` whose entries are named by where their
     `eqx.nn.StateIndex` is in the model: a `BatchNorm` at `model.bn` holds its running
@@ -87,7 +80,10 @@ def state_specs(model: PyTree, state: eqx.nn.State, specs: Any) -> eqx.nn.State:
     leaves = jtu.tree_leaves(view)
     where = lambda i: "state" + jtu.keystr(jtu.tree_flatten_with_path(view)[0][i][0])
     per_leaf = spread(specs, view, leaves, "specs", "state", where, is_array)
-    out: list = [None] * len(leaves)
-    for k, spec in zip(state_order(model, state), per_leaf):
+    # Each leaf of `view` put back where it is among `state`'s leaves.
+    treedef = jtu.tree_structure(state)
+    tokens = jtu.tree_unflatten(treedef, range(treedef.num_leaves))
+    out: list = [None] * treedef.num_leaves
+    for k, spec in zip(jtu.tree_leaves(state_view(model, state, tokens)), per_leaf):
         out[k] = spec
-    return jtu.tree_unflatten(jtu.tree_structure(state), out)
+    return jtu.tree_unflatten(treedef, out)

@@ -259,8 +259,7 @@ class CheckpointManager:
         [`equinox_shard.restore`][].
         """
         self._check_open("restore")
-        if step is not None:
-            step = _step(step)
+        step = None if step is None else _step(step)
         self.wait_until_finished()
         steps = self.all_steps()
         if step is None and steps:

@@ -16,6 +16,7 @@ import jax
 import jax.tree_util as jtu
 
 from .._arrays import is_concrete
+from .._spec.language import equal, static_fields_differing
 
 
 logger = logging.getLogger("equinox_shard")
@@ -43,12 +44,6 @@ def _short(x: Any) -> str:
 
 def _change(now: Any, before: Any, show: Callable = _short) -> str:
     return f"now {show(now)} and before {show(before)}"
-
-
-def _equal(a: Any, b: Any) -> bool:
-    with contextlib.suppress(Exception):
-        return bool(a == b)
-    return a is b
 
 
 def _mesh(mesh) -> str:
@@ -103,11 +98,9 @@ def _structure(cache, new: Any, old: Any, path: tuple | None = None):
     name = lambda k: getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
     keys = [{name(k) for (k,), _ in c} for c in (kids, old_kids)]
     if type(new) is type(old) and keys[0] == keys[1] and dataclasses.is_dataclass(new):
-        for f in dataclasses.fields(new):
-            x, y = getattr(new, f.name, None), getattr(old, f.name, None)
-            if f.metadata.get("static", False) and not _equal(x, y):
-                kind = type(new).__name__
-                yield f"at {where}.{f.name}, {_change(x, y)} (a static field of {kind})"
+        for field, x, y in static_fields_differing(new, old):
+            kind = type(new).__name__
+            yield f"at {where}.{field}, {_change(x, y)} (a static field of {kind})"
         return
     why = f"new children {keys[0] - keys[1]}, gone {keys[1] - keys[0] or '{}'}"
     why = why if keys[0] != keys[1] else "the node's type or metadata differs"
@@ -126,7 +119,7 @@ def _each(field: str, show: Callable, kind: str, cache, *calls: dict) -> list:
     return [
         f"at {n}, {_change(x, before[n], show)}{kind}"
         for n, x in now.items()
-        if n in before and same(n) and not _equal(x, before[n])
+        if n in before and same(n) and not equal(x, before[n])
     ]
 
 
@@ -149,7 +142,7 @@ def _key_diff(cache, new: dict, old: dict) -> list[str]:
     """Why `new` missed the entry of `old`: the key fields that differ, each once."""
     lines = []
     for field, now in new["key"].items():
-        if not _equal(now, before := old["key"].get(field)):
+        if not equal(now, before := old["key"].get(field)):
             say = f"the cache key's `{field}`: {_change(now, before)}"
             lines.extend(_FIELDS.get(field, lambda *_: [say])(cache, new, old))
     return lines

@@ -8,6 +8,7 @@ kinds of `kinds.KINDS` (a `jax.sharding.Sharding`, a `jax.Device`, a
 per array leaf; errors name the leaf by its key path in the user's argument names.
 """
 
+import contextlib
 import dataclasses
 import functools as ft
 import math
@@ -107,12 +108,10 @@ def _first_mismatch(spec: Any, value: Any, path: tuple) -> tuple[tuple, str] | N
     if not same_data and type(spec) is type(value) and is_pytree_node(spec):
         spec_data = spec_def.node_data()[1]  # pyright: ignore[reportOptionalSubscript]
         value_data = value_def.node_data()[1]  # pyright: ignore[reportOptionalSubscript]
-        fields = _static_fields_differing(spec, value)
-        if fields:
-            return (
-                path,
-                f"{found} whose static fields differ from the value's: {fields}",
-            )
+        if fields := static_fields_differing(spec, value):
+            said = (f"{n}={x!r} (the value's: {y!r})" for n, x, y in fields)
+            differ = "whose static fields differ from the value's"
+            return path, f"{found} {differ}: {', '.join(said)}"
         return path, (
             f"{found} whose static (non-PyTree) data differs from the value's: the "
             f"specification's is {spec_data!r}, the value's {value_data!r}"
@@ -128,25 +127,22 @@ def _first_mismatch(spec: Any, value: Any, path: tuple) -> tuple[tuple, str] | N
     return None
 
 
-def _static_fields_differing(spec: Any, value: Any) -> str:
-    """`name=spec's (the value's: value's)` for each static dataclass field (an
-    Equinox Module's `field(static=True)`) where they differ; `""` if none is found."""
-    if not dataclasses.is_dataclass(spec):
-        return ""
-    differing = []
-    for field in dataclasses.fields(spec):
-        if field.metadata.get("static", False):
-            ours, theirs = (
-                getattr(spec, field.name, None),
-                getattr(value, field.name, None),
-            )
-            try:
-                same = bool(ours == theirs)
-            except Exception:  # e.g. arrays: compared by identity
-                same = ours is theirs
-            if not same:
-                differing.append(f"{field.name}={ours!r} (the value's: {theirs!r})")
-    return ", ".join(differing)
+def static_fields_differing(a: Any, b: Any) -> list[tuple[str, Any, Any]]:
+    """`(name, a's, b's)` for each static dataclass field (an Equinox Module's
+    `field(static=True)`) where `a` and `b` differ."""
+    out = []
+    for field in dataclasses.fields(a) if dataclasses.is_dataclass(a) else ():
+        x, y = getattr(a, field.name, None), getattr(b, field.name, None)
+        if field.metadata.get("static", False) and not equal(x, y):
+            out.append((field.name, x, y))
+    return out
+
+
+def equal(a: Any, b: Any) -> bool:
+    """`a == b` as a bool, or where that raises (arrays), `a is b`."""
+    with contextlib.suppress(Exception):
+        return bool(a == b)
+    return a is b
 
 
 def broadcast_specs(
