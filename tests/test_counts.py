@@ -2,10 +2,10 @@
 a test rather than hiding in a noisy timing (the timings are `python -m benchmarks`'s).
 The cases are `tools/hot_path.py`'s: `filter_jit` plain, donating, with `in_shardings`
 (inputs placed, uncommitted, and a NumPy batch; on a one-device mesh, donating, its
-batch put on the device) and with a callback in its body, and
-`filter_device_put` of ten arrays by layout (replicated, split) and source
-(uncommitted, placed). Per warm call (`tools/hot_path.py --boundary`: JAX's own Python
-counted at its boundary only):
+batch put on the device, and not donating, its inputs placed or uncommitted) and with
+a callback in its body, and `filter_device_put` of ten arrays by layout (replicated,
+split) and source (uncommitted, placed). Per warm call (`tools/hot_path.py
+--boundary`: JAX's own Python counted at its boundary only):
 
 - its passes over the leaves through JAX's tree functions, its Python calls into
     `_jit/packing.py` (packing the arguments for `jax.jit`, which then flattens them
@@ -37,6 +37,10 @@ _WORK = {
     "in_shardings uncommitted": (31, 1202, 1, 2),
     "in_shardings numpy": (28, 1234, 1, 2),
     "one device, batch on it": (56, 1765, 3, 2),
+    # Step 0 on a one-device mesh: inputs on their targets run the entry's `jax.jit`,
+    # uncommitted ones `Typed`'s executable.
+    "one device, placed": (20, 920, 2, 1),
+    "one device, uncommitted": (20, 924, 1, 1),
     "callback": (27, 1185, 4, 2),
     "filter_device_put replicated uncommitted": (112, 2604, 2, 0),
     "filter_device_put replicated placed": (41, 932, 2, 0),
@@ -57,6 +61,8 @@ _COPIES = {
     "in_shardings numpy": (0, 0),
     # An equivalent sharding is not moved (`jax.jit` takes it as it is).
     "one device, batch on it": (0, 0),
+    "one device, placed": (0, 0),
+    "one device, uncommitted": (0, 0),
     "callback": (0, 0),
     "filter_device_put replicated uncommitted": (2, 20),
     "filter_device_put replicated placed": (0, 0),

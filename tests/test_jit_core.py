@@ -306,6 +306,7 @@ def test_jax_error_points_at_the_users_function():
         assert "_jit/entry.py" not in message, message
 
 
+@pytest.mark.devices(2, reason="inputs committed to other devices than the call's")
 @pytest.mark.parametrize("sharded", [False, True], ids=["plain", "in_shardings"])
 def test_a_warm_call_of_other_arguments_is_looked_up(sharded):
     # A warm call runs the last call's entry as it is only for its structure, static
@@ -333,6 +334,22 @@ def test_a_warm_call_of_other_arguments_is_looked_up(sharded):
     np.testing.assert_array_equal(out, [0.0, 2.0, 4.0])
     assert not y.is_deleted()
     np.testing.assert_array_equal(y, np.arange(3.0))
+    if sharded:
+        # Inputs on their targets run it as they are; one committed elsewhere (to
+        # two devices, which `jax.jit` refuses) is looked up, and moved.
+        on = jax.device_put(jnp.arange(3.0), NamedSharding(one, P()))
+        two = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+        y = jax.device_put(jnp.arange(3.0), NamedSharding(two, P()))
+        for _ in range(3):
+            np.testing.assert_array_equal(f(on, 2)[0], [0.0, 2.0, 4.0])
+        np.testing.assert_array_equal(f(y, 2)[0], [0.0, 2.0, 4.0])
+        np.testing.assert_array_equal(y, np.arange(3.0))
+        for _ in range(2):
+            np.testing.assert_array_equal(f(on, 2)[0], [0.0, 2.0, 4.0])
+        np.testing.assert_array_equal(f(on, 3)[0], [0.0, 3.0, 6.0])
+        assert f(jax.device_put(jnp.arange(5.0), NamedSharding(one, P())), 2)[
+            0
+        ].shape == (5,)
     f(x, 2)
     z = jnp.arange(3.0)
     z.delete()

@@ -147,6 +147,12 @@ def _cases():
         step,
         lambda: (on_one, jax.device_put(host, device)),
     )
+    # Issue 62's one-device cells: inputs on their targets, and as `jnp` made them.
+    one_shardings = (jax.NamedSharding(one, jax.P()), jax.NamedSharding(one, jax.P()))
+    on_one_step = eqxs.filter_jit(loss, in_shardings=one_shardings)
+    on_one_x = jax.device_put(x, one_shardings[1])
+    yield "one device, placed", on_one_step, lambda: (on_one, on_one_x)
+    yield "one device, uncommitted", on_one_step, lambda: (model, x)
 
     def checked(model, x):
         out, model = loss(model, x)

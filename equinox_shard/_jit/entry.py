@@ -142,9 +142,10 @@ class Warm(NamedTuple):
     types: tuple  # the static leaves' types
     static_hash: int  # as the look-up's key: a static leaf changed in place is a miss
     is_deleted: Callable | None  # of the one `jax.Array` type; `None`: NumPy
-    run: Callable
+    run: Callable  # the entry's `jax.jit`
     entry: Any
-    typed: Any  # the `Typed` that runs the call, or `None`: the entry's `jax.jit`
+    typed: Any  # the `Typed` that runs uncommitted inputs, or `None`
+    placed: tuple | None  # the targets, in order, where `run` takes inputs as they are
     packs: tuple | None  # `Packing`'s getters and makers, or `None`: passed as they are
 
 
@@ -153,8 +154,9 @@ def _warm(call: Call) -> Warm | None:
     the same argument structure, static part and leaf types (`filter_jit`'s step 0).
     Where every traced leaf is NumPy or of one `jax.Array` type (whose `is_deleted`
     checks both), nothing is donated, the launch is plain, and preparing is packing
-    alone (no targets), or `Typed` runs the call: every traced leaf has a target and
-    `jax.jit` would move each (`MOVES`), which step 0 checks."""
+    alone (no targets), or every traced leaf has a target and either is on it
+    (`PLACED`: the entry's `jax.jit` runs the call) or `jax.jit` would move each
+    (`MOVES`: `Typed` runs it), which step 0 checks."""
     entry, structure = call.entry, call.structure
     packing = structure.packing
     traced = structure.traced_indices
@@ -170,9 +172,9 @@ def _warm(call: Call) -> Warm | None:
     ):
         return None
     if entry.packs_only and call.run is entry.jitted:
-        run, typed = entry.jitted, None
-    elif entry.typed is not None and len(entry.targets) == len(traced):
-        run, typed = entry.typed, entry.typed
+        placed = None
+    elif tuple(i for i, _ in entry.targets) == tuple(traced):
+        placed = tuple(s for _, s in entry.targets)  # `all_placed`'s, in their order
     else:
         return None
     types = {type(call.leaves[i]) for i in traced}
@@ -192,15 +194,18 @@ def _warm(call: Call) -> Warm | None:
         tuple(map(type, entry.static)),
         hash(entry.static),
         is_deleted,
-        run,
+        entry.jitted,
         entry,
-        typed,
+        entry.typed,
+        placed,
         # How the traced leaves are packed, where they are not passed as they are.
         None if packing.trivial else (packing.gets, packing.makes),
     )
 
 
-# The reads of step 0's test for a call that `Typed` runs (`jit_takes`'s `MOVES`).
+# The reads of step 0's test for a call that the entry's `jax.jit` takes as it is
+# (`all_placed`), or that `Typed` runs (`jit_takes`'s `MOVES`).
+get_sharding = operator.attrgetter("sharding")
 get_committed = operator.attrgetter("committed")
 get_weak_type = operator.attrgetter("aval.weak_type")
 

@@ -27,6 +27,7 @@ from .entry import (
     diagnose,
     Entry,
     get_committed,
+    get_sharding,
     get_weak_type,
     prepare,
 )
@@ -56,6 +57,7 @@ def _call(wrapper, args, kwargs, compiled=None):
     call.cache, call.fun, call.args = cache, fields["_dynamic_fun"], args
     call.kwargs, call.jit_id = kwargs, __equinox_jit_id__
     call.leaves, treedef = jtu.tree_flatten((args, kwargs))
+    leaves = call.leaves
     # 1. Look up.
     if compiled is None:
         key = look_up(call, treedef, is_array)
@@ -81,9 +83,15 @@ def _call(wrapper, args, kwargs, compiled=None):
         raise
     if compiled is None:
         # Step 0 is tried for the next call only after a call it would have run (not
-        # for placed inputs, which `Typed` does not run): else it costs each call.
+        # one whose inputs `prepare` placed): else it costs each call.
         warm = call.entry.warm
-        cache.warm = warm if warm is not None and call.run is warm.run else None
+        cache.warm = (
+            warm
+            if warm is not None
+            and call.leaves is leaves
+            and (call.run is warm.run or call.run is warm.typed)
+            else None
+        )
     # 4. Combine (`_combine`, inline: one frame less on every call).
     dynamic, static = out
     return dynamic if static is None else static.combine(dynamic)
@@ -242,23 +250,28 @@ class _JitWrapper(Module):
             # and leaf types (`entry._warm`).
             leaves, treedef = jtu.tree_flatten((args, kwargs))
             traced_of, static_of, types, hashed = warm[1:5]
-            is_deleted, run, entry, typed, packs = warm[5:]
+            is_deleted, run, entry, typed, placed, packs = warm[5:]
             try:
                 traced = traced_of(leaves)
-                # `is_deleted` (of one `jax.Array` type) refuses any other type.
-                taken = (
-                    treedef == warm.treedef
-                    and (
-                        not any(map(is_deleted, traced))
-                        # `Typed` runs it where `jax.jit` would move every input.
-                        and (
-                            typed is None
-                            or not any(map(get_committed, traced))
-                            and not any(map(get_weak_type, traced))
+                if is_deleted is None:  # NumPy: `jax.jit` moves it, so `Typed` runs it
+                    taken = all(map(operator.is_, map(type, traced), _NDARRAY))
+                    if placed is not None:
+                        run = typed
+                else:  # `is_deleted` (of one `jax.Array` type) refuses any other type
+                    taken = not any(map(is_deleted, traced))
+                    if placed is not None and any(map(get_committed, traced)):
+                        # All on their targets: the entry's `jax.jit` takes them.
+                        taken = taken and all(
+                            map(operator.eq, map(get_sharding, traced), placed)
                         )
-                        if is_deleted is not None
-                        else all(map(operator.is_, map(type, traced), _NDARRAY))
-                    )
+                    elif placed is not None:
+                        # `Typed` runs it where `jax.jit` would move every input.
+                        taken = taken and not any(map(get_weak_type, traced))
+                        run = typed
+                taken = (
+                    taken
+                    and run is not None
+                    and treedef == warm.treedef
                     and (
                         not types
                         or tuple(map(type, static := static_of(leaves))) == types
@@ -266,7 +279,7 @@ class _JitWrapper(Module):
                         and static == entry.static
                     )
                 )
-            except Exception:  # another leaf type, an odd `__eq__`: looked up
+            except Exception:  # another leaf type or structure, an odd `__eq__`
                 taken = False
             if not taken:
                 # (Flattened again there: one pass, only when step 0 was tried.)
@@ -279,15 +292,14 @@ class _JitWrapper(Module):
                 *parts, packed_kwargs = map(_apply, packs[1], traced)
                 dynamic = (*parts[:1], fun, *parts[1:], packed_kwargs)
             try:
-                if typed is not None:
-                    # Its executable, past `Typed.__call__`'s frame where it runs.
-                    run = typed.compiled
-                    if run is None or jax.config.jax_disable_jit:
-                        run = typed
+                # `Typed`'s executable, past `Typed.__call__`'s frame where it runs.
+                compiled = None
+                if run is typed and not jax.config.jax_disable_jit:
+                    compiled = typed.compiled
                 try:
-                    dynamic, static = run(*dynamic)
+                    dynamic, static = (run if compiled is None else compiled)(*dynamic)
                 except (TypeError, ValueError):
-                    if typed is None or run is typed:
+                    if compiled is None:
                         raise
                     # Refused before it runs (other shapes): `Typed` says what runs.
                     dynamic, static = typed(*dynamic)
