@@ -1885,3 +1885,28 @@ def test_explicit_axes_the_typed_fallback_compiles_once(monkeypatch):
     assert_same_values(out, host * 2 + 1)
     assert out.sharding == split
     assert len(lowered) == 2 and not compiles, (len(lowered), compiles)
+
+
+@pytest.mark.parametrize("warm_calls", [0, 1, 2])  # cold, full path, step 0
+@pytest.mark.parametrize("flag", ["debug_nans", "debug_infs"])
+def test_debug_nans_with_an_uncommitted_input_raises_as_jax_jit(flag, warm_calls):
+    # `Typed`'s executable raised JAX's internal error (not a `FloatingPointError`);
+    # `jax.jit` re-runs the function de-optimized and names the primitive.
+    S = NamedSharding(_input_mesh(1, "Auto"), P())
+    f = lambda x: jnp.log(x - 2.0)  # nan at 1, -inf at 2
+    ours, oracle = eqxs.filter_jit(f, in_shardings=S), jax.jit(f, in_shardings=S)
+    good = np.full(3, 3.0, np.float32)
+    host = np.full(3, 1.0 if flag == "debug_nans" else 2.0, np.float32)
+    bad = jnp.asarray(host)  # uncommitted, not weak-typed: `Typed` runs it
+    for _ in range(warm_calls):
+        assert_same_values(ours(jnp.asarray(good)), np.zeros(3, np.float32))
+    with getattr(jax, flag)(True):
+        with pytest.raises(FloatingPointError) as expected:
+            oracle(bad)
+        with pytest.raises(FloatingPointError) as raised:
+            ours(bad)
+        assert_same_values(ours(jnp.asarray(good)), np.zeros(3, np.float32))
+    assert type(raised.value) is type(expected.value)
+    assert str(raised.value) == str(expected.value)
+    assert "encountered in log" in str(raised.value)
+    assert_same_values(bad, host)
