@@ -1910,3 +1910,51 @@ def test_debug_nans_with_an_uncommitted_input_raises_as_jax_jit(flag, warm_calls
     assert str(raised.value) == str(expected.value)
     assert "encountered in log" in str(raised.value)
     assert_same_values(bad, host)
+
+
+def _outcome(run):
+    """What `run()` gives, as comparable values: its arrays (values, types) or the
+    error it raises (type, message)."""
+    try:
+        out = run()
+    except Exception as error:
+        return type(error), str(error)
+    if isinstance(out, jax.ShapeDtypeStruct):
+        return out.shape, out.dtype, out.sharding.spec
+    return np.asarray(out).tolist(), jax.typeof(out)
+
+
+@pytest.mark.parametrize("spec", [P(), P("x")])
+@pytest.mark.parametrize(
+    "transform", ["jax.vmap", "jax.grad", "jax.vjp", "jax.jit", "eval_shape"]
+)
+def test_explicit_axes_a_sharding_needs_no_set_mesh_under_a_transform(transform, spec):
+    # The uncommitted input is resharded at the top of the traced function: onto a
+    # bare `PartitionSpec`, which needs `jax.set_mesh` ("Using PartitionSpec when you
+    # are not under a mesh context is not allowed"), where `jax.jit` needs none.
+    S = NamedSharding(explicit_mesh(), spec)
+    f = lambda x: jnp.sin(x) * 2
+    host = np.arange(32.0, dtype=np.float32).reshape(2, 16)
+
+    def vjp(g, x):
+        out, pull = jax.vjp(g, x)
+        return pull(jnp.ones_like(out))[0]
+
+    under = {
+        "jax.vmap": lambda g, x: jax.vmap(g)(x),
+        # On several devices `jax.jit` itself raises here (its output's cotangent is
+        # made on one device): then the same error.
+        "jax.grad": lambda g, x: jax.grad(lambda x: jnp.sum(g(x)))(x),
+        "jax.vjp": vjp,
+        "jax.jit": lambda g, x: jax.jit(g)(x),
+        "eval_shape": jax.eval_shape,
+    }[transform]
+    x = host if transform == "jax.vmap" else host[0]
+    # The oracle is given the input at the type `in_shardings` gives (RFC §6).
+    batched = NamedSharding(S.mesh, P(None, *spec))
+    given = jax.device_put(x, batched if transform == "jax.vmap" else S)
+    expected = _outcome(lambda: under(jax.jit(f, in_shardings=S), given))
+    passed = jnp.asarray(x)  # uncommitted
+    out = _outcome(lambda: under(eqxs.filter_jit(f, in_shardings=S), passed))
+    assert out == expected
+    assert_same_values(passed, x)
