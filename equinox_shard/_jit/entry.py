@@ -298,6 +298,14 @@ class Typed:
 
     def types(self, dynamic: tuple) -> tuple[tuple, bool]:
         """`dynamic` with uncommitted leaves as their committed types; whether any."""
+        # `jax.jit`'s type of it: a NumPy float64 is float32 without x64.
+        typed = lambda x, s: jax.ShapeDtypeStruct(
+            x.shape, jax.typeof(x).dtype, sharding=s
+        )
+        return self._cast(dynamic, typed)
+
+    def _cast(self, dynamic: tuple, cast: Callable) -> tuple[tuple, bool]:
+        """`dynamic` with each uncommitted leaf `cast` to its target; whether any."""
         packing = self.entry.structure.packing
         leaves = packing.unpack(dynamic)
         # An executable of one weak type runs the other's, committed or not: `jax.jit`.
@@ -307,12 +315,20 @@ class Typed:
         for k, sharding in self.casts:
             x = leaves[k]
             if is_value(x) and not is_committed(x):
-                # `jax.jit`'s type of it: a NumPy float64 is float32 without x64.
-                dtype = jax.typeof(x).dtype
-                leaves[k] = jax.ShapeDtypeStruct(x.shape, dtype, sharding=sharding)
+                leaves[k] = cast(x, sharding)
                 moved = True
         args, kwargs = packing.treedef.unflatten(leaves)
         return packing.slots(dynamic[packing.fun_at], args, kwargs), moved
+
+    def rerun(self, dynamic: tuple) -> Any:
+        """After its executable raised: under `jax.debug_nans` or `jax.debug_infs` the
+        call through `jax.jit`, placed as typed, which re-runs the function de-optimized
+        and names the primitive (the executable raises JAX's internal error); else the
+        error is raised again."""
+        if not (jax.config.jax_debug_nans or jax.config.jax_debug_infs):
+            raise  # noqa: PLE0704 - called in an `except` block, re-raises its error
+        placed, _ = self._cast(dynamic, jax.device_put)
+        return self.entry.jitted(*placed)
 
     def __call__(self, *dynamic):
         compiled = self.compiled
@@ -333,10 +349,15 @@ class Typed:
                     if not self.explicit:  # the same program for any input: `jax.jit`
                         return self.entry.jitted(*dynamic)
                     return self._other(dynamic, leaves)
+            except Exception:
+                return self.rerun(dynamic)
         elif any(map(is_tracer, jtu.tree_leaves(dynamic))):
             return self.entry.jitted(*dynamic)
-        self.compiled = self._compile(dynamic)
-        return self.compiled(*dynamic)
+        self.compiled = compiled = self._compile(dynamic)
+        try:
+            return compiled(*dynamic)
+        except Exception:
+            return self.rerun(dynamic)
 
     def _other(self, dynamic: tuple, leaves: list):
         """Runs a call whose committed inputs have other formats than the executable's
@@ -348,7 +369,10 @@ class Typed:
             if len(self.others) >= _OTHERS:
                 self.others.clear()  # no loop grows it
             self.others[key] = compiled
-        return compiled(*dynamic)
+        try:
+            return compiled(*dynamic)
+        except Exception:
+            return self.rerun(dynamic)
 
     def _compile(self, dynamic: tuple) -> Any:
         at, _ = self.types(dynamic)

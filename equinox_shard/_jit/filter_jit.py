@@ -303,6 +303,11 @@ class _JitWrapper(Module):
                         raise
                     # Refused before it runs (other shapes): `Typed` says what runs.
                     dynamic, static = typed(*dynamic)
+                except Exception:
+                    if typed is None or run is typed:
+                        raise
+                    # It ran and raised (`jax.debug_nans`'s error): `Typed` says why.
+                    dynamic, static = typed.rerun(dynamic)
             except eqx.EquinoxRuntimeError:
                 raise
             except Exception:

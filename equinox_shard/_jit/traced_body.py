@@ -41,8 +41,10 @@ def traced_function(
     structured = out_specs is not unset and not single
     packing = structure.packing
     shardings = [(i, sharding_of(s)) for i, s in targets]
+    # The spec on its mesh: without `jax.set_mesh` a bare spec names none (as typed:
+    # its memory kind is `jax.jit`'s to place).
     explicit = [
-        (i, s)
+        (i, NamedSharding(s.mesh, s.spec))
         for i, s in shardings
         if isinstance(s, NamedSharding) and AxisType.Explicit in s.mesh.axis_types
     ]
@@ -63,7 +65,7 @@ def traced_function(
             if have.mesh.empty or trimmed_spec(have) != trimmed_spec(s):
                 # Under a transform, an input of another type (uncommitted, which
                 # `jax.jit` traces on no mesh): typed as `in_shardings` says.
-                flat[i] = jax.sharding.reshard(flat[i], s.spec)
+                flat[i] = jax.sharding.reshard(flat[i], s)
         args, kwargs = treedef.unflatten(flat)
         out = fun(*args, **kwargs)
         if out_specs is not unset:
