@@ -304,7 +304,7 @@ class _JitWrapper(Module):
                     # Refused before it runs (other shapes): `Typed` says what runs.
                     dynamic, static = typed(*dynamic)
                 except Exception:
-                    if typed is None or run is typed:
+                    if compiled is None:
                         raise
                     # It ran and raised (`jax.debug_nans`'s error): `Typed` says why.
                     dynamic, static = typed.rerun(dynamic)
