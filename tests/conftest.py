@@ -5,6 +5,7 @@ import jax
 import pytest
 
 from . import hypothesis_profiles  # noqa: F401 - registers `--hypothesis-profile=long`
+from .isolated import CPU_COMPILE_FLAGS
 
 
 typing.TESTING = True  # pyright: ignore
@@ -20,6 +21,7 @@ typing.TESTING = True  # pyright: ignore
 SUITE_DEVICES = 8
 if not os.environ.get("JAX_PLATFORMS"):
     jax.config.update("jax_platforms", "cpu")
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_COMPILE_FLAGS}"
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update(

@@ -589,9 +589,9 @@ def _settings(ci: int) -> settings:
     )
 
 
-# The default run tries 8 sequences; the `slow` one 20.
+# The default run tries 4 sequences; the `slow` one 20.
 class TestNothingLost(NothingLost.TestCase):
-    settings = _settings(8)
+    settings = _settings(4)
 
 
 @pytest.mark.slow
