@@ -297,7 +297,8 @@ class _JitWrapper(Module):
                 if run is typed and not jax.config.jax_disable_jit:
                     compiled = typed.compiled
                 try:
-                    dynamic, static = (run if compiled is None else compiled)(*dynamic)
+                    runs = run if compiled is None else compiled
+                    dynamic, static = runs(*dynamic)  # pyright: ignore[reportOptionalCall]
                 except (TypeError, ValueError):
                     if compiled is None:
                         raise
