@@ -132,6 +132,7 @@ def _child(group: list[str], sample: int, seed: int, jobs: int) -> None:
     `mutants/<module>.sample`, and runs them all."""
     import mutmut.__main__ as mm  # pyright: ignore[reportMissingImports]
     from mutmut.configuration import config  # pyright: ignore[reportMissingImports]
+    from mutmut.mutation import trampoline  # pyright: ignore[reportMissingImports]
     from mutmut.runners.harness import (  # pyright: ignore[reportMissingImports]
         PytestRunner,
     )
@@ -157,6 +158,25 @@ def _child(group: list[str], sample: int, seed: int, jobs: int) -> None:
             tests=sorted(tests, key=lambda t: state().duration_by_test.get(t, 0)),
         )
 
+    class Trampolines:
+        # mutmut calls each mutated function through its trampoline, one more frame
+        # between the caller and the package: a wrapper, as `functools`' are, not the
+        # caller that `explain_misses`' reports name (and its tests check).
+        @staticmethod
+        def pytest_collection_finish(session):
+            del session
+            module = sys.modules.get("equinox_shard._jit.explain_misses")
+            if module is not None:
+                module._NOT_USER += (os.path.dirname(trampoline.__file__) + os.sep,)
+
+    def with_trampolines(run):
+        def run_with(self, params, **kwargs):
+            plugins = [*kwargs.pop("plugins", []), Trampolines()]
+            return run(self, params, plugins=plugins, **kwargs)
+
+        return run_with
+
+    PytestRunner.execute_pytest = with_trampolines(PytestRunner.execute_pytest)
     PytestRunner.run_stats = shown(PytestRunner.run_stats)
     PytestRunner.run_tests = shown(PytestRunner.run_tests)
     PytestRunner.run_forced_fail = forced_fail
