@@ -51,12 +51,13 @@ _SHARDING = [
 # longest target containing it; modules with one entry share one run of mutmut.
 TESTS = {
     # Every call packs, and donates: narrower selections missed Module arguments (see
-    # tools/mutation_equivalent.md).
+    # tools/mutation_equivalent.md); memory spaces are placed in the traced body.
     "equinox_shard/_jit/": [
         "tests/test_jit.py",
         "tests/test_jit_core.py",
         "tests/test_donation_safety.py",
         "tests/test_explain_misses.py",
+        "tests/test_memory_space.py",
     ],
     "equinox_shard/_spec/": [
         "tests/test_spec.py",
