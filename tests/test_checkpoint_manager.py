@@ -236,6 +236,21 @@ def test_a_log_line_per_save_and_restore(tmp_path, caplog):
                for m in messages), messages  # fmt: skip
 
 
+def test_a_lock_file_removed_under_the_manager_is_logged(tmp_path, caplog):
+    # Someone else removed the writer's lock: closing says so, naming it, and releases.
+    manager = eqxs.CheckpointManager(tmp_path)
+    lock = tmp_path / ".eqxs-writer"
+    lock.unlink()
+    with caplog.at_level(logging.WARNING, logger="equinox_shard"):
+        manager.close()
+    assert [r.getMessage() for r in caplog.records if r.name == "equinox_shard"] == [
+        f"could not remove the writer's lock {lock} of {tmp_path} (FileNotFoundError: "
+        f"[Errno 2] No such file or directory: '{lock}'); it is released."
+    ]
+    with eqxs.CheckpointManager(tmp_path, background=False) as manager:
+        assert manager.all_steps() == []
+
+
 def test_blocking_saves(tmp_path, caplog):
     states = {s: {"x": jnp.full((2, 3), float(s)), "n": s} for s in (2, 4)}
     with caplog.at_level(logging.INFO, logger="equinox_shard"):

@@ -135,6 +135,21 @@ def test_structure(explain):
     _check_clean(explain)
 
 
+def test_structure_of_a_sequence_names_its_indices(explain):
+    @eqxs.filter_jit
+    def total(xs):
+        return sum(xs)
+
+    total([jnp.ones(4), jnp.ones(4)])
+    explain.clear()
+    total([jnp.ones(4), jnp.ones(4), jnp.ones(4)])
+    (msg,) = _ours(explain)
+    assert _bullets(msg) == [
+        "structure at xs: now PyTreeDef([*, *, *]) and before PyTreeDef([*, *]), so "
+        "new children {2}, gone {}"
+    ]
+
+
 def test_mesh_under_set_mesh(explain):
     @eqxs.filter_jit(in_shardings=P("data"))
     def double(x):

@@ -782,6 +782,19 @@ def test_error_if_runtime_error():
         f(jnp.array(1.0))
 
 
+def test_error_if_under_vmap_is_raised_not_logged(caplog):
+    # A transformed call raises Equinox's error itself; JAX's log line of the failed
+    # callback is filtered out (single device, as above).
+    @eqxs.filter_jit(in_shardings=jax.devices()[0])
+    def f(x):
+        return eqx.error_if(x, x > 0, "positive!")
+
+    assert jax.vmap(f)(jnp.array([-1.0])) == -1.0
+    with pytest.raises(eqx.EquinoxRuntimeError, match="positive!"):
+        jax.vmap(f)(jnp.array([1.0]))
+    assert [r.getMessage() for r in caplog.records] == []
+
+
 def test_training_step_with_state_and_optax(getkey):
     mesh = auto_mesh()
     replicated = NamedSharding(mesh, P())

@@ -405,3 +405,18 @@ def test_a_warm_call_sees_its_static_leaves_as_a_look_up_would():
         else:
             got.append(float(f(x, make(7.0))))
         assert got == [2.0, 2.0, 7.0], (make.__name__, got)
+
+
+@pytest.mark.devices(2, reason="the pace is of launches on several CPU devices")
+@pytest.mark.cpu(reason="the pace is of the CPU client's queue")
+def test_every_pace_th_launch_on_several_cpu_devices_waits_for_its_outputs(
+    monkeypatch,
+):
+    from equinox_shard._jit import launch
+
+    waited = []
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: waited.append(x) or x)
+    f = eqxs.filter_jit(lambda x: x + 1, in_shardings=NamedSharding(auto_mesh(), P()))
+    outs = [f(jnp.ones(8)) for _ in range(2 * launch.PACE)]
+    ours = [x for arrays in waited for x in arrays if any(x is y for y in outs)]
+    assert len(ours) == 2

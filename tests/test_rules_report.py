@@ -379,6 +379,19 @@ def test_strict_overlap_names_winner_and_loser():
     assert "unused" not in str(error.value)
 
 
+@pytest.mark.parametrize(
+    "keys, names, them", [("a", "x['a']", "it"), ("ab", "x['a'], x['b']", "them")]
+)
+def test_strict_overlap_says_which_rule_places_it_or_them(keys, names, them):
+    rules = eqxs.PathRules([(r"a|b", P()), (r"[ab]", P())], default=P(), strict=True)
+    with jax.set_mesh(_mesh()), pytest.raises(ValueError) as error:
+        eqxs.filter_device_put({k: np.zeros(8, np.float32) for k in keys}, rules)
+    assert str(error.value).splitlines()[1] == (
+        f"- rule 0 'a|b' and rule 1 '[ab]' both match {names}; rule 0 'a|b' places "
+        f"{them} (first match wins)."
+    )
+
+
 def test_strict_false_is_unchanged():
     net = _net()
     mesh = _mesh()

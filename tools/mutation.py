@@ -51,12 +51,13 @@ _SHARDING = [
 # longest target containing it; modules with one entry share one run of mutmut.
 TESTS = {
     # Every call packs, and donates: narrower selections missed Module arguments (see
-    # tools/mutation_equivalent.md).
+    # tools/mutation_equivalent.md); memory spaces are placed in the traced body.
     "equinox_shard/_jit/": [
         "tests/test_jit.py",
         "tests/test_jit_core.py",
         "tests/test_donation_safety.py",
         "tests/test_explain_misses.py",
+        "tests/test_memory_space.py",
     ],
     "equinox_shard/_spec/": [
         "tests/test_spec.py",
@@ -132,7 +133,54 @@ def _child(group: list[str], sample: int, seed: int, jobs: int) -> None:
     `mutants/<module>.sample`, and runs them all."""
     import mutmut.__main__ as mm  # pyright: ignore[reportMissingImports]
     from mutmut.configuration import config  # pyright: ignore[reportMissingImports]
+    from mutmut.mutation import trampoline  # pyright: ignore[reportMissingImports]
+    from mutmut.runners.harness import (  # pyright: ignore[reportMissingImports]
+        PytestRunner,
+    )
+    from mutmut.state import state  # pyright: ignore[reportMissingImports]
 
+    def shown(run):
+        # mutmut runs stats, clean tests and forced fail in a fork that inherits its
+        # capture of the output, lost at the fork's exit: a failure said only "runner
+        # returned 1". A mutant's own run (`mutant_name`) writes to /dev/null.
+        def run_shown(self, *args, **kwargs):
+            if kwargs.get("mutant_name") is None:
+                sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+            return run(self, *args, **kwargs)
+
+        return run_shown
+
+    def forced_fail(self):
+        # The drawn mutants' tests, quickest first: with `-x` the first one fails (the
+        # whole selection took minutes when its first tests did not reach the module).
+        tests = mm.tests_for_mutant_names(names)
+        return self.run_tests(
+            mutant_name=None,
+            tests=sorted(tests, key=lambda t: state().duration_by_test.get(t, 0)),
+        )
+
+    class Trampolines:
+        # mutmut calls each mutated function through its trampoline, one more frame
+        # between the caller and the package: a wrapper, as `functools`' are, not the
+        # caller that `explain_misses`' reports name (and its tests check).
+        @staticmethod
+        def pytest_collection_finish(session):
+            del session
+            module = sys.modules.get("equinox_shard._jit.explain_misses")
+            if module is not None:
+                module._NOT_USER += (os.path.dirname(trampoline.__file__) + os.sep,)
+
+    def with_trampolines(run):
+        def run_with(self, params, **kwargs):
+            plugins = [*kwargs.pop("plugins", []), Trampolines()]
+            return run(self, params, plugins=plugins, **kwargs)
+
+        return run_with
+
+    PytestRunner.execute_pytest = with_trampolines(PytestRunner.execute_pytest)
+    PytestRunner.run_stats = shown(PytestRunner.run_stats)
+    PytestRunner.run_tests = shown(PytestRunner.run_tests)
+    PytestRunner.run_forced_fail = forced_fail
     config().only_mutate = list(group)
     config().pytest_add_cli_args_test_selection = list(tests_of(group[0]))
     for module in group:
@@ -156,9 +204,10 @@ def _child(group: list[str], sample: int, seed: int, jobs: int) -> None:
         mm._run(names, jobs)
 
 
-def _run_group(group: list[str], args, seconds: float) -> tuple[dict, dict]:
+def _run_group(group: list[str], args, seconds: float) -> tuple[dict, dict, str]:
     """Runs `_child` on `group` for at most `seconds`: each drawn mutant -> its record,
-    and each module -> its number of mutants."""
+    each module -> its number of mutants, and, if mutmut stopped on an error before
+    its time was up, its log (else "")."""
     command = [sys.executable, __file__, *group, "--child"]
     command += [f"--sample={args.sample}", f"--seed={args.seed}", f"--jobs={args.jobs}"]
     log = pathlib.Path("mutants") / f"{group[0]}.log"
@@ -168,10 +217,15 @@ def _run_group(group: list[str], args, seconds: float) -> tuple[dict, dict]:
             command, stdout=out, stderr=out, start_new_session=True
         )
         try:
-            child.wait(timeout=max(seconds, 1))
+            error = child.wait(timeout=max(seconds, 1)) != 0
         except subprocess.TimeoutExpired:
             os.killpg(child.pid, signal.SIGKILL)  # its fork server and workers too
             child.wait()
+            error = False
+    # Without mutmut's progress spinners, redrawn in place with "\r".
+    lines = re.split(r"[\r\n]", log.read_text()) if error else []
+    spinner = re.compile(r"\s*[\u2800-\u28ff]")
+    failure = "\n".join([x for x in lines if x.strip() and not spinner.match(x)][-40:])
     records, population = {}, {}
     for module in group:
         drawn_file = pathlib.Path("mutants") / f"{module}.sample"
@@ -192,7 +246,7 @@ def _run_group(group: list[str], args, seconds: float) -> tuple[dict, dict]:
                     text=True,
                 )
                 records[name]["diff"] = shown.stdout.strip()
-    return records, population
+    return records, population, failure
 
 
 def _classify(name: str, status: str, equivalent: dict[str, str]) -> str:
@@ -291,7 +345,7 @@ def main() -> int:
     if args.child:
         _child(args.modules, args.sample, args.seed, args.jobs)
         return 0
-    equivalent, reports = _equivalent(), []
+    equivalent, reports, failures = _equivalent(), [], {}
     if args.merge:
         reports = [json.loads(p.read_text()) for p in args.merge]
         records, population = _merge(reports), {}
@@ -314,7 +368,9 @@ def main() -> int:
             share = (deadline - time.monotonic()) * len(group) / left
             left -= len(group)
             start = time.monotonic()
-            group_records, group_population = _run_group(group, args, share)
+            group_records, group_population, failure = _run_group(group, args, share)
+            if failure:
+                failures[group[0]] = failure
             records.update(group_records)
             population.update(group_population)
             print(f"{', '.join(group)}: {(time.monotonic() - start) / 60:.1f} minutes")
@@ -337,6 +393,11 @@ def main() -> int:
         how = f"kill it with a test, or list it in {EQUIVALENT.name}"
         print(f"\n{record['status']}: {name} ({how})")
         print(record.get("diff", ""))
+    for module, failure in failures.items():
+        # Its mutants count as not run: the cause, else a silent table of them.
+        print(f"\nmutmut stopped on an error (mutants/{module}.log):\n{failure}")
+    if failures:
+        return 2
     return 1 if untriaged else 0
 
 
