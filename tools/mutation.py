@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 
 # What the mutation score covers: modules, and folders standing for each module in them.
@@ -166,7 +167,7 @@ def _child(group: list[str], sample: int, seed: int, jobs: int) -> None:
         @staticmethod
         def pytest_collection_finish(session):
             del session
-            module = sys.modules.get("equinox_shard._jit.explain_misses")
+            module: Any = sys.modules.get("equinox_shard._jit.explain_misses")
             if module is not None:
                 module._NOT_USER += (os.path.dirname(trampoline.__file__) + os.sep,)
 
