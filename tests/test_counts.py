@@ -2,7 +2,7 @@
 a test rather than hiding in a noisy timing (the timings are `python -m benchmarks`'s).
 The cases are `tools/hot_path.py`'s: `filter_jit` plain, donating, with `in_shardings`
 (inputs placed, uncommitted, and a NumPy batch; on a one-device mesh, donating, its
-batch put on the device, and not donating, its inputs placed or uncommitted) and with
+batch put on the device, and not donating, its inputs placed, uncommitted or both) and
 a callback in its body, and `filter_device_put` of ten arrays by layout (replicated,
 split) and source (uncommitted, placed). Per warm call (`tools/hot_path.py
 --boundary`: JAX's own Python counted at its boundary only):
@@ -40,7 +40,8 @@ _WORK = {
     # Step 0 on a one-device mesh: inputs on their targets run the entry's `jax.jit`,
     # uncommitted ones `Typed`'s executable.
     "one device, placed": (20, 920, 2, 1),
-    "one device, uncommitted": (20, 924, 1, 1),
+    "one device, uncommitted": (22, 962, 1, 1),
+    "one device, placed model, fresh batch": (34, 962, 1, 1),
     "callback": (27, 1185, 4, 2),
     "filter_device_put replicated uncommitted": (112, 2604, 2, 0),
     "filter_device_put replicated placed": (41, 932, 2, 0),
@@ -63,6 +64,7 @@ _COPIES = {
     "one device, batch on it": (0, 0),
     "one device, placed": (0, 0),
     "one device, uncommitted": (0, 0),
+    "one device, placed model, fresh batch": (0, 0),
     "callback": (0, 0),
     "filter_device_put replicated uncommitted": (2, 20),
     "filter_device_put replicated placed": (0, 0),

@@ -153,6 +153,7 @@ def _cases():
     on_one_x = jax.device_put(x, one_shardings[1])
     yield "one device, placed", on_one_step, lambda: (on_one, on_one_x)
     yield "one device, uncommitted", on_one_step, lambda: (model, x)
+    yield "one device, placed model, fresh batch", on_one_step, lambda: (on_one, x)
 
     def checked(model, x):
         out, model = loss(model, x)

@@ -5,7 +5,7 @@ import functools as ft
 import operator
 import os
 from collections.abc import Callable
-from itertools import repeat
+from itertools import compress, repeat
 from typing import Any, overload, TypeVar
 from typing_extensions import ParamSpec
 
@@ -259,14 +259,23 @@ class _JitWrapper(Module):
                         run = typed
                 else:  # `is_deleted` (of one `jax.Array` type) refuses any other type
                     taken = not any(map(is_deleted, traced))
-                    if placed is not None and any(map(get_committed, traced)):
-                        # All on their targets: the entry's `jax.jit` takes them.
-                        taken = taken and all(
-                            map(operator.eq, map(get_sharding, traced), placed)
+                    if placed is not None and not all(
+                        map(operator.eq, map(get_sharding, traced), placed)
+                    ):
+                        # Not all on their targets (`all_placed`): `Typed` runs it
+                        # where `jax.jit` moves the uncommitted ones (`MOVES`).
+                        committed = list(map(get_committed, traced))
+                        taken = (
+                            taken
+                            and not any(map(get_weak_type, traced))
+                            and all(
+                                map(
+                                    operator.eq,
+                                    map(get_sharding, compress(traced, committed)),
+                                    compress(placed, committed),
+                                )
+                            )
                         )
-                    elif placed is not None:
-                        # `Typed` runs it where `jax.jit` would move every input.
-                        taken = taken and not any(map(get_weak_type, traced))
                         run = typed
                 taken = (
                     taken
