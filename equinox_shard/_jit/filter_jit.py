@@ -259,12 +259,14 @@ class _JitWrapper(Module):
                         run = typed
                 else:  # `is_deleted` (of one `jax.Array` type) refuses any other type
                     taken = not any(map(is_deleted, traced))
-                    if placed is not None and not all(
-                        map(operator.eq, map(get_sharding, traced), placed)
+                    committed = placed and list(map(get_committed, traced))
+                    # Uncommitted inputs' shardings unread: `.sharding` makes one.
+                    if committed and not (
+                        any(committed)
+                        and all(map(operator.eq, map(get_sharding, traced), placed))
                     ):
                         # Not all on their targets (`all_placed`): `Typed` runs it
                         # where `jax.jit` moves the uncommitted ones (`MOVES`).
-                        committed = list(map(get_committed, traced))
                         taken = (
                             taken
                             and not any(map(get_weak_type, traced))
