@@ -262,7 +262,7 @@ class _JitWrapper(Module):
                     committed = placed and list(map(get_committed, traced))
                     # Uncommitted inputs' shardings unread: `.sharding` makes one.
                     if committed and not (
-                        any(committed)
+                        (some := any(committed))
                         and all(map(operator.eq, map(get_sharding, traced), placed))
                     ):
                         # Not all on their targets (`all_placed`): `Typed` runs it
@@ -270,11 +270,14 @@ class _JitWrapper(Module):
                         taken = (
                             taken
                             and not any(map(get_weak_type, traced))
-                            and all(
-                                map(
-                                    operator.eq,
-                                    map(get_sharding, compress(traced, committed)),
-                                    compress(placed, committed),
+                            and (
+                                not some
+                                or all(
+                                    map(
+                                        operator.eq,
+                                        map(get_sharding, compress(traced, committed)),
+                                        compress(placed, committed),
+                                    )
                                 )
                             )
                         )
