@@ -420,3 +420,22 @@ def test_every_pace_th_launch_on_several_cpu_devices_waits_for_its_outputs(
     outs = [f(jnp.ones(8)) for _ in range(2 * launch.PACE)]
     ours = [x for arrays in waited for x in arrays if any(x is y for y in outs)]
     assert len(ours) == 2
+
+
+@pytest.mark.devices(2, reason="an input committed to two devices, off its target")
+def test_a_warm_call_with_a_placed_model_and_a_fresh_batch():
+    # Step 0 runs a call whose committed inputs are on their targets and the others
+    # uncommitted (`Typed`); a committed input off its target is looked up, and moved.
+    one = jax.make_mesh(
+        (1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1]
+    )
+    two = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+    target = NamedSharding(one, P())
+    f = eqxs.filter_jit(lambda w, x: w * x, in_shardings=(target, target))
+    w = jax.device_put(jnp.full(3, 2.0, jnp.float32), target)
+    for _ in range(3):
+        np.testing.assert_array_equal(f(w, jnp.arange(3.0)), [0.0, 2.0, 4.0])
+    elsewhere = jax.device_put(jnp.full(3, 3.0, jnp.float32), NamedSharding(two, P()))
+    np.testing.assert_array_equal(f(elsewhere, jnp.arange(3.0)), [0.0, 3.0, 6.0])
+    np.testing.assert_array_equal(elsewhere, [3.0, 3.0, 3.0])
+    np.testing.assert_array_equal(f(w, jnp.arange(3.0)), [0.0, 2.0, 4.0])
