@@ -31,22 +31,22 @@ from tools import hot_path
 # oldest Equinox (0.13.1, CI's Python 3.11 step) runs more in `Module.__call__`.
 _WORK = {
     # A warm call of the last entry (`filter_jit`'s step 0): no look-up, no `prepare`.
-    "plain": (12, 895, 2, 1),
-    "donating": (39, 1601, 3, 2),
-    "in_shardings": (26, 1109, 2, 2),
-    "in_shardings uncommitted": (31, 1202, 1, 2),
-    "in_shardings numpy": (28, 1234, 1, 2),
-    "one device, batch on it": (56, 1765, 3, 2),
+    "plain": (12, 964, 2, 1),
+    "donating": (39, 1678, 3, 2),
+    "in_shardings": (26, 1176, 2, 2),
+    "in_shardings uncommitted": (31, 1273, 1, 2),
+    "in_shardings numpy": (28, 1305, 1, 2),
+    "one device, batch on it": (56, 1842, 3, 2),
     # Step 0 on a one-device mesh: inputs on their targets run the entry's `jax.jit`,
     # uncommitted ones `Typed`'s executable.
-    "one device, placed": (20, 920, 2, 1),
-    "one device, uncommitted": (22, 962, 1, 1),
-    "one device, placed model, fresh batch": (34, 962, 1, 1),
-    "callback": (27, 1185, 4, 2),
-    "filter_device_put replicated uncommitted": (112, 2604, 2, 0),
-    "filter_device_put replicated placed": (41, 932, 2, 0),
-    "filter_device_put split uncommitted": (47, 1440, 2, 0),
-    "filter_device_put split placed": (41, 932, 2, 0),
+    "one device, placed": (26, 994, 2, 1),
+    "one device, uncommitted": (20, 1003, 1, 1),
+    "one device, placed model, fresh batch": (34, 1040, 1, 1),
+    "callback": (26, 1232, 4, 2),
+    "filter_device_put replicated uncommitted": (117, 2686, 2, 0),
+    "filter_device_put replicated placed": (43, 966, 2, 0),
+    "filter_device_put split uncommitted": (52, 1522, 2, 0),
+    "filter_device_put split placed": (43, 966, 2, 0),
 }
 
 # (`jax.device_put` calls, arrays put) per case. Replicated from uncommitted arrays: a
