@@ -517,10 +517,15 @@ def test_a_dtype_orbax_cannot_write_is_refused_before_writing(tmp_path, capfd, d
 def test_every_dtype_orbax_writes_is_saved(tmp_path):
     dtypes = ["int2", "int4", "float4_e2m1fn", "float8_e3m4", "float8_e4m3fn"]
     dtypes += ["float8_e4m3b11fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "bfloat16"]
-    arrays = {d: jnp.arange(4).astype(getattr(jnp, d)) for d in dtypes}
+    arrays = {}
+    for d in dtypes:
+        try:
+            arrays[d] = jnp.arange(4).astype(getattr(jnp, d))
+        except jax.errors.JaxRuntimeError:  # TPU v5e: INT2 "not supported for rank 1"
+            assert jax.default_backend() != "cpu", d
     tree: dict[str, typing.Any] = {
         **arrays,
-        **{f"numpy {d}": np.asarray(x) for d, x in arrays.items()},
+        **{f"numpy {d}": np.arange(4).astype(getattr(jnp, d)) for d in dtypes},
     }
     eqxs.save(tmp_path / "ckpt", tree)
     out = eqxs.restore(tmp_path / "ckpt", tree)

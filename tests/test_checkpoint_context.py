@@ -198,6 +198,9 @@ def test_checksums_on_the_device_are_those_of_the_host(monkeypatch, axis_type):
     other = explicit_mesh(names=("x",))
     arrays.insert(0, jax.device_put(jnp.arange(16.0), NamedSharding(other, P("x"))))
     arrays.insert(0, jax.device_put(jnp.arange(3, dtype=jnp.int8), nth_device(5)))
+    # Every array summed on the host first, whatever the devices' platform.
+    platforms = tuple({d.platform for x in arrays for d in x.sharding.device_set})
+    monkeypatch.setattr(manifest, "HOST_PLATFORMS", platforms)
     host = manifest.checksums(arrays)
     assert not any(manifest.on_device(x) for x in arrays)
     monkeypatch.setattr(manifest, "HOST_PLATFORMS", ())
@@ -226,6 +229,7 @@ def test_restore_checks_on_the_device_what_the_host_saved(monkeypatch, tmp_path)
         "b": jax.device_put(jnp.arange(8, dtype=jnp.bfloat16), mesh_replicated),
         "key": jax.random.key(1),
     }
+    monkeypatch.setattr(manifest, "HOST_PLATFORMS", ("cpu", jax.default_backend()))
     eqxs.save(tmp_path / "host", state)
     monkeypatch.setattr(manifest, "HOST_PLATFORMS", ())
     eqxs.save(tmp_path / "device", state)

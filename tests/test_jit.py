@@ -275,14 +275,15 @@ def test_auto_and_explicit_mesh_2d(make_mesh, getkey):
     w = jax.device_put(jr.normal(getkey(), (3, 8)), replicated)
     x = jax.device_put(jr.normal(getkey(), (16, 3)), batch)
 
-    @eqxs.filter_jit(in_shardings=(replicated, batch), out_shardings=columns)
     def f(w, x):
         return x @ w
 
+    in_shardings = (replicated, batch)
     with jax.set_mesh(mesh):
-        out = f(w, x)
+        out = eqxs.filter_jit(f, in_shardings=in_shardings, out_shardings=columns)(w, x)
+        # The oracle: on a TPU a matmul's default precision is not float32's.
+        expected = jax.jit(f, in_shardings=in_shardings, out_shardings=columns)(w, x)
     assert_shardings(out, columns)
-    expected = jnp.asarray(np.asarray(x) @ np.asarray(w))
     assert tree_allclose(out, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -790,8 +791,20 @@ def test_error_if_under_vmap_is_raised_not_logged(caplog):
         return eqx.error_if(x, x > 0, "positive!")
 
     assert jax.vmap(f)(jnp.array([-1.0])) == -1.0
-    with pytest.raises(eqx.EquinoxRuntimeError, match="positive!"):
-        jax.vmap(f)(jnp.array([1.0]))
+    # The oracle: a TPU's runtime may return dummy values instead (Equinox's `error_if`
+    # says so; under `vmap` on a v5e `filter_jit` raised nothing), and then so may we.
+    oracle = eqx.filter_jit(lambda x: eqx.error_if(x, x > 0, "positive!"))
+    try:
+        want = jax.vmap(oracle)(jnp.array([1.0]))
+    except eqx.EquinoxRuntimeError as e:
+        want = e
+    assert isinstance(want, Exception) or jax.default_backend() != "cpu"
+    caplog.clear()  # JAX's log line of the oracle's failed callback
+    if isinstance(want, Exception):
+        with pytest.raises(eqx.EquinoxRuntimeError, match="positive!"):
+            jax.vmap(f)(jnp.array([1.0]))
+    else:
+        np.testing.assert_array_equal(jax.vmap(f)(jnp.array([1.0])), want)
     assert [r.getMessage() for r in caplog.records] == []
 
 

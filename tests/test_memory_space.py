@@ -55,8 +55,15 @@ def test_unpinned_host_is_moved_to_either_space(space):
     one = jax.sharding.make_single_device_sharding(device, memory_kind="unpinned_host")
     tree = {"w": jax.device_put(jnp.arange(4.0), one)}
     expected = np.array(tree["w"], copy=True)
-    out = eqxs.filter_device_put(tree, space)
-    _assert_moved(out, tree, space)
+    try:
+        jax.device_put(tree["w"], space)
+    except jax.errors.JaxRuntimeError as e:
+        # JAX refuses it too (a TPU v5e with JAX 0.10.2: "Executable(jit_device_put)
+        # expected parameter 0 of size 512 (f32[4]{0:T(128)S(6)})"): so may we.
+        with pytest.raises(type(e)):
+            eqxs.filter_device_put(tree, space)
+    else:
+        _assert_moved(eqxs.filter_device_put(tree, space), tree, space)
     assert not tree["w"].is_deleted()
     assert np.array_equal(np.asarray(tree["w"]), expected)
 
