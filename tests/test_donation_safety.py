@@ -6,12 +6,18 @@ References are independent copies (`snapshot`), never NumPy views of the live ar
 on CPU a view pins the buffer and XLA then declines to donate it, hiding a deletion.
 """
 
+import linecache
+import sys
+import threading
+import time
+
 import equinox as eqx
 import equinox_shard as eqxs
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import pytest
+from equinox_shard._dispatch import dispatch_lock
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from .helpers import (
@@ -759,3 +765,48 @@ def test_a_donation_not_taken_is_a_copy():
     kept = {k: v for k, v in run.result.items() if v != "donated"}
     assert kept, run.result
     assert {k: v for k, v in kept.items() if v != [False, False, True]} == {}
+
+
+@pytest.mark.parametrize("where", ["argument", "closed over"])
+def test_an_input_donated_while_the_launch_waits_is_named(where):
+    # A donating call checks its inputs again under `dispatch_lock` (the arrays its
+    # function closes over too): another thread may have donated one since its first
+    # look. Here the lock is held while the array is deleted, as such a thread would.
+    w, x = jnp.arange(4.0), jnp.arange(4.0) + 1
+    f = eqxs.filter_jit(eqx.Partial(lambda w, x: w * x, w), donate="all-except-first")
+    outcome = []
+    with dispatch_lock:
+        worker = threading.Thread(target=lambda: outcome.append(_outcome(f, x)))
+        worker.start()
+        deadline = time.monotonic() + 60
+        while not _waits_to_launch(sys._current_frames().get(worker.ident or 0)):
+            assert worker.is_alive() and time.monotonic() < deadline, outcome
+            time.sleep(0.001)
+        {"argument": x, "closed over": w}[where].delete()
+    worker.join()
+    (error,) = outcome
+    assert isinstance(error, RuntimeError), error
+    name = {
+        "argument": "args[0]: this array",
+        "closed over": "fun.args[0]: this array of",
+    }
+    assert str(error).startswith(name[where]), error
+    assert "has been deleted (was it donated to an earlier call?)" in str(error), error
+    assert not {"argument": w, "closed over": x}[where].is_deleted()
+
+
+def _outcome(f, *args):
+    try:
+        return f(*args)
+    except Exception as e:
+        return e
+
+
+def _waits_to_launch(frame) -> bool:
+    """Whether a thread waits for `dispatch_lock` in a donating entry's launch."""
+    while frame is not None:
+        line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+        if frame.f_code.co_name == "dispatch" and line.strip() == "with dispatch_lock:":
+            return True
+        frame = frame.f_back
+    return False
