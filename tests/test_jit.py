@@ -1485,6 +1485,48 @@ def test_an_unhashable_static_leaf_is_named(in_shardings):
         assert jnp.array_equal(jitted(jnp.ones(2), {"lr": 0.1}), jnp.full(2, 2.0))
 
 
+class _Incomparable:
+    """Hashed alike, compared by `==` as NumPy arrays compare, or not at all."""
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    def __eq__(self, other):
+        if self.answer is None:
+            raise RuntimeError("not comparable")
+        return self.answer
+
+    def __hash__(self):
+        return 0
+
+
+@pytest.mark.parametrize(
+    "answer", [np.array([True, False]), None], ids=["array", "raises"]
+)
+@pytest.mark.parametrize("in_shardings", [None, P()])
+def test_a_static_leaf_whose_eq_fails_is_named(answer, in_shardings):
+    # `eqx.filter_jit` raises "static arguments should be comparable using __eq__"
+    # without saying which; ours names the leaf, for a warm call (step 0, whose
+    # comparison fails, then the look-up's) as for a miss, before anything is traced.
+    traces = []
+
+    def f(x, cfg):
+        traces.append(None)
+        return x + 1
+
+    kwargs = {} if in_shardings is None else {"in_shardings": in_shardings}
+    jitted = eqxs.filter_jit(f, **kwargs)
+    kept = {"lr": 0.1, "opt": _Incomparable(answer)}
+    with jax.set_mesh(jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])):
+        for _ in range(3):  # the same object: equal by identity, as a dict finds it
+            assert jnp.array_equal(jitted(jnp.ones(2), kept), jnp.full(2, 2.0))
+        assert len(traces) == 1
+        for _ in range(2):
+            with pytest.raises(ValueError, match=r"^cfg\['opt'\]: .*`==`"):
+                jitted(jnp.ones(2), {"lr": 0.1, "opt": _Incomparable(answer)})
+        assert len(traces) == 1
+
+
 @pytest.mark.devices(2, reason="an array committed to another device")
 def test_an_input_that_cannot_be_moved_is_reported_once():
     # A committed input on another device is moved by us; its shape error is ours,
