@@ -453,8 +453,10 @@ def raise_if_incomparable(call: Call, static: tuple, entries) -> None:
     for entry in entries:
         for i, other in zip(static, entry.static):
             x = call.leaves[i]
+            if x is other:  # equal without `==`, as a dict finds it
+                continue
             try:
-                x is other or bool(x == other)
+                bool(x == other)
             except Exception as e:
                 raise ValueError(
                     f"{call.where(i)}: a static (non-array) argument whose `==` raised "
