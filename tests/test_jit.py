@@ -1,4 +1,5 @@
 import contextlib
+import functools as ft
 import pathlib
 import re
 import traceback
@@ -15,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 from equinox_shard._jit import donation
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from .helpers import (
     assert_same_values,
@@ -1484,6 +1485,48 @@ def test_an_unhashable_static_leaf_is_named(in_shardings):
         assert jnp.array_equal(jitted(jnp.ones(2), {"lr": 0.1}), jnp.full(2, 2.0))
 
 
+class _Incomparable:
+    """Hashed alike, compared by `==` as NumPy arrays compare, or not at all."""
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    def __eq__(self, other):
+        if self.answer is None:
+            raise RuntimeError("not comparable")
+        return self.answer
+
+    def __hash__(self):
+        return 0
+
+
+@pytest.mark.parametrize(
+    "answer", [np.array([True, False]), None], ids=["array", "raises"]
+)
+@pytest.mark.parametrize("in_shardings", [None, P()])
+def test_a_static_leaf_whose_eq_fails_is_named(answer, in_shardings):
+    # `eqx.filter_jit` raises "static arguments should be comparable using __eq__"
+    # without saying which; ours names the leaf, for a warm call (step 0, whose
+    # comparison fails, then the look-up's) as for a miss, before anything is traced.
+    traces = []
+
+    def f(x, cfg):
+        traces.append(None)
+        return x + 1
+
+    kwargs = {} if in_shardings is None else {"in_shardings": in_shardings}
+    jitted = eqxs.filter_jit(f, **kwargs)
+    kept = {"lr": 0.1, "opt": _Incomparable(answer)}
+    with jax.set_mesh(jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])):
+        for _ in range(3):  # the same object: equal by identity, as a dict finds it
+            assert jnp.array_equal(jitted(jnp.ones(2), kept), jnp.full(2, 2.0))
+        assert len(traces) == 1
+        for _ in range(2):
+            with pytest.raises(ValueError, match=r"^cfg\['opt'\]: .*`==`"):
+                jitted(jnp.ones(2), {"lr": 0.1, "opt": _Incomparable(answer)})
+        assert len(traces) == 1
+
+
 @pytest.mark.devices(2, reason="an array committed to another device")
 def test_an_input_that_cannot_be_moved_is_reported_once():
     # A committed input on another device is moved by us; its shape error is ours,
@@ -1912,6 +1955,72 @@ def test_explicit_axes_the_typed_fallback_compiles_once(monkeypatch):
     assert_same_values(out, host * 2 + 1)
     assert out.sharding == split
     assert len(lowered) == 2 and not compiles, (len(lowered), compiles)
+
+
+def test_uncommitted_inputs_of_alternating_shapes_compile_once_each(monkeypatch):
+    # `Typed` runs uncommitted inputs for targets on a mesh through an executable of
+    # their types; calls alternating two shapes (step 0, then a refusal) keep one per
+    # shape, as `jax.jit` does, not lower and compile one on every call (JAX's caches
+    # answer those, so count the calls).
+    lowered = []
+    compile_ = jax.stages.Lowered.compile
+
+    def counted(self, *args, **kwargs):
+        lowered.append(self)
+        return compile_(self, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", counted)
+    f = eqxs.filter_jit(lambda x: x * 2, in_shardings=NamedSharding(auto_mesh(), P()))
+    for n in [8, 8, 16, 16, 8, 16, 8, 16]:
+        out = f(jnp.arange(float(n)))
+        assert_same_values(out, np.arange(n, dtype=np.float32) * 2)
+    assert len(lowered) == 2, len(lowered)
+
+
+@contextlib.contextmanager
+def _x64(value: bool):
+    previous = jax.config.jax_enable_x64  # pyright: ignore[reportAttributeAccessIssue]
+    jax.config.update("jax_enable_x64", value)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", previous)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="`Typed`'s executable is compiled once, under the first call's trace "
+    "context, and run under any other: `jax.jit` keys its cache on that context "
+    "(`jax_enable_x64`, the context mesh, ...), which JAX reads in "
+    "`jax._src.config.trace_context()`, no public API",
+)
+@pytest.mark.parametrize("context", ["x64", "mesh"])
+def test_uncommitted_inputs_follow_the_trace_context_as_jax_jit(context):
+    # Warm calls (the full path, then step 0) under one context, then under another:
+    # the function is traced again for it, as `jax.jit` traces it.
+    one = jax.make_mesh(
+        (1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1]
+    )
+    two = jax.make_mesh(
+        (1, 1), ("x", "y"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:1]
+    )
+    if context == "x64":
+        fn = lambda x: x.astype(float) * 2
+        first, then = contextlib.nullcontext, ft.partial(_x64, True)
+    else:
+        fn = lambda x: x * len(jax.sharding.get_abstract_mesh().axis_names)
+        first, then = ft.partial(jax.set_mesh, one), ft.partial(jax.set_mesh, two)
+    target = NamedSharding(one, P())
+    f = eqxs.filter_jit(fn, in_shardings=target)
+    oracle = jax.jit(fn, in_shardings=target)
+    x = jnp.arange(3.0)
+    with first():
+        for _ in range(3):
+            assert_same_values(f(x), oracle(x))
+    with then():
+        expected = oracle(x)
+        for _ in range(2):
+            assert_same_values(f(x), expected)
 
 
 @pytest.mark.parametrize("warm_calls", [0, 1, 2])  # cold, full path, step 0

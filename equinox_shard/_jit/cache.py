@@ -85,7 +85,7 @@ def look_up(call: "Call", treedef, is_traced) -> StructureKey:
         call.entry = structure and structure.entries.get(
             structure.key_in_entries(leaves)
         )
-    except TypeError:  # an unhashable static leaf, which a miss names
+    except Exception:  # a static leaf unhashable, or whose `==` fails: a miss names it
         call.entry = None
     return key
 
@@ -446,3 +446,21 @@ def raise_if_unhashable(call: Call, static: tuple) -> None:
                 f"({e}); static arguments key the cache of compiled functions, as in "
                 "`equinox.filter_jit`, so each must be hashable."
             ) from None
+
+
+def raise_if_incomparable(call: Call, static: tuple, entries) -> None:
+    """Raises naming the first `static` leaf whose `==` with that of an entry fails."""
+    for entry in entries:
+        for i, other in zip(static, entry.static):
+            x = call.leaves[i]
+            if x is other:  # equal without `==`, as a dict finds it
+                continue
+            try:
+                bool(x == other)
+            except Exception as e:
+                raise ValueError(
+                    f"{call.where(i)}: a static (non-array) argument whose `==` raised "
+                    f"({type(e).__name__}: {e}); static arguments key the cache of "
+                    "compiled functions, as in `equinox.filter_jit`, so each must "
+                    "compare to a `bool`."
+                ) from e

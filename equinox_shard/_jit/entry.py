@@ -293,7 +293,7 @@ class Typed:
         self.donation = donation
         self.compiled: Any = None
         self.explicit = any(AxisType.Explicit in s.mesh.axis_types for _, s in casts)
-        # Explicit axes: the executables for other formats of the committed inputs.
+        # The executables for other shapes, dtypes or formats of committed inputs.
         self.others: dict = {}
 
     def types(self, dynamic: tuple) -> tuple[tuple, bool]:
@@ -349,26 +349,31 @@ class Typed:
                     if not self.explicit:  # the same program for any input: `jax.jit`
                         return self.entry.jitted(*dynamic)
                     return self._other(dynamic, leaves)
+                # Other shapes: theirs runs, and is tried first from now on.
+                return self._other(dynamic, leaves, first=True)
             except Exception:
                 return self.rerun(dynamic)
-        elif any(map(is_tracer, jtu.tree_leaves(dynamic))):
+        leaves = jtu.tree_leaves(dynamic)
+        if any(map(is_tracer, leaves)):
             return self.entry.jitted(*dynamic)
-        self.compiled = compiled = self._compile(dynamic)
-        try:
-            return compiled(*dynamic)
-        except Exception:
-            return self.rerun(dynamic)
+        return self._other(dynamic, leaves, first=True)
 
-    def _other(self, dynamic: tuple, leaves: list):
-        """Runs a call whose committed inputs have other formats than the executable's
-        through the executable compiled for theirs, kept (a few) for the next calls."""
-        key = tuple(x.format for x in leaves if is_value(x) and is_committed(x))
+    def _other(self, dynamic: tuple, leaves: list, first: bool = False):
+        """Runs a call through the executable compiled for its inputs' shapes, dtypes
+        and committed formats, kept (a few) for the next calls; `first`: tried first."""
+        key = tuple(
+            (x.shape, jax.typeof(x).dtype, x.format if is_committed(x) else None)
+            for x in leaves
+            if is_value(x)
+        )
         compiled = self.others.get(key)
         if compiled is None:
             compiled = self._compile(dynamic)
             if len(self.others) >= _OTHERS:
                 self.others.clear()  # no loop grows it
             self.others[key] = compiled
+        if first:
+            self.compiled = compiled
         try:
             return compiled(*dynamic)
         except Exception:
@@ -380,7 +385,7 @@ class Typed:
             return self.entry.jitted.lower(*at).compile()
 
 
-# The most executables a `Typed` keeps for other formats of committed inputs.
+# The most executables a `Typed` keeps for other shapes or formats of its inputs.
 _OTHERS = 8
 
 

@@ -19,7 +19,15 @@ from equinox import field, is_array, Module, module_update_wrapper, Partial
 from .._arrays import is_array_or_struct
 from .._spec.leaves import unset
 from . import explain_misses
-from .cache import ArgStructure, Cache, Call, get_cache, look_up, raise_if_unhashable
+from .cache import (
+    ArgStructure,
+    Cache,
+    Call,
+    get_cache,
+    look_up,
+    raise_if_incomparable,
+    raise_if_unhashable,
+)
 from .donation import DonateMode
 from .entry import (
     AutoLayouts,
@@ -121,8 +129,11 @@ def _build(call: Call, key, static_fun) -> None:
         entry_key = structure.key_in_entries(call.leaves)
         try:
             entry = call.entry = structure.entries.get(entry_key)
-        except TypeError:
+        except Exception:
             raise_if_unhashable(call, structure.static_indices)
+            raise_if_incomparable(
+                call, structure.static_indices, structure.entries.values()
+            )
             raise
         if entry is not None:
             # Made meanwhile, or for other leaf types: keep this structure too.
