@@ -33,8 +33,9 @@ _WORK = {
     # A warm call of the last entry (`filter_jit`'s step 0): no look-up, no `prepare`.
     "plain": (12, 964, 2, 1),
     "donating": (39, 1678, 3, 2),
-    "in_shardings": (26, 1176, 2, 2),
-    "in_shardings uncommitted": (31, 1273, 1, 2),
+    # On several CPU devices too: step 0 launches as `launch.paced_serialized` does.
+    "in_shardings": (27, 1038, 2, 1),
+    "in_shardings uncommitted": (22, 1058, 1, 1),
     "in_shardings numpy": (28, 1305, 1, 2),
     "one device, batch on it": (56, 1842, 3, 2),
     # Step 0 on a one-device mesh: inputs on their targets run the entry's `jax.jit`,

@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from .helpers import auto_mesh, explicit_mesh
+from .isolated import run_isolated
 
 
 @pytest.mark.parametrize(
@@ -439,3 +440,58 @@ def test_a_warm_call_with_a_placed_model_and_a_fresh_batch():
     np.testing.assert_array_equal(f(elsewhere, jnp.arange(3.0)), [0.0, 3.0, 6.0])
     np.testing.assert_array_equal(elsewhere, [3.0, 3.0, 3.0])
     np.testing.assert_array_equal(f(w, jnp.arange(3.0)), [0.0, 2.0, 4.0])
+
+
+def test_step_0_on_several_devices_checks_its_inputs_under_the_lock():
+    # On several CPU devices step 0 launches under `dispatch_lock` (`launch.paced_run`),
+    # checking its inputs again there: another thread may have donated one since. In a
+    # fresh process: a deleted multi-device input can kill it (JAX 0.10.2,
+    # upstream/jax-reports/deleted-multidevice-input).
+    run = run_isolated(
+        """
+import linecache, sys, threading, time
+import equinox_shard as eqxs
+import jax.numpy as jnp
+from equinox_shard._dispatch import dispatch_lock
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+rep, row = NamedSharding(mesh, P()), NamedSharding(mesh, P("x"))
+f = eqxs.filter_jit(lambda w, x: w * x, in_shardings=(rep, row))
+w = jax.device_put(jnp.full((8,), 2.0), rep)
+x = jax.device_put(jnp.ones(8), row)
+for _ in range(3):
+    jax.block_until_ready(f(w, x))
+
+def waits(frame):
+    while frame is not None:
+        line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+        if frame.f_code.co_name == "paced_run" and "dispatch_lock" in line:
+            return True
+        frame = frame.f_back
+    return False
+
+outcome = []
+def work(x):
+    try:
+        outcome.append(repr(f(w, x)))
+    except Exception as e:
+        outcome.append(f"{type(e).__name__}: {e}")
+
+with dispatch_lock:
+    worker = threading.Thread(target=work, args=(x,))
+    worker.start()
+    deadline = time.monotonic() + 120
+    while not waits(sys._current_frames().get(worker.ident)):
+        assert worker.is_alive() and time.monotonic() < deadline, outcome
+        time.sleep(0.001)
+    w.delete()
+worker.join()
+report({"outcome": outcome, "x alive": not x.is_deleted()})
+""",
+        timeout=300,
+    )
+    assert run.returncode == 0, run
+    (outcome,) = run.result["outcome"]
+    assert outcome.startswith("RuntimeError: w: this array has been deleted"), run
+    assert run.result["x alive"], run

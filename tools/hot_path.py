@@ -17,6 +17,7 @@ in the process). Deterministic: no timing.
 """
 
 import argparse
+import functools as ft
 import itertools
 import json
 import os
@@ -120,9 +121,13 @@ def _cases():
     yield "in_shardings", sharded, lambda: placed
     # As users pass them (issue 48): a model never placed with a fresh batch, and a
     # placed model with a NumPy batch; `jax.jit` moves both itself.
-    yield "in_shardings uncommitted", sharded, lambda: (model, jnp.ones((16, 4)))
+    # A function each (wrappers of one function share a cache, whose last call's
+    # entry step 0 tries): each case counts on its own, whatever ran before.
+    fresh = eqxs.filter_jit(ft.partial(loss), in_shardings=(replicated, batch))
+    yield "in_shardings uncommitted", fresh, lambda: (model, jnp.ones((16, 4)))
     host = np.ones((16, 4), np.float32)
-    yield "in_shardings numpy", sharded, lambda: (placed[0], host.copy())
+    numpy = eqxs.filter_jit(ft.partial(loss), in_shardings=(replicated, batch))
+    yield "in_shardings numpy", numpy, lambda: (placed[0], host.copy())
 
     # A many-device program run on one device, its batch put on that device (a
     # `SingleDeviceSharding`, which `jax.jit` takes for the mesh's sharding), donating.

@@ -147,23 +147,25 @@ class Warm(NamedTuple):
     typed: Any  # the `Typed` that runs uncommitted inputs, or `None`
     placed: tuple | None  # the targets, in order, where `run` takes inputs as they are
     packs: tuple | None  # `Packing`'s getters and makers, or `None`: passed as they are
+    serialized: bool  # launched as `launch.paced_serialized` (several CPU devices)
 
 
 def _warm(call: Call) -> Warm | None:
     """What a later call needs to run this entry without a look-up or `prepare`, given
     the same argument structure, static part and leaf types (`filter_jit`'s step 0).
     Where every traced leaf is NumPy or of one `jax.Array` type (whose `is_deleted`
-    checks both), nothing is donated, the launch is plain, and preparing is packing
+    checks both), nothing is donated, the launch is plain or `paced_serialized`
+    (`launch.paced_run`), and preparing is packing
     alone (no targets), or every traced leaf has a target and either is on it
     (`PLACED`: the entry's `jax.jit` runs the call) or `jax.jit` would move each
     (`MOVES`: `Typed` runs it), which step 0 checks."""
     entry, structure = call.entry, call.structure
     packing = structure.packing
     traced = structure.traced_indices
+    serialized = entry.dispatch is launch.paced_serialized
     if not (
-        entry.checks_deleted
-        and not entry.donates
-        and entry.dispatch is None
+        not entry.donates
+        and (entry.dispatch is None and entry.checks_deleted or serialized)
         and not packing.variadic
         and structure.key_in_entries is structure.static_of
         and structure.structure_key._fields == WARM_FIELDS
@@ -177,7 +179,9 @@ def _warm(call: Call) -> Warm | None:
         placed = tuple(s for _, s in entry.targets)  # `all_placed`'s, in their order
     else:
         return None
-    types = {type(call.leaves[i]) for i in traced}
+    # The call's own types: `prepare` may have placed NumPy leaves of `call.leaves`.
+    leaf_types = structure.structure_key.leaf_types
+    types = {leaf_types[i] for i in traced}
     if len(types) != 1:
         return None
     (array_type,) = types
@@ -200,6 +204,7 @@ def _warm(call: Call) -> Warm | None:
         placed,
         # How the traced leaves are packed, where they are not passed as they are.
         None if packing.trivial else (packing.gets, packing.makes),
+        serialized,
     )
 
 

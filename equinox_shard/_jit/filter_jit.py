@@ -39,6 +39,7 @@ from .entry import (
     get_weak_type,
     prepare,
 )
+from .launch import paced_run
 from .packing import mirror_combine, mirror_partition
 
 
@@ -261,7 +262,7 @@ class _JitWrapper(Module):
             # and leaf types (`entry._warm`).
             leaves, treedef = jtu.tree_flatten((args, kwargs))
             traced_of, static_of, types, hashed = warm[1:5]
-            is_deleted, run, entry, typed, placed, packs = warm[5:]
+            is_deleted, run, entry, typed, placed, packs, serialized = warm[5:]
             try:
                 traced = traced_of(leaves)
                 if is_deleted is None:  # NumPy: `jax.jit` moves it, so `Typed` runs it
@@ -313,17 +314,20 @@ class _JitWrapper(Module):
             if packs is None:
                 dynamic = (*args[:1], fun, *args[1:], kwargs)
             else:  # `Packing.arguments`, inline
-                traced = map(_apply, packs[0], repeat(leaves))
-                *parts, packed_kwargs = map(_apply, packs[1], traced)
+                packed = map(_apply, packs[0], repeat(leaves))
+                *parts, packed_kwargs = map(_apply, packs[1], packed)
                 dynamic = (*parts[:1], fun, *parts[1:], packed_kwargs)
             try:
                 # `Typed`'s executable, past `Typed.__call__`'s frame where it runs.
                 compiled = None
-                if run is typed and not jax.config.jax_disable_jit:
+                if run is typed and not serialized and not jax.config.jax_disable_jit:
                     compiled = typed.compiled
                 try:
                     runs = run if compiled is None else compiled
-                    dynamic, static = runs(*dynamic)  # pyright: ignore[reportOptionalCall]
+                    if serialized:  # several CPU devices: as `launch.paced_serialized`
+                        dynamic, static = paced_run(runs, dynamic, traced, is_deleted)
+                    else:
+                        dynamic, static = runs(*dynamic)  # pyright: ignore[reportOptionalCall]
                 except (TypeError, ValueError):
                     if compiled is None:
                         raise

@@ -47,6 +47,18 @@ def paced_serialized(call):
     return out
 
 
+def paced_run(run: Callable, dynamic: tuple, traced, is_deleted: Callable | None):
+    """`paced_serialized` for `filter_jit`'s step 0, which has no `Call`: `traced`
+    (`None` for NumPy, never deleted) checked again under the lock."""
+    with dispatch_lock:
+        if is_deleted is not None and any(map(is_deleted, traced)):
+            raise RuntimeError("An input was donated by another thread.")
+        out = run(*dynamic)
+    if next(launches) % PACE == 0:
+        _wait(out)
+    return out
+
+
 def _wait(out) -> None:
     # Outside the lock; tracers and arrays donated since have nothing to wait for.
     arrays = [
