@@ -325,7 +325,12 @@ class _JitWrapper(Module):
                 try:
                     runs = run if compiled is None else compiled
                     if serialized:  # several CPU devices: as `launch.paced_serialized`
-                        dynamic, static = paced_run(runs, dynamic, traced, is_deleted)
+                        dynamic, static = paced_run(
+                            runs,  # pyright: ignore[reportArgumentType]
+                            dynamic,
+                            traced,  # pyright: ignore[reportPossiblyUnboundVariable]
+                            is_deleted,
+                        )
                     else:
                         dynamic, static = runs(*dynamic)  # pyright: ignore[reportOptionalCall]
                 except (TypeError, ValueError):
