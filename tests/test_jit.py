@@ -1928,11 +1928,9 @@ def test_explicit_axes_an_input_committed_to_one_device_is_moved(source):
     assert_same_values(x, np.arange(32.0, dtype=np.float32))
 
 
-@pytest.mark.devices(2, reason="P('x') and P() are the same sharding on one device")
-def test_explicit_axes_the_typed_fallback_compiles_once(monkeypatch):
-    # An unspecified input committed to another sharding than the first call's, beside
-    # a fresh batch: the executable lowered for its types is kept, not lowered and
-    # compiled again on each call (JAX's caches answer those, so count the calls).
+def _lowered_compiled(monkeypatch) -> list:
+    """The `Lowered` objects compiled from now on (JAX's caches answer a compilation
+    asked again, so the calls are what is counted)."""
     lowered = []
     compile_ = jax.stages.Lowered.compile
 
@@ -1941,6 +1939,15 @@ def test_explicit_axes_the_typed_fallback_compiles_once(monkeypatch):
         return compile_(self, *args, **kwargs)
 
     monkeypatch.setattr(jax.stages.Lowered, "compile", counted)
+    return lowered
+
+
+@pytest.mark.devices(2, reason="P('x') and P() are the same sharding on one device")
+def test_explicit_axes_the_typed_fallback_compiles_once(monkeypatch):
+    # An unspecified input committed to another sharding than the first call's, beside
+    # a fresh batch: the executable lowered for its types is kept, not lowered and
+    # compiled again on each call (JAX's caches answer those, so count the calls).
+    lowered = _lowered_compiled(monkeypatch)
     mesh = _input_mesh(None, "Explicit")
     split, rep = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
     g = eqxs.filter_jit(lambda w, x: w + x * 2, in_shardings=(None, split))
@@ -1962,14 +1969,7 @@ def test_uncommitted_inputs_of_alternating_shapes_compile_once_each(monkeypatch)
     # their types; calls alternating two shapes (step 0, then a refusal) keep one per
     # shape, as `jax.jit` does, not lower and compile one on every call (JAX's caches
     # answer those, so count the calls).
-    lowered = []
-    compile_ = jax.stages.Lowered.compile
-
-    def counted(self, *args, **kwargs):
-        lowered.append(self)
-        return compile_(self, *args, **kwargs)
-
-    monkeypatch.setattr(jax.stages.Lowered, "compile", counted)
+    lowered = _lowered_compiled(monkeypatch)
     f = eqxs.filter_jit(lambda x: x * 2, in_shardings=NamedSharding(auto_mesh(), P()))
     for n in [8, 8, 16, 16, 8, 16, 8, 16]:
         out = f(jnp.arange(float(n)))
