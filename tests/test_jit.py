@@ -1464,10 +1464,8 @@ class _Unhashable:
         return isinstance(other, _Unhashable)
 
 
-@pytest.mark.parametrize("in_shardings", [None, P()])
-def test_an_unhashable_static_leaf_is_named(in_shardings):
-    # `eqx.filter_jit` raises "Non-hashable static arguments are not supported" without
-    # saying which; ours names the leaf, before anything is traced.
+def _jit_with_static_cfg(in_shardings):
+    """`filter_jit` of `x + 1` beside a static `cfg`, and the list of its traces."""
     traces = []
 
     def f(x, cfg):
@@ -1475,7 +1473,14 @@ def test_an_unhashable_static_leaf_is_named(in_shardings):
         return x + 1
 
     kwargs = {} if in_shardings is None else {"in_shardings": in_shardings}
-    jitted = eqxs.filter_jit(f, **kwargs)
+    return eqxs.filter_jit(f, **kwargs), traces
+
+
+@pytest.mark.parametrize("in_shardings", [None, P()])
+def test_an_unhashable_static_leaf_is_named(in_shardings):
+    # `eqx.filter_jit` raises "Non-hashable static arguments are not supported" without
+    # saying which; ours names the leaf, before anything is traced.
+    jitted, traces = _jit_with_static_cfg(in_shardings)
     cfg = {"lr": 0.1, "opt": _Unhashable()}
     with jax.set_mesh(jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])):
         for _ in range(2):  # the first call (a miss) and a later one (a look-up)
@@ -1508,14 +1513,7 @@ def test_a_static_leaf_whose_eq_fails_is_named(answer, in_shardings):
     # `eqx.filter_jit` raises "static arguments should be comparable using __eq__"
     # without saying which; ours names the leaf, for a warm call (step 0, whose
     # comparison fails, then the look-up's) as for a miss, before anything is traced.
-    traces = []
-
-    def f(x, cfg):
-        traces.append(None)
-        return x + 1
-
-    kwargs = {} if in_shardings is None else {"in_shardings": in_shardings}
-    jitted = eqxs.filter_jit(f, **kwargs)
+    jitted, traces = _jit_with_static_cfg(in_shardings)
     kept = {"lr": 0.1, "opt": _Incomparable(answer)}
     with jax.set_mesh(jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])):
         for _ in range(3):  # the same object: equal by identity, as a dict finds it
