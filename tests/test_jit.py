@@ -2152,3 +2152,19 @@ def test_a_call_typed_runs_follows_the_configuration_after_clear_caches(config):
     # The workaround the docs give for the gap above.
     expected, ours = _config_outcomes(config, clear=True)
     assert ours == expected
+
+
+def test_a_committed_typed_key_beside_an_uncommitted_input():
+    # `Typed` keys its executables by each input's format where committed: a typed
+    # PRNG key has none (`jax.random.key_data`'s array has), as `jax.jit` takes it.
+    rep = NamedSharding(auto_mesh(), P())
+    body = lambda t: {"a": t["a"] * 2, "b": jax.random.key_data(t["b"])}
+    f = eqxs.filter_jit(body, in_shardings=rep)
+    key = jax.device_put(jax.random.key(0), rep)
+    for n in (8, 16):  # a second shape: another executable
+        tree = {"a": jnp.arange(float(n)), "b": key}
+        out = f(tree)
+        want = jax.jit(body, in_shardings=rep)(tree)
+        assert_same_values(out["a"], want["a"])
+        assert_same_values(out["b"], want["b"])
+    assert not key.is_deleted()

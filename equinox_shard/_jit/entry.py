@@ -367,7 +367,12 @@ class Typed:
         """Runs a call through the executable compiled for its inputs' shapes, dtypes
         and committed formats, kept (a few) for the next calls; `first`: tried first."""
         key = tuple(
-            (x.shape, jax.typeof(x).dtype, x.format if is_committed(x) else None)
+            # A typed PRNG key has no `format`.
+            (
+                x.shape,
+                jax.typeof(x).dtype,
+                is_committed(x) and getattr(x, "format", None),
+            )
             for x in leaves
             if is_value(x)
         )
