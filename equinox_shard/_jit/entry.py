@@ -155,10 +155,9 @@ def _warm(call: Call) -> Warm | None:
     the same argument structure, static part and leaf types (`filter_jit`'s step 0).
     Where every traced leaf is NumPy or of one `jax.Array` type (whose `is_deleted`
     checks both), nothing is donated, the launch is plain or `paced_serialized`
-    (`launch.paced_run`), and preparing is packing
-    alone (no targets), or every traced leaf has a target and either is on it
-    (`PLACED`: the entry's `jax.jit` runs the call) or `jax.jit` would move each
-    (`MOVES`: `Typed` runs it), which step 0 checks."""
+    (`launch.paced_run`), and preparing is packing alone (no targets), or every traced
+    leaf has a target and either is on it (`PLACED`: the entry's `jax.jit` runs the
+    call) or `jax.jit` would move each (`MOVES`: `Typed` runs it): step 0 checks."""
     entry, structure = call.entry, call.structure
     packing = structure.packing
     traced = structure.traced_indices
